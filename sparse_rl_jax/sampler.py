@@ -1,0 +1,294 @@
+"""Batched rollouts with a fixed-size, score-evicted KV cache.
+
+``generate`` runs a jitted prefill over left-padded prompts (once per prompt, however many
+samples are drawn from it), then a jitted ``lax.while_loop`` decode whose KV state is donated.
+Every decode step writes one token per row, and the cache is compressed back to ``budget``
+slots whenever it fills (``kv_state.maybe_compress``). The sampler records the log-prob of each
+sampled token under the policy that produced it, and the eviction record that makes that policy
+reproducible by a teacher-forced forward (``scoring.score(..., eviction_record=...)``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_rl_jax import kv_state
+from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.sampling_config import SamplingConfig
+from sparse_rl_jax.token_sampling import sample_tokens
+
+
+class Rollout(NamedTuple):
+    """What one call of :func:`generate` produced; ``N = B * num_samples`` rows.
+
+    Row ``i`` holds sample ``i % num_samples`` of prompt ``i // num_samples``.
+
+    Attributes:
+      prompt: ``[N, P]`` int32 left-padded prompt tokens (``P`` is the bucketed length).
+      prompt_mask: ``[N, P]`` int32, 1 on real prompt tokens.
+      response: ``[N, M]`` int32 sampled tokens, ``pad_id`` after the end.
+      response_mask: ``[N, M]`` int32, 1 on response tokens (EOS included).
+      logp: ``[N, M]`` float32 log-prob of each token under the sampling policy (0 off-mask).
+      finished: ``[N]`` bool, the row emitted an EOS token (else it was truncated).
+      eviction_record: ``[L, N, Hkv, P + M]`` int32 (``kv_state.NEVER`` = kept), indexed by
+        token position; all ``NEVER`` for ``none``.
+      kv_peak / kv_mean: ``[N]`` float32 resident KV tokens per layer and head: maximum and
+        mean over the row's forward passes (prefill included).
+      dense_kv_peak / dense_kv_mean: ``[N]`` the same for a dense cache (every past token).
+      num_compressions: ``[]`` int32 compressions performed during decode (prefill's included).
+    """
+
+    prompt: jax.Array
+    prompt_mask: jax.Array
+    response: jax.Array
+    response_mask: jax.Array
+    logp: jax.Array
+    finished: jax.Array
+    eviction_record: jax.Array
+    kv_peak: jax.Array
+    kv_mean: jax.Array
+    dense_kv_peak: jax.Array
+    dense_kv_mean: jax.Array
+    num_compressions: jax.Array
+
+
+class _Loop(NamedTuple):
+    """Carry of the decode ``while_loop`` (``N`` rows, ``M`` response slots)."""
+
+    state: kv_state.SparseKVState
+    step: jax.Array  # [] tokens sampled so far per row
+    last: jax.Array  # [N] the newest sampled token (fed next)
+    done: jax.Array  # [N] bool
+    response: jax.Array  # [N, M]
+    logp: jax.Array  # [N, M]
+    kv_sum: jax.Array  # [N] float32 sum of resident tokens over active forwards
+    kv_peak: jax.Array  # [N] int32
+    forwards: jax.Array  # [N] int32 forwards while active
+    compressions: jax.Array  # []
+    key: jax.Array
+
+
+def bucket_prompts(
+    prompt: np.ndarray, prompt_mask: np.ndarray, bucket: int, limit: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads (or trims all-padding columns from) prompts to a multiple of ``bucket``.
+
+    Args:
+      prompt: ``[B, P]`` int tokens, left-padded.
+      prompt_mask: ``[B, P]`` 1 on real tokens; rows must be left-padded (mask non-decreasing).
+      bucket: the length granularity.
+      limit: the longest padded prompt allowed (the cache capacity), or None.
+
+    Returns:
+      ``(prompt, mask)`` of shape ``[B, P']`` with ``P' = ceil(longest / bucket) * bucket``
+      capped at ``limit``.
+    """
+    prompt = np.asarray(prompt)
+    mask = np.asarray(prompt_mask).astype(np.int32)
+    if prompt.ndim != 2 or prompt.shape != mask.shape:
+        raise ValueError(
+            f"prompt {prompt.shape} and prompt_mask {mask.shape} must both be [B, P]"
+        )
+    if np.any(np.diff(mask, axis=1) < 0):
+        raise ValueError("prompt_mask: prompts must be left-padded (zeros before the tokens)")
+    lengths = mask.sum(axis=1)
+    if np.any(lengths == 0):
+        raise ValueError(f"prompt rows {np.flatnonzero(lengths == 0).tolist()} are empty")
+    longest = int(lengths.max())
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"prompt length {longest} exceeds the KV cache capacity of {limit} slots; raise "
+            "compression.budget/buffer or shorten the prompts (prompts are never truncated)"
+        )
+    width = -(-longest // bucket) * bucket
+    if limit is not None:
+        width = min(width, limit)
+    out = np.zeros((prompt.shape[0], width), np.int32)
+    out_mask = np.zeros((prompt.shape[0], width), np.int32)
+    keep = min(width, prompt.shape[1])
+    out[:, width - keep :] = prompt[:, prompt.shape[1] - keep :]
+    out_mask[:, width - keep :] = mask[:, prompt.shape[1] - keep :]
+    return out, out_mask
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def _resident(state: kv_state.SparseKVState) -> jax.Array:
+    """Resident valid tokens per row ``[N]`` (layer 0, head 0: all layers/heads hold as many)."""
+    return kv_state.resident_tokens(state.cache)[0, :, 0]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "sampling", "compression", "max_len")
+)
+def _prefill(graphdef, params, prompt, prompt_mask, key, *, sampling, compression, max_len):
+    """Prefill ``B`` prompts once, fan out to ``N = B * num_samples`` rows, draw token 0."""
+    model = nnx.merge(graphdef, params)
+    cfg = model.config
+    b, p = prompt.shape
+    state = kv_state.init_state(
+        compression,
+        num_layers=cfg.num_layers,
+        batch=b,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_len=max_len,
+        dtype=model.dtype,
+    )
+    positions = jnp.where(prompt_mask > 0, jnp.cumsum(prompt_mask, axis=1) - 1, -1)
+    window = min(compression.window, p)
+    out = model(prompt, positions, cache=state.cache, return_queries=window,
+                return_logits=False)
+    state = kv_state.advance(state, out.cache, out.queries)
+    resident = _resident(state)
+    before = state.cache.index
+    state = kv_state.maybe_compress(state, compression, after_prefill=True)
+    compressed = (state.cache.index != before).astype(jnp.int32)
+    logits = model.unembed(out.hidden[:, -1])  # [B, V]
+
+    n = sampling.num_samples
+    fan_out = lambda x, axis: jnp.repeat(x, n, axis=axis)  # noqa: E731
+    state = kv_state.SparseKVState(
+        cache=state.cache.replace(
+            k=fan_out(state.cache.k, 1), v=fan_out(state.cache.v, 1),
+            pos=fan_out(state.cache.pos, 1),
+        ),
+        queries=fan_out(state.queries, 1),
+        evicted_at=fan_out(state.evicted_at, 1),
+    )
+    tokens, logp = sample_tokens(key, fan_out(logits, 0), sampling)
+    lengths = fan_out(prompt_mask.sum(axis=1), 0)
+    return state, tokens, logp, fan_out(resident, 0), lengths, compressed
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "sampling", "compression"), donate_argnums=(2,)
+)
+def _decode(graphdef, params, state, first, first_logp, resident0, lengths, compressed, key, *,
+            sampling, compression):
+    """The decode loop: feed the newest token, sample the next, compress when full."""
+    model = nnx.merge(graphdef, params)
+    n = first.shape[0]
+    m = sampling.max_new_tokens
+    done = _is_eos(first, sampling.eos_ids)
+    loop = _Loop(
+        state=state,
+        step=jnp.ones((), jnp.int32),
+        last=first,
+        done=done,
+        response=jnp.full((n, m), sampling.pad_id, jnp.int32).at[:, 0].set(first),
+        logp=jnp.zeros((n, m), jnp.float32).at[:, 0].set(first_logp),
+        kv_sum=resident0.astype(jnp.float32),
+        kv_peak=resident0,
+        forwards=jnp.ones((n,), jnp.int32),
+        compressions=compressed,
+        key=key,
+    )
+
+    def cond(c: _Loop):
+        return (c.step < m) & ~jnp.all(c.done)
+
+    def body(c: _Loop):
+        positions = (lengths + c.step - 1)[:, None]
+        out = model(c.last[:, None], positions, cache=c.state.cache, return_queries=1,
+                    return_logits=False)
+        state = kv_state.advance(c.state, out.cache, out.queries)
+        active = ~c.done
+        resident = _resident(state)
+        before = state.cache.index
+        state = kv_state.maybe_compress(state, compression)
+        key, sub = jax.random.split(c.key)
+        token, logp = sample_tokens(sub, model.unembed(out.hidden[:, 0]), sampling)
+        token = jnp.where(active, token, sampling.pad_id)
+        logp = jnp.where(active, logp, 0.0)
+        return _Loop(
+            state=state,
+            step=c.step + 1,
+            last=token,
+            done=c.done | _is_eos(token, sampling.eos_ids),
+            response=jax.lax.dynamic_update_slice(c.response, token[:, None], (0, c.step)),
+            logp=jax.lax.dynamic_update_slice(c.logp, logp[:, None], (0, c.step)),
+            kv_sum=c.kv_sum + jnp.where(active, resident, 0),
+            kv_peak=jnp.where(active, jnp.maximum(c.kv_peak, resident), c.kv_peak),
+            forwards=c.forwards + active,
+            compressions=c.compressions + (state.cache.index != before),
+            key=key,
+        )
+
+    final = jax.lax.while_loop(cond, body, loop)
+    return final
+
+
+def generate(
+    graphdef: nnx.GraphDef,
+    params,
+    prompt: np.ndarray,
+    prompt_mask: np.ndarray,
+    key: jax.Array,
+    sampling: SamplingConfig,
+    compression: CompressionConfig,
+) -> Rollout:
+    """Samples ``sampling.num_samples`` responses per prompt with a compressed KV cache.
+
+    Args:
+      graphdef, params: ``nnx.split(model)`` of a ``models.Decoder``.
+      prompt: ``[B, P]`` int left-padded prompt tokens (host or device array).
+      prompt_mask: ``[B, P]`` 1 on real tokens.
+      key: PRNG key (the only source of randomness: same key, same rollout).
+      sampling: decoding rule, lengths, group size, EOS ids.
+      compression: KV budget and eviction method (``none`` = dense cache).
+
+    Returns:
+      A :class:`Rollout` with ``N = B * num_samples`` rows.
+    """
+    limit = compression.capacity if compression.compresses else None
+    prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, limit)
+    max_len = prompt.shape[1] + sampling.max_new_tokens
+    k_prefill, k_decode = jax.random.split(key)
+    state, first, first_logp, resident0, lengths, compressed = _prefill(
+        graphdef, params, jnp.asarray(prompt), jnp.asarray(prompt_mask), k_prefill,
+        sampling=sampling, compression=compression, max_len=max_len,
+    )
+    loop = _decode(
+        graphdef, params, state, first, first_logp, resident0, lengths, compressed, k_decode,
+        sampling=sampling, compression=compression,
+    )
+    n = sampling.num_samples
+    steps = jnp.arange(sampling.max_new_tokens)
+    response_len = jnp.where(
+        loop.done,
+        jnp.argmax(_is_eos(loop.response, sampling.eos_ids), axis=1) + 1,
+        loop.step,
+    )
+    response_mask = (steps[None, :] < response_len[:, None]).astype(jnp.int32)
+    plen = lengths.astype(jnp.float32)
+    forwards = loop.forwards.astype(jnp.float32)
+    # A dense cache holds every past token: plen at prefill, then plen + i at forward i.
+    dense_peak = plen + forwards - 1
+    dense_mean = plen + (forwards - 1) / 2
+    return Rollout(
+        prompt=jnp.repeat(jnp.asarray(prompt), n, axis=0),
+        prompt_mask=jnp.repeat(jnp.asarray(prompt_mask), n, axis=0),
+        response=loop.response,
+        response_mask=response_mask,
+        logp=loop.logp * response_mask,
+        finished=loop.done,
+        eviction_record=loop.state.evicted_at,
+        kv_peak=loop.kv_peak.astype(jnp.float32),
+        kv_mean=loop.kv_sum / forwards,
+        dense_kv_peak=dense_peak,
+        dense_kv_mean=dense_mean,
+        num_compressions=loop.compressions,
+    )
+

@@ -1,0 +1,54 @@
+"""Configuration of rollout sampling: decoding rule, lengths and group size."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn during a rollout.
+
+    Attributes:
+      max_new_tokens: response length limit ``M`` (static: sets the decode buffer shapes).
+      temperature: softmax temperature (> 0); training rollouts use 1.0.
+      top_p: nucleus mass in (0, 1]; 1.0 disables it.
+      top_k: keep the k most likely tokens; 0 disables it.
+      greedy: take the argmax (temperature/top-p/top-k then only affect nothing but the
+        recorded log-prob, which is always under the temperature-scaled distribution).
+      num_samples: samples per prompt (the GRPO group size); the prompt is prefilled once.
+      eos_ids: token ids that end a response (the EOS token is part of the response).
+      pad_id: id written after a response ended.
+      prompt_bucket: prompt lengths are left-padded up to a multiple of this, so calls with
+        similar prompt lengths reuse one compiled program.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    num_samples: int = 1
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    prompt_bucket: int = 32
+
+    def __post_init__(self):
+        checks = {
+            "max_new_tokens": (self.max_new_tokens >= 1, "must be >= 1"),
+            "temperature": (self.temperature > 0, "must be > 0 (use greedy=True for argmax)"),
+            "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
+            "top_k": (self.top_k >= 0, "must be >= 0 (0 disables it)"),
+            "num_samples": (self.num_samples >= 1, "must be >= 1"),
+            "pad_id": (self.pad_id >= 0, "must be >= 0"),
+            "prompt_bucket": (self.prompt_bucket >= 1, "must be >= 1"),
+        }
+        for field, (ok, why) in checks.items():
+            if not ok:
+                raise ValueError(f"SamplingConfig.{field}={getattr(self, field)!r} {why}")
+        if not isinstance(self.eos_ids, tuple) or not all(
+            isinstance(i, int) and i >= 0 for i in self.eos_ids
+        ):
+            raise ValueError(
+                f"SamplingConfig.eos_ids={self.eos_ids!r} must be a tuple of non-negative ints"
+            )

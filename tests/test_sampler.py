@@ -1,0 +1,154 @@
+"""The rollout sampler against transformers' greedy generate, the dense scorer and the
+eviction-record replay, plus sampling-distribution and recompilation checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import models
+from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.sampler import _decode, _prefill, bucket_prompts, generate
+from sparse_rl_jax.sampling_config import SamplingConfig
+from sparse_rl_jax.scoring import score
+from sparse_rl_jax.token_sampling import sample_tokens
+from tiny_hf import left_padded_batch, load_hf, make_tiny_hf
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_hf(tmp_path_factory.mktemp("sampler"), "qwen2", tokenizer=False, std=0.2)
+    model = models.load_pretrained(path, dtype=jnp.float32)
+    graphdef, params = nnx.split(model)
+    prompt, mask = left_padded_batch(np.random.default_rng(0), [11, 5, 8], width=11)
+    return path, graphdef, params, prompt, mask
+
+
+def _masked_max_diff(a, b, mask):
+    return float(jnp.max(jnp.where(mask.astype(bool), jnp.abs(a - b), 0.0)))
+
+
+def test_dense_greedy_matches_transformers_generate(tiny):
+    path, graphdef, params, prompt, mask = tiny
+    sampling = SamplingConfig(max_new_tokens=12, greedy=True, eos_ids=(EOS,), prompt_bucket=4)
+    rollout = generate(graphdef, params, prompt, mask, jax.random.key(0), sampling,
+                       CompressionConfig(method="none"))
+    hf = load_hf(path)
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.as_tensor(prompt, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask, dtype=torch.long),
+            max_new_tokens=12, do_sample=False, eos_token_id=EOS, pad_token_id=0,
+        )
+    expected = out[:, prompt.shape[1]:].numpy()
+    got = np.asarray(rollout.response)
+    lengths = np.asarray(rollout.response_mask).sum(1)
+    for row in range(prompt.shape[0]):
+        n = lengths[row]
+        np.testing.assert_array_equal(got[row, :n], expected[row, :n], err_msg=f"row {row}")
+        if n < 12:  # stopped at EOS exactly where transformers did
+            assert got[row, n - 1] == EOS and expected[row, n - 1] == EOS
+
+
+def test_dense_sampler_logprobs_equal_scorer(tiny):
+    _, graphdef, params, prompt, mask = tiny
+    sampling = SamplingConfig(max_new_tokens=16, num_samples=2, eos_ids=(EOS,), prompt_bucket=4)
+    rollout = generate(graphdef, params, prompt, mask, jax.random.key(1), sampling,
+                       CompressionConfig(method="none"))
+    assert rollout.response.shape == (6, 16)
+    dense = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response)
+    assert _masked_max_diff(dense.logp, rollout.logp, rollout.response_mask) <= 1e-4
+    # No compression: the KV statistics equal the dense ones.
+    np.testing.assert_allclose(rollout.kv_peak, rollout.dense_kv_peak)
+    np.testing.assert_allclose(rollout.kv_mean, rollout.dense_kv_mean)
+
+
+@pytest.mark.parametrize("method", ["rkv", "snapkv"])
+def test_sparse_logprobs_equal_replayed_scorer_not_dense(tiny, method):
+    _, graphdef, params, prompt, mask = tiny
+    sampling = SamplingConfig(max_new_tokens=40, num_samples=2, prompt_bucket=4)
+    compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
+    rollout = generate(graphdef, params, prompt, mask, jax.random.key(2), sampling, compression)
+    assert int(rollout.num_compressions) >= 5
+    replay = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response,
+                   rollout.eviction_record)
+    dense = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response)
+    assert _masked_max_diff(replay.logp, rollout.logp, rollout.response_mask) <= 1e-4
+    assert _masked_max_diff(dense.logp, rollout.logp, rollout.response_mask) > 1e-2
+    # The cache never holds more than budget + buffer tokens; the dense one grows past it.
+    assert float(jnp.max(rollout.kv_peak)) <= compression.capacity
+    assert float(jnp.max(rollout.dense_kv_peak)) > compression.capacity
+
+
+def test_repeated_calls_with_same_bucket_do_not_recompile(tiny):
+    _, graphdef, params, prompt, mask = tiny
+    sampling = SamplingConfig(max_new_tokens=6, prompt_bucket=16)
+    compression = CompressionConfig(method="snapkv", budget=12, buffer=4, window=4)
+    generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
+    sizes = (_prefill._cache_size(), _decode._cache_size())
+    shorter = np.where(mask[:, 2:] > 0, prompt[:, 2:] + 1, 0).astype(np.int32)
+    generate(graphdef, params, shorter, mask[:, 2:], jax.random.key(4), sampling, compression)
+    assert (_prefill._cache_size(), _decode._cache_size()) == sizes
+
+
+def test_prompt_longer_than_capacity_is_an_error(tiny):
+    _, graphdef, params, prompt, mask = tiny
+    with pytest.raises(ValueError, match="exceeds the KV cache capacity of 10"):
+        generate(graphdef, params, prompt, mask, jax.random.key(0), SamplingConfig(),
+                 CompressionConfig(method="rkv", budget=6, buffer=4, window=2))
+
+
+def test_bucket_prompts_pads_left_and_rejects_right_padding():
+    prompt = np.array([[0, 5, 6], [7, 8, 9]])
+    mask = np.array([[0, 1, 1], [1, 1, 1]])
+    out, out_mask = bucket_prompts(prompt, mask, bucket=4, limit=None)
+    np.testing.assert_array_equal(out, [[0, 0, 5, 6], [0, 7, 8, 9]])
+    np.testing.assert_array_equal(out_mask, [[0, 0, 1, 1], [0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="left-padded"):
+        bucket_prompts(prompt, np.array([[1, 1, 0], [1, 1, 1]]), bucket=4, limit=None)
+
+
+def _reference_distribution(logits, temperature, top_k, top_p):
+    """Straightforward NumPy construction: temperature, then top-k, then the nucleus of what
+    is left (a token is kept while the mass of the tokens ranked before it is < top_p)."""
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    kept = order[:top_k] if top_k else order
+    p = np.exp(z[kept] - z.max())
+    p /= p.sum()
+    out = np.zeros_like(z)
+    mass = 0.0
+    for idx, pi in zip(kept, p):
+        if mass >= top_p:
+            break
+        out[idx] = pi
+        mass += pi
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8),
+                                (1.0, 6, 0.7)]
+)
+def test_sampling_frequencies_match_distribution(temperature, top_k, top_p):
+    vocab, draws = 12, 20000
+    logits = np.random.default_rng(7).normal(size=vocab).astype(np.float32) * 1.5
+    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    keys = jax.random.split(jax.random.key(11), draws)
+    tokens, logp = jax.jit(jax.vmap(lambda k: sample_tokens(k, jnp.asarray(logits)[None], cfg)))(
+        keys)
+    freq = np.bincount(np.asarray(tokens)[:, 0], minlength=vocab) / draws
+    expected = _reference_distribution(logits.astype(np.float64), temperature, top_k, top_p)
+    tv = 0.5 * np.abs(freq - expected).sum()
+    assert tv < 0.02, (freq, expected)
+    assert np.all(freq[expected == 0] == 0)
+    # The recorded log-prob is under the temperature-scaled (untruncated) policy.
+    full = logits / temperature - np.log(np.exp(logits / temperature).sum())
+    np.testing.assert_allclose(np.asarray(logp)[:, 0], full[np.asarray(tokens)[:, 0]],
+                               rtol=1e-5, atol=1e-5)
