@@ -117,10 +117,8 @@ def _section_defaults(cls) -> dict[str, Any]:
     """Default values of the fields of ``cls`` that are themselves dataclasses."""
     out = {}
     for f in dataclasses.fields(cls):
-        if f.default_factory is not dataclasses.MISSING:
-            value = f.default_factory()
-        else:
-            value = f.default
+        factory = f.default_factory
+        value = factory() if factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(value):
             out[f.name] = value
     return out

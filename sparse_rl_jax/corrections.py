@@ -1,0 +1,158 @@
+"""Off-policy corrections for sparse rollouts: IS weights, token rejection and sequence veto.
+
+All quantities derive from `log r_t = clamp(logp_old_dense - logp_sparse, -c, c)` (DESIGN.md §8),
+computed once per rollout over the whole batch, before it is split into minibatches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from sparse_rl_jax.loss_config import CorrectionConfig
+from sparse_rl_jax.masked_math import (
+    as_mask,
+    check_shape,
+    masked_max,
+    masked_mean,
+    masked_min,
+    safe_log_ratio,
+)
+
+NORMALIZE_MIN_MEAN = 1e-8
+
+
+@struct.dataclass
+class Corrections:
+    """Output of `compute_corrections` (a pytree; every array is stop-gradient).
+
+    weights: `[B, T]` float32 IS weights, 0 at positions outside the loss mask.
+    token_mask: `[B, T]` bool, loss mask minus tokens rejected individually (token level).
+    seq_mask: `[B]` bool, False for sequences dropped whole (veto, or rejection at the
+      sequence/geometric level).
+    metrics: scalar float32 diagnostics, see `compute_corrections`.
+    """
+
+    weights: jax.Array
+    token_mask: jax.Array
+    seq_mask: jax.Array
+    metrics: dict[str, jax.Array]
+
+
+def _level_log_ratio(log_r_tok: jax.Array, valid: jax.Array, level: str, clamp: float) -> jax.Array:
+    """Token log ratios `[B, T]` -> the log ratio of `level`, broadcast to `[B, T]`."""
+    if level == "token":
+        return log_r_tok
+    if level == "sequence":
+        per_seq = jnp.sum(log_r_tok, axis=1)  # log prod_t r_t (log_r_tok is 0 off the mask)
+    else:  # geometric
+        per_seq = masked_mean(log_r_tok, valid, axis=1)
+    per_seq = jnp.clip(per_seq, -clamp, clamp)
+    return jnp.where(valid, per_seq[:, None], 0.0)
+
+
+def compute_corrections(
+    logp_old_dense: jax.Array, logp_sparse: jax.Array, loss_mask: jax.Array, cfg: CorrectionConfig
+) -> Corrections:
+    """Correction weights and masks for one rollout batch. Inputs `[B, T]`; `cfg` is static.
+
+    logp_old_dense: log pi_old_dense(o_t) from the dense teacher-forced scorer.
+    logp_sparse: log pi_sparse(o_t) recorded by the sparse sampler.
+    loss_mask: nonzero/True on response tokens that enter the loss.
+
+    Per kind (with `r` the ratio of `cfg.level`): `none` weight 1; `tis` weight `min(r, is_upper)`;
+    `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`; `sparse_rl` weight
+    `min(r, is_upper)`, reject `r` outside `[rs_lower, rs_upper]`, veto sequences with any valid
+    token `r_t < veto_threshold`. Rejection is per token at the token level and per sequence
+    otherwise. With `cfg.normalize` the weights are divided by their mean over all loss-mask
+    tokens (token level) or over the per-sequence weights of non-empty sequences (sequence /
+    geometric), unless that mean is below 1e-8. Every per-token log ratio is clamped before the
+    level aggregate (so +-inf inputs cannot produce inf - inf), and the aggregate is clamped again.
+
+    metrics (float32 scalars; "sequences" are those with at least one loss-mask token):
+      rejection_rate        fraction of sequences dropped whole (seq_mask False)
+      veto_fraction         fraction of sequences vetoed
+      token_mask_fraction   fraction of loss-mask tokens rejected individually
+      kept_token_fraction   fraction of loss-mask tokens surviving token_mask and seq_mask
+      is_truncated_fraction fraction of loss-mask tokens whose weight was truncated (tis/sparse_rl)
+      mismatch_k3           mean over loss-mask tokens of `r_t - log r_t - 1` (token r, the slime
+                            `k3_kl` metric; under samples from pi_sparse it estimates
+                            KL(pi_sparse || pi_old_dense))
+      log_ratio_mean/max/min  of the clamped token log ratio over loss-mask tokens
+      is_weight_mean        mean final weight over kept tokens
+      is_norm_factor        the divisor applied by normalisation (1 when off or skipped)
+    """
+    b, t = logp_old_dense.shape
+    check_shape("logp_old_dense", logp_old_dense, (b, t))
+    check_shape("logp_sparse", logp_sparse, (b, t))
+    check_shape("loss_mask", loss_mask, (b, t))
+    valid = as_mask(loss_mask)
+    clamp = float(cfg.log_ratio_clamp)
+
+    log_r_tok = jax.lax.stop_gradient(safe_log_ratio(logp_old_dense, logp_sparse, valid, clamp))
+    log_r = _level_log_ratio(log_r_tok, valid, cfg.level, clamp)
+    r = jnp.exp(log_r)
+    has_tokens = jnp.any(valid, axis=1)
+
+    no_rejection = jnp.zeros_like(valid)
+    if cfg.kind == "none":
+        weights, reject = jnp.ones_like(r), no_rejection
+    elif cfg.kind == "tis":
+        weights, reject = jnp.minimum(r, cfg.is_upper), no_rejection
+    elif cfg.kind == "mis":
+        weights, reject = r, (r < cfg.is_lower) | (r > cfg.is_upper)
+    else:  # sparse_rl
+        weights, reject = jnp.minimum(r, cfg.is_upper), (r < cfg.rs_lower) | (r > cfg.rs_upper)
+    reject = reject & valid
+
+    if cfg.kind == "sparse_rl" and cfg.veto_threshold is not None:
+        catastrophic = valid & (log_r_tok < math.log(cfg.veto_threshold))
+        veto = jnp.any(catastrophic, axis=1)
+    else:
+        veto = jnp.zeros((b,), jnp.bool_)
+
+    if cfg.level == "token":
+        token_mask = valid & ~reject
+        seq_mask = ~veto
+    else:
+        token_mask = valid
+        seq_mask = ~(veto | jnp.any(reject, axis=1))
+
+    weights = jnp.where(valid, weights, 0.0)
+    norm_factor = jnp.ones((), jnp.float32)
+    if cfg.normalize:
+        if cfg.level == "token":
+            mean = masked_mean(weights, valid)
+        else:
+            mean = masked_mean(masked_mean(weights, valid, axis=1), has_tokens)
+        norm_factor = jnp.where(mean < NORMALIZE_MIN_MEAN, 1.0, mean)
+        weights = weights / norm_factor
+
+    kept = token_mask & seq_mask[:, None]
+    metrics = {
+        "rejection_rate": masked_mean(~seq_mask, has_tokens),
+        "veto_fraction": masked_mean(veto, has_tokens),
+        "token_mask_fraction": masked_mean(~token_mask, valid),
+        "kept_token_fraction": masked_mean(kept, valid),
+        "is_truncated_fraction": (
+            masked_mean(r > cfg.is_upper, valid)
+            if cfg.kind in ("tis", "sparse_rl")
+            else jnp.zeros((), jnp.float32)
+        ),
+        "mismatch_k3": masked_mean(jnp.exp(log_r_tok) - log_r_tok - 1.0, valid),
+        "log_ratio_mean": masked_mean(log_r_tok, valid),
+        "log_ratio_max": masked_max(log_r_tok, valid),
+        "log_ratio_min": masked_min(log_r_tok, valid),
+        "is_weight_mean": masked_mean(weights, kept),
+        "is_norm_factor": norm_factor,
+    }
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    return Corrections(
+        weights=jax.lax.stop_gradient(weights.astype(jnp.float32)),
+        token_mask=token_mask,
+        seq_mask=seq_mask,
+        metrics=metrics,
+    )

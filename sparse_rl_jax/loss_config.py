@@ -1,0 +1,140 @@
+"""Static configuration of the off-policy corrections and the GRPO objective.
+
+Both dataclasses are frozen and hashable, so they can be passed to `jax.jit` as static arguments.
+Defaults follow the official Sparse-RL code (slime `mis.yaml` / `loss.py`, see DESIGN.md §8).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+CORRECTION_KINDS = ("none", "tis", "mis", "sparse_rl")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def _choice(cls: str, field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{cls}.{field} must be one of {allowed}, got {value!r}")
+
+
+def _number(cls: str, field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{cls}.{field} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _positive(cls: str, field: str, value: Any) -> None:
+    if _number(cls, field, value) <= 0:
+        raise ValueError(f"{cls}.{field} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """How the sampler/learner mismatch `r_t = pi_old_dense(o_t) / pi_sparse(o_t)` is corrected.
+
+    kind: `none` (naive sparse: weights 1, nothing rejected), `tis` (truncated IS weight
+      `min(r, is_upper)`), `mis` (masked IS / IcePop: reject where `r` is outside
+      `[is_lower, is_upper]`, weight `r` inside), `sparse_rl` (sequence veto + rejection outside
+      `[rs_lower, rs_upper]` + truncated IS weight `min(r, is_upper)`).
+    level: which ratio the weight/rejection uses: `token` (per token), `sequence` (product over
+      the response, `exp(sum log r)`), `geometric` (`exp(mean log r)`). Non-token levels reject
+      whole sequences.
+    is_lower, is_upper: IS bounds (`is_upper` truncates; both bound the `mis` acceptance band).
+    rs_lower, rs_upper: rejection band of `sparse_rl`; None -> the IS bounds.
+    veto_threshold: `sparse_rl` drops a sequence when any valid token has `r_t` below it
+      (None disables the veto). Must exceed `exp(-log_ratio_clamp)` to be reachable.
+    log_ratio_clamp: `log r` is clamped to `[-c, c]` before exponentiation.
+    normalize: divide the IS weights by their batch mean over all response tokens (before
+      rejection; skipped when that mean < 1e-8). None -> on for `sparse_rl`, off otherwise.
+    """
+
+    kind: str = "sparse_rl"
+    level: str = "token"
+    is_lower: float = 0.5
+    is_upper: float = 1.5
+    rs_lower: float | None = None
+    rs_upper: float | None = None
+    veto_threshold: float | None = 1e-4
+    log_ratio_clamp: float = 20.0
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        name = "CorrectionConfig"
+        _choice(name, "kind", self.kind, CORRECTION_KINDS)
+        _choice(name, "level", self.level, CORRECTION_LEVELS)
+        _positive(name, "log_ratio_clamp", self.log_ratio_clamp)
+        _positive(name, "is_lower", self.is_lower)
+        _positive(name, "is_upper", self.is_upper)
+        if self.is_lower >= self.is_upper:
+            raise ValueError(
+                f"{name}.is_lower must be < is_upper, got is_lower={self.is_lower!r}, "
+                f"is_upper={self.is_upper!r}"
+            )
+        if self.rs_lower is None:
+            object.__setattr__(self, "rs_lower", self.is_lower)
+        if self.rs_upper is None:
+            object.__setattr__(self, "rs_upper", self.is_upper)
+        _positive(name, "rs_lower", self.rs_lower)
+        _positive(name, "rs_upper", self.rs_upper)
+        if self.rs_lower >= self.rs_upper:
+            raise ValueError(
+                f"{name}.rs_lower must be < rs_upper, got rs_lower={self.rs_lower!r}, "
+                f"rs_upper={self.rs_upper!r}"
+            )
+        if self.veto_threshold is not None:
+            floor = math.exp(-float(self.log_ratio_clamp))
+            v = _number(name, "veto_threshold", self.veto_threshold)
+            if not floor < v < 1.0:
+                raise ValueError(
+                    f"{name}.veto_threshold must be None or in "
+                    f"(exp(-log_ratio_clamp)={floor:.3g}, 1), got {self.veto_threshold!r}"
+                )
+        if self.normalize is None:
+            object.__setattr__(self, "normalize", self.kind == "sparse_rl")
+        elif not isinstance(self.normalize, bool):
+            raise ValueError(
+                f"{name}.normalize must be True, False or None, got {self.normalize!r}"
+            )
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """The PPO-clipped GRPO objective.
+
+    eps_low, eps_high: ratio clip band `[1 - eps_low, 1 + eps_high]` (DAPO-style eps_high 0.28
+      allowed); eps_low in (0, 1), eps_high > 0.
+    aggregation: `seq_mean_token_mean` (official default), `token_mean`, `seq_mean_token_sum`.
+    kl_coef, kl_kind: optional KL-to-reference penalty (`k1`, `k2` or `k3`), off at 0.
+    group_size: samples per prompt (>= 2, needed for a group standard deviation).
+    adv_eps: added to the group std in the advantage denominator.
+    log_ratio_clamp: `log(pi_theta / pi_old)` and `log(pi_theta / pi_ref)` are clamped to `[-c, c]`.
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    aggregation: str = "seq_mean_token_mean"
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    group_size: int = 8
+    adv_eps: float = 1e-6
+    log_ratio_clamp: float = 20.0
+
+    def __post_init__(self) -> None:
+        name = "GRPOLossConfig"
+        if not 0.0 < _number(name, "eps_low", self.eps_low) < 1.0:
+            raise ValueError(f"{name}.eps_low must be in (0, 1), got {self.eps_low!r}")
+        _positive(name, "eps_high", self.eps_high)
+        _choice(name, "aggregation", self.aggregation, AGGREGATIONS)
+        if _number(name, "kl_coef", self.kl_coef) < 0:
+            raise ValueError(f"{name}.kl_coef must be >= 0, got {self.kl_coef!r}")
+        _choice(name, "kl_kind", self.kl_kind, KL_KINDS)
+        gs = self.group_size
+        if isinstance(gs, bool) or not isinstance(gs, numbers.Integral) or gs < 2:
+            raise ValueError(f"{name}.group_size must be an int >= 2, got {self.group_size!r}")
+        _positive(name, "adv_eps", self.adv_eps)
+        _positive(name, "log_ratio_clamp", self.log_ratio_clamp)

@@ -1,0 +1,65 @@
+"""NaN-safe reductions over masked arrays and the clamped log ratio shared by the RL losses.
+
+Every helper selects with `jnp.where` *before* doing arithmetic, so whatever sits at masked
+positions (padding garbage, -inf, NaN) can reach neither the value nor the gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_shape(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
+    """Raise ValueError naming tensor `name` unless `x.shape == shape` (static, works under jit)."""
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+
+
+def as_mask(x: jax.Array) -> jax.Array:
+    """Boolean view of a 0/1 (or bool) mask: nonzero means valid."""
+    x = jnp.asarray(x)
+    return x if x.dtype == jnp.bool_ else x != 0
+
+
+def masked_sum(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
+    """Sum of `x` over positions where `mask` is True (masked entries never enter arithmetic)."""
+    return jnp.sum(jnp.where(mask, x, jnp.zeros((), x.dtype)), axis=axis)
+
+
+def masked_count(mask: jax.Array, axis: int | None = None) -> jax.Array:
+    """Number of True entries of `mask` as float32."""
+    return jnp.sum(mask, axis=axis, dtype=jnp.float32)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
+    """Mean of `x` over valid positions; exactly 0 where nothing is valid."""
+    return masked_sum(x, mask, axis) / jnp.maximum(masked_count(mask, axis), 1.0)
+
+
+def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Max of `x` over valid positions (all axes); 0 when nothing is valid."""
+    m = jnp.max(jnp.where(mask, x, -jnp.inf))
+    return jnp.where(jnp.any(mask), m, 0.0)
+
+
+def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Min of `x` over valid positions (all axes); 0 when nothing is valid."""
+    return -masked_max(-x, mask)
+
+
+def safe_log_ratio(
+    logp_num: jax.Array, logp_den: jax.Array, mask: jax.Array, bound: float
+) -> jax.Array:
+    """`clip(logp_num - logp_den, -bound, bound)` at valid positions, 0 elsewhere. Shapes `[B, T]`.
+
+    +-inf inputs clamp to +-bound; an undefined difference (inf - inf, NaN) maps to -bound, i.e.
+    it is treated as a catastrophic mismatch rather than allowed to poison the batch. Gradients
+    are zero outside the clamp range and at masked positions.
+    """
+    zero = jnp.zeros((), jnp.float32)
+    num = jnp.where(mask, logp_num.astype(jnp.float32), zero)
+    den = jnp.where(mask, logp_den.astype(jnp.float32), zero)
+    diff = num - den
+    diff = jnp.where(jnp.isnan(diff), -bound, diff)
+    return jnp.where(mask, jnp.clip(diff, -bound, bound), zero)

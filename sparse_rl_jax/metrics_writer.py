@@ -1,0 +1,167 @@
+"""Per-step training metrics: an append-only JSONL file plus TensorBoard scalars.
+
+Layout under ``run_dir``::
+
+    metrics.jsonl   one JSON object per logged step: {"step": s, "<name>": float, ...}
+    tb/             TensorBoard event files (tensorboardX), one scalar tag per metric name
+
+Resuming from a checkpoint at step ``s`` (``resume_step=s``) drops the JSONL records with
+``step > s`` (they belong to steps that will be re-run) and tells TensorBoard to purge events
+from step ``s + 1`` on, so both outputs read like one uninterrupted run. Only one process of a
+multi-host job should own a MetricsWriter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+
+
+def to_float(name: str, value: Any) -> float:
+    """A Python float from a scalar metric (Python number, numpy or jax 0-d array).
+
+    Raises TypeError naming the metric for non-numeric values or arrays with more than one
+    element (device arrays are fetched to the host).
+    """
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"metric {name!r} must be a number, got {value!r}")
+    array = np.asarray(value)
+    if array.ndim != 0:
+        raise TypeError(f"metric {name!r} must be a scalar, got shape {array.shape}")
+    if not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+        raise TypeError(f"metric {name!r} must be numeric, got dtype {array.dtype}")
+    return float(array)
+
+
+def _parse_lines(path: str) -> list[dict[str, Any]]:
+    """Records of a metrics JSONL file; a torn final line (no newline) is dropped."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # last chunk with no trailing newline: a write cut short
+                break
+            raise ValueError(f"{path}:{number}: malformed metrics record: {err}") from err
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{number}: metrics record must be an object with int 'step'")
+        records.append(record)
+    return records
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of ``metrics.jsonl`` (``path`` is the file or its run directory), in order.
+
+    Raises ValueError naming file and line for a malformed record; a final line cut short by a
+    killed writer is ignored.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, METRICS_FILE)
+    return _parse_lines(path)
+
+
+class MetricsWriter:
+    """Writes one record per step to ``run_dir/metrics.jsonl`` and ``run_dir/tb``.
+
+    Args:
+      run_dir: the run directory (created if missing).
+      resume_step: None starts a fresh log (an existing metrics.jsonl is emptied and earlier
+        TensorBoard events are purged); an int keeps only records with ``step <= resume_step``
+        and purges TensorBoard events from ``resume_step + 1`` on.
+      tensorboard: also write TensorBoard event files.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        resume_step: int | None = None,
+        tensorboard: bool = True,
+    ) -> None:
+        if resume_step is not None and (not isinstance(resume_step, int) or resume_step < 0):
+            raise ValueError(
+                f"MetricsWriter.resume_step must be None or an int >= 0, got {resume_step!r}"
+            )
+        self.run_dir = os.fspath(run_dir)
+        self.path = os.path.join(self.run_dir, METRICS_FILE)
+        kept: list[dict[str, Any]] = []
+        if resume_step is not None and os.path.exists(self.path):
+            kept = [r for r in _parse_lines(self.path) if r["step"] <= resume_step]
+        os.makedirs(self.run_dir, exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, self.path)  # atomic: a kill here leaves the old or the truncated file
+        floor = -1 if resume_step is None else resume_step
+        self._last_step = max([r["step"] for r in kept] + [floor])
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            # tensorboardX imports torch when installed (seconds); pay it only when used.
+            from tensorboardX import SummaryWriter
+
+            tb_dir = os.path.join(self.run_dir, TB_DIR)
+            had_events = os.path.isdir(tb_dir) and bool(os.listdir(tb_dir))
+            purge = resume_step + 1 if resume_step is not None else (0 if had_events else None)
+            self._tb = SummaryWriter(logdir=tb_dir, purge_step=purge, flush_secs=30)
+
+    @property
+    def last_step(self) -> int:
+        """The highest step logged or kept so far (-1 for a fresh log)."""
+        return self._last_step
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """Append ``{"step": step, **metrics}`` (values as Python floats); returns the floats.
+
+        ``step`` must exceed every step already in the log; metric names are non-empty strings
+        other than "step". All values are validated before anything is written. Non-finite
+        values are kept (written as NaN / Infinity, which Python's json reads back).
+        """
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
+            raise TypeError(f"metrics step must be an int, got {step!r}")
+        step = int(step)
+        if step <= self._last_step:
+            raise ValueError(
+                f"metrics step {step} is not after the last logged step {self._last_step} "
+                f"in {self.path}"
+            )
+        values: dict[str, float] = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str) or not name or name == "step":
+                raise ValueError(
+                    f"metric name must be a non-empty str other than 'step', got {name!r}"
+                )
+            values[name] = to_float(name, value)
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for name, value in values.items():
+                self._tb.add_scalar(name, value, step)
+            self._tb.flush()
+        self._last_step = step
+        return values
+
+    def close(self) -> None:
+        """Flush and close the JSONL file and the TensorBoard writer."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

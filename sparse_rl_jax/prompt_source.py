@@ -1,0 +1,52 @@
+"""Prompts and gold answers for RL step ``s``: a pure function of the config and ``s``.
+
+Because batch ``s`` depends only on the data seed and ``s``, a resumed run sees exactly the
+prompts an uninterrupted run would have seen, with no iterator state to checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from sparse_rl_jax.datasets import EpochShuffle, gather, load_jsonl
+from sparse_rl_jax.task import TaskDataset
+
+
+class PromptBatch(NamedTuple):
+    """``prompts`` (strings, fed to the tokenizer as is) and their gold ``answers``."""
+
+    prompts: list[str]
+    answers: list[str]
+
+
+class PromptSource:
+    """Deterministic, resumable prompt batches from the shipped task or a JSONL dataset.
+
+    Args:
+      data: the run's ``DataSection``.
+      batch_size: prompts per batch.
+      tokenizer: a ``transformers`` tokenizer (needed by the ``chat`` template only).
+    """
+
+    def __init__(self, data: Any, batch_size: int, tokenizer: Any = None):
+        self.batch_size = batch_size
+        self.order = None
+        if data.source == "task":  # an endless stream: batch s holds problems [sB, (s+1)B)
+            self.dataset = TaskDataset(data.task, size=2**40)
+            return
+        self.dataset = load_jsonl(data.jsonl, tokenizer)
+        if len(self.dataset) < batch_size:
+            raise ValueError(
+                f"data.jsonl: {data.jsonl.path} holds {len(self.dataset)} usable records, "
+                f"fewer than trainer.prompts_per_step={batch_size}"
+            )
+        self.order = EpochShuffle(len(self.dataset), batch_size, seed=data.shuffle_seed)
+
+    def batch(self, position: int) -> PromptBatch:
+        """The prompts of batch ``position`` (>= 0)."""
+        if self.order is None:
+            start = position * self.batch_size
+            items = self.dataset[start : start + self.batch_size]
+        else:
+            items = gather(self.dataset, self.order.batch_indices(position))
+        return PromptBatch([item.prompt for item in items], [item.answer for item in items])

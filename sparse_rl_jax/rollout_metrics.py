@@ -1,0 +1,93 @@
+"""Per-rollout statistics: rewards, response lengths, truncation, repetition loops, KV savings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sparse_rl_jax.masked_math import as_mask, check_shape, masked_count
+
+
+def repetition_flags(
+    tokens: jax.Array, response_mask: jax.Array, max_period: int = 16, repeats: int = 3
+) -> jax.Array:
+    """Which responses end in a repetition loop. `tokens`, `response_mask` `[N, T]` -> `[N]` bool.
+
+    Let `x_0 .. x_{L-1}` be a row's response tokens (the positions where `response_mask` is set,
+    in order) and `W = repeats * max_period`. The row is flagged iff `L >= W` and for some period
+    `p` in `1..max_period` the last `W` tokens satisfy `x_i == x_{i-p}` for every
+    `i in [L - W + p, L)`, i.e. the tail is at least `repeats` back-to-back copies of a p-gram.
+    A response that ends with EOS after its loop is not flagged (the EOS breaks the period).
+    `max_period`, `repeats` are static ints >= 1.
+    """
+    if max_period < 1 or repeats < 1:
+        raise ValueError(f"max_period and repeats must be >= 1, got {max_period}, {repeats}")
+    n, t = tokens.shape
+    check_shape("response_mask", response_mask, (n, t))
+    window = repeats * max_period
+    if window > t:
+        return jnp.zeros((n,), jnp.bool_)
+    valid = as_mask(response_mask)
+    length = jnp.sum(valid, axis=1)
+    order = jnp.argsort(~valid, axis=1, stable=True)  # response positions first, in order
+    compact = jnp.take_along_axis(tokens, order, axis=1)
+    idx = jnp.clip(length[:, None] - window + jnp.arange(window)[None, :], 0, t - 1)
+    tail = jnp.take_along_axis(compact, idx, axis=1)  # [N, W]
+    periodic = jnp.zeros((n,), jnp.bool_)
+    for p in range(1, max_period + 1):
+        periodic = periodic | jnp.all(tail[:, p:] == tail[:, :-p], axis=1)
+    return periodic & (length >= window)
+
+
+def kv_token_savings(sparse_resident: jax.Array, dense_resident: jax.Array) -> jax.Array:
+    """`1 - sum(sparse_resident) / sum(dense_resident)` (0 when the dense total is 0).
+
+    Inputs of equal shape, e.g. the sampler's per-sequence mean (or peak) resident KV tokens of
+    the compressed cache and of the dense equivalent.
+    """
+    check_shape("sparse_resident", sparse_resident, tuple(dense_resident.shape))
+    dense = jnp.sum(dense_resident.astype(jnp.float32))
+    sparse = jnp.sum(sparse_resident.astype(jnp.float32))
+    return jnp.where(dense > 0, 1.0 - sparse / jnp.where(dense > 0, dense, 1.0), 0.0)
+
+
+def rollout_metrics(
+    rewards: jax.Array,
+    tokens: jax.Array,
+    response_mask: jax.Array,
+    truncated: jax.Array,
+    sparse_resident: jax.Array | None = None,
+    dense_resident: jax.Array | None = None,
+    *,
+    max_period: int = 16,
+    repeats: int = 3,
+) -> dict[str, jax.Array]:
+    """Scalar float32 statistics of one rollout batch of N responses.
+
+    rewards `[N]`; tokens, response_mask `[N, T]`; truncated `[N]` bool (hit the length limit
+    without EOS); sparse_resident / dense_resident: optional equal-shape KV residency arrays.
+    Returns reward_mean, reward_std (population, ddof=0), response_length_mean/max,
+    truncated_fraction, repetition_fraction (`repetition_flags`), and kv_token_savings when
+    both residency arrays are given.
+    """
+    n, t = tokens.shape
+    check_shape("rewards", rewards, (n,))
+    check_shape("response_mask", response_mask, (n, t))
+    check_shape("truncated", truncated, (n,))
+    if (sparse_resident is None) != (dense_resident is None):
+        raise ValueError("sparse_resident and dense_resident must be given together")
+    lengths = masked_count(as_mask(response_mask), axis=1)
+    rewards = rewards.astype(jnp.float32)
+    metrics = {
+        "reward_mean": jnp.mean(rewards),
+        "reward_std": jnp.std(rewards),
+        "response_length_mean": jnp.mean(lengths),
+        "response_length_max": jnp.max(lengths),
+        "truncated_fraction": jnp.mean(as_mask(truncated), dtype=jnp.float32),
+        "repetition_fraction": jnp.mean(
+            repetition_flags(tokens, response_mask, max_period, repeats), dtype=jnp.float32
+        ),
+    }
+    if sparse_resident is not None:
+        metrics["kv_token_savings"] = kv_token_savings(sparse_resident, dense_resident)
+    return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}

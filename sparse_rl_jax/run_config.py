@@ -1,0 +1,234 @@
+"""The whole experiment as one frozen config tree (what ``run.py`` reads from YAML).
+
+Every section is a frozen dataclass validated on construction; :class:`RunConfig` adds the
+checks that span sections (group size, minibatch divisibility), so a bad config fails before
+any model is loaded or any file is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.datasets import DatasetConfig
+from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
+from sparse_rl_jax.optim import OptimConfig
+from sparse_rl_jax.sampling_config import SamplingConfig
+from sparse_rl_jax.task import TaskConfig
+
+
+def _require(section: str, field: str, ok: bool, why: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{section}.{field}={value!r} {why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which policy to train.
+
+    Attributes:
+      path: a local HF checkpoint directory (config.json, safetensors, tokenizer). None
+        builds the embedded default: a tiny Qwen2-shaped model warm-started on the shipped
+        task (see ``warm_start``) and cached in the run directory.
+      dtype: parameter and compute dtype (``float32`` or ``bfloat16``).
+    """
+
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        _require("model", "dtype", self.dtype in ("float32", "bfloat16"),
+                 "must be float32 or bfloat16", self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """The embedded default model and its supervised warm start on the shipped task.
+
+    Attributes:
+      hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: Qwen2-shaped
+        architecture of the tiny model.
+      steps, batch_size, lr: the supervised stage (AdamW, cosine decay).
+      seed: initialisation and data seed of the warm start.
+    """
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    steps: int = 500
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self):
+        for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                      "intermediate_size", "steps", "batch_size"):
+            value = getattr(self, field)
+            _require("warm_start", field, isinstance(value, int) and value >= 1,
+                     "must be an int >= 1", value)
+        _require("warm_start", "num_heads", self.num_heads % self.num_kv_heads == 0,
+                 f"must be a multiple of num_kv_heads={self.num_kv_heads}", self.num_heads)
+        _require("warm_start", "hidden_size", self.hidden_size % self.num_heads == 0,
+                 f"must be a multiple of num_heads={self.num_heads}", self.hidden_size)
+        _require("warm_start", "lr", self.lr > 0, "must be > 0", self.lr)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Where prompts and answers come from, and how responses are rewarded.
+
+    Attributes:
+      source: ``task`` (the shipped synthetic task) or ``jsonl`` (a file in a real format).
+      task: the shipped task's distribution (``source: task``).
+      jsonl: the file and its field names / template (``source: jsonl``).
+      reward: a registered reward function (``task_exact``, ``math_verify``, or your own).
+      shuffle_seed: seed of the deterministic, resumable prompt order.
+      add_special_tokens: let the tokenizer add BOS etc. when encoding prompts (off for
+        prompts already in chat format).
+    """
+
+    source: Literal["task", "jsonl"] = "task"
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    jsonl: DatasetConfig | None = None
+    reward: str = "task_exact"
+    shuffle_seed: int = 0
+    add_special_tokens: bool = False
+
+    def __post_init__(self):
+        _require("data", "source", self.source in ("task", "jsonl"),
+                 "must be 'task' or 'jsonl'", self.source)
+        _require("data", "jsonl", self.source != "jsonl" or self.jsonl is not None,
+                 "must be set (path, fields) when data.source is 'jsonl'", self.jsonl)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes over the axes (data, fsdp, tensor); one may be -1 (the rest)."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for field, value in sizes.items():
+            _require("mesh", field, isinstance(value, int) and (value >= 1 or value == -1),
+                     "must be a positive int or -1", value)
+        _require("mesh", "fsdp", list(sizes.values()).count(-1) <= 1,
+                 "only one mesh axis may be -1", sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """The RL loop.
+
+    Attributes:
+      steps: RL steps (one rollout each).
+      prompts_per_step: prompts per rollout; ``x sampling.num_samples`` sequences.
+      minibatch_size: sequences per optimizer update (the global batch); it must divide the
+        rollout's sequences, giving ``N / minibatch_size`` updates per rollout.
+      seed: seed of every random choice of the run (rollouts, minibatch order).
+      score_batch: sequences per scoring call (bounds scoring memory); 0 = the minibatch size.
+      logp_chunk: response columns per LM-head chunk when computing log-probs.
+      checkpoint_every: save every this many RL steps (and at the end).
+      keep_checkpoints: how many checkpoints to keep.
+      export_final: write the final policy as an HF checkpoint to ``run_dir/final``.
+    """
+
+    steps: int = 100
+    prompts_per_step: int = 128
+    minibatch_size: int = 256
+    seed: int = 0
+    score_batch: int = 0
+    logp_chunk: int = 128
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    export_final: bool = True
+
+    def __post_init__(self):
+        for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",
+                      "checkpoint_every", "keep_checkpoints"):
+            value = getattr(self, field)
+            _require("trainer", field, isinstance(value, int) and value >= 1,
+                     "must be an int >= 1", value)
+        _require("trainer", "score_batch", self.score_batch >= 0, "must be >= 0", self.score_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation of a policy under dense and under sparse (training-compression) inference.
+
+    Attributes:
+      num_prompts: prompts evaluated (the first of the eval set).
+      samples: samples per prompt (avg@k); pass@1 uses greedy decoding.
+      temperature: sampling temperature for avg@k.
+      task_seed: seed of the held-out task problems (differs from training's).
+      jsonl: evaluate on this file instead of the shipped task.
+      batch_size: prompts per generation call.
+    """
+
+    num_prompts: int = 64
+    samples: int = 4
+    temperature: float = 1.0
+    task_seed: int = 12345
+    jsonl: DatasetConfig | None = None
+    batch_size: int = 64
+
+    def __post_init__(self):
+        for field in ("num_prompts", "samples", "batch_size"):
+            value = getattr(self, field)
+            _require("eval", field, isinstance(value, int) and value >= 1,
+                     "must be an int >= 1", value)
+        _require("eval", "temperature", self.temperature > 0, "must be > 0", self.temperature)
+
+
+# The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
+# own defaults (the official Sparse-RL settings); configs/ holds the paper setups.
+DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=48, num_samples=8, prompt_bucket=16)
+DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=32, buffer=24, window=4)
+DEFAULT_LOSS = GRPOLossConfig(group_size=8)
+DEFAULT_OPTIM = OptimConfig(lr=1e-4, weight_decay=0.0)
+DEFAULT_TRAINER = TrainerConfig(steps=30, prompts_per_step=16, minibatch_size=64,
+                                checkpoint_every=10, logp_chunk=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One experiment: model, data, rollout, corrections, loss, optimizer, loop, mesh, eval.
+
+    ``RunConfig()`` is the embedded default (a tiny model on the shipped task that trains on
+    a CPU in minutes); a YAML file overrides any subset of sections and keys.
+    """
+
+    run_dir: str = "runs/default"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    sampling: SamplingConfig = DEFAULT_SAMPLING
+    compression: CompressionConfig = DEFAULT_COMPRESSION
+    correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
+    loss: GRPOLossConfig = DEFAULT_LOSS
+    optim: OptimConfig = DEFAULT_OPTIM
+    trainer: TrainerConfig = DEFAULT_TRAINER
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        _require("sampling", "num_samples", self.sampling.num_samples == self.loss.group_size,
+                 f"must equal loss.group_size={self.loss.group_size} (the GRPO group)",
+                 self.sampling.num_samples)
+        sequences = self.trainer.prompts_per_step * self.sampling.num_samples
+        _require("trainer", "minibatch_size", sequences % self.trainer.minibatch_size == 0,
+                 f"must divide the rollout's {sequences} sequences (trainer.prompts_per_step x "
+                 "sampling.num_samples)", self.trainer.minibatch_size)
+        score = self.trainer.score_batch or self.trainer.minibatch_size
+        _require("trainer", "score_batch", sequences % score == 0,
+                 f"must divide the rollout's {sequences} sequences", self.trainer.score_batch)
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Sequences in one rollout: prompts per step x samples per prompt."""
+        return self.trainer.prompts_per_step * self.sampling.num_samples

@@ -1,0 +1,107 @@
+"""One optimizer update on a minibatch of scored rollouts: the GRPO loss through the policy.
+
+A pure function of ``(params, opt_state, minibatch)``; the caller jits it with shardings (the
+params' own, the batch split over the ``data``/``fsdp`` mesh axes). A minibatch in which every
+token is rejected leaves params and optimizer state untouched (no Adam moment drift), and the
+metrics say so (``all_rejected == 1``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import optax
+from flax import nnx
+
+from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
+from sparse_rl_jax.loss_config import GRPOLossConfig
+from sparse_rl_jax.scoring import response_logprobs
+
+
+class Minibatch(NamedTuple):
+    """The arrays one update needs; ``N`` sequences, ``P`` prompt and ``M`` response columns.
+
+    prompt, prompt_mask: ``[N, P]``; response: ``[N, M]`` int32; loss: the ``LossBatch``
+    (``[N, M]`` / ``[N]`` arrays: old dense log-probs, advantages, masks, IS weights).
+    """
+
+    prompt: jax.Array
+    prompt_mask: jax.Array
+    response: jax.Array
+    loss: LossBatch
+
+
+def update_step(
+    graphdef: nnx.GraphDef,
+    params,
+    opt_state,
+    batch: Minibatch,
+    *,
+    loss_cfg: GRPOLossConfig,
+    optimizer: optax.GradientTransformation,
+    chunk_size: int = 128,
+):
+    """Loss, gradients and one optimizer update.
+
+    Returns:
+      ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` included).
+    """
+
+    def loss_fn(p):
+        model = nnx.merge(graphdef, p)
+        logp = response_logprobs(
+            model, batch.prompt, batch.prompt_mask, batch.response, chunk_size=chunk_size
+        ).logp
+        return grpo_loss(logp, batch.loss, loss_cfg)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    metrics["grad_norm"] = optax.global_norm(grads)
+
+    def apply(operand):
+        p, s = operand
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    params, opt_state = jax.lax.cond(
+        metrics["all_rejected"] > 0, lambda operand: operand, apply, (params, opt_state)
+    )
+    return params, opt_state, metrics
+
+
+def jit_update_step(
+    graphdef: nnx.GraphDef,
+    *,
+    loss_cfg: GRPOLossConfig,
+    optimizer: optax.GradientTransformation,
+    param_shardings,
+    opt_shardings,
+    batch_sharding,
+    chunk_size: int = 128,
+):
+    """``update_step`` jitted with explicit shardings; params and optimizer state are donated.
+
+    Args:
+      graphdef: the policy's ``nnx.GraphDef``.
+      loss_cfg, optimizer, chunk_size: as in :func:`update_step`.
+      param_shardings: pytree of ``NamedSharding`` like the params.
+      opt_shardings: pytree of ``NamedSharding`` like the optimizer state.
+      batch_sharding: one ``NamedSharding`` splitting every minibatch leaf's leading
+        (sequence) axis over the batch mesh axes.
+
+    Returns:
+      ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
+    """
+
+    def step(params, opt_state, batch):
+        return update_step(
+            graphdef, params, opt_state, batch,
+            loss_cfg=loss_cfg, optimizer=optimizer, chunk_size=chunk_size,
+        )
+
+    return jax.jit(
+        step,
+        in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        out_shardings=(param_shardings, opt_shardings, None),
+        donate_argnums=(0, 1),
+    )

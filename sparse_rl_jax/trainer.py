@@ -1,0 +1,146 @@
+"""The RL training loop: load the policy, run RL steps, log, checkpoint, resume, export.
+
+``train(cfg)`` is what ``python run.py train`` calls. A run directory holds the resolved
+config, ``metrics.jsonl`` + TensorBoard events, orbax checkpoints, plots and (at the end) the
+policy exported as an HF checkpoint. Starting ``train`` on a directory that has checkpoints
+resumes from the latest one; since every step is a pure function of ``(seed, step)``, a
+resumed run continues exactly as an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import models
+from sparse_rl_jax.checkpoint import Checkpointer
+from sparse_rl_jax.config_io import save_config, to_dict
+from sparse_rl_jax.metrics_writer import MetricsWriter, read_metrics
+from sparse_rl_jax.optim import make_optimizer
+from sparse_rl_jax.plots import plot_metrics
+from sparse_rl_jax.progress import TrainProgress
+from sparse_rl_jax.prompt_source import PromptSource
+from sparse_rl_jax.rewards import get_reward_fn
+from sparse_rl_jax.rl_step import StepContext, batch_sharding, rl_step
+from sparse_rl_jax.run_config import RunConfig
+from sparse_rl_jax.train_step import jit_update_step
+from sparse_rl_jax.warm_start import build_default_model
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def make_run_mesh(cfg: RunConfig):
+    """The run's device mesh; a size that does not fit the devices names the field."""
+    mesh = models.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.trainer.minibatch_size % batch_devices:
+        raise ValueError(
+            f"trainer.minibatch_size={cfg.trainer.minibatch_size} must be divisible by the "
+            f"mesh's data x fsdp = {batch_devices} devices"
+        )
+    return mesh
+
+
+def policy_path(cfg: RunConfig, log: Callable[[str], None] = print) -> str:
+    """The HF checkpoint directory of the initial policy (building the default if needed)."""
+    if cfg.model.path is not None:
+        return cfg.model.path
+    return build_default_model(Path(cfg.run_dir) / "warm_start", cfg.warm_start, cfg.data.task,
+                               log=log)
+
+
+def resolve_sampling(cfg: RunConfig, tokenizer: models.Tokenizer):
+    """``cfg.sampling`` with the tokenizer's EOS and pad ids when the config names none."""
+    sampling = cfg.sampling
+    if not sampling.eos_ids:
+        sampling = dataclasses.replace(sampling, eos_ids=tuple(tokenizer.eos_ids),
+                                       pad_id=tokenizer.pad_id)
+    return sampling
+
+
+def _config_hash(cfg: RunConfig) -> str:
+    """Hash of the settings a resumed run must share with the run it continues."""
+    relevant = {k: v for k, v in to_dict(cfg).items() if k not in ("trainer", "eval")}
+    relevant["seed"] = cfg.trainer.seed
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
+    """Trains ``cfg``'s policy with GRPO on sparse rollouts; returns the last step's metrics.
+
+    Resumes from the latest checkpoint in ``cfg.run_dir/checkpoints`` if there is one (its
+    config hash must match), otherwise starts fresh.
+    """
+    run_dir = Path(cfg.run_dir)
+    mesh = make_run_mesh(cfg)  # config/mesh errors before anything is written
+    reward_fn = get_reward_fn(cfg.data.reward)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+
+    path = policy_path(cfg, log)
+    tokenizer = models.Tokenizer(path)
+    model = models.load_pretrained(path, dtype=DTYPES[cfg.model.dtype], mesh=mesh)
+    graphdef, params = nnx.split(model)
+    del model
+    ref_params = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef > 0 else None
+    optimizer = make_optimizer(cfg.optim)
+    opt_state = jax.jit(optimizer.init)(params)
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    update = jit_update_step(
+        graphdef, loss_cfg=cfg.loss, optimizer=optimizer, param_shardings=param_shardings,
+        opt_shardings=jax.tree.map(lambda x: x.sharding, opt_state),
+        batch_sharding=batch_sharding(mesh), chunk_size=cfg.trainer.logp_chunk,
+    )
+    ctx = StepContext(
+        cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
+        tokenizer=tokenizer, source=PromptSource(cfg.data, cfg.trainer.prompts_per_step,
+                                                 tokenizer.hf),
+        reward_fn=reward_fn, update=update, mesh=mesh, ref_params=ref_params,
+    )
+
+    config_hash = _config_hash(cfg)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
+                        save_every=cfg.trainer.checkpoint_every)
+    start = 0
+    if ckpt.latest_step() is not None:
+        meta = ckpt.read_meta()
+        if meta.get("config_hash") != config_hash:
+            raise ValueError(
+                f"{run_dir}: its checkpoints come from a different config (hash "
+                f"{meta.get('config_hash')} != {config_hash}); use a new run_dir"
+            )
+        state, meta = ckpt.restore(_abstract({"params": params, "opt_state": opt_state}))
+        params, opt_state, start = state["params"], state["opt_state"], meta["step"]
+        log(f"resumed from step {start} in {run_dir}")
+    writer = MetricsWriter(run_dir, resume_step=start if start else None)
+    metrics: dict = {}
+    with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
+        for step in range(start, cfg.trainer.steps):
+            params, opt_state, metrics = rl_step(ctx, params, opt_state, step)
+            done = step + 1
+            writer.log(done, metrics)
+            progress.update(done, metrics)
+            ckpt.save(done, {"params": params, "opt_state": opt_state},
+                      {"step": done, "config_hash": config_hash,
+                       "data_position": done, "seed": cfg.trainer.seed},
+                      force=done == cfg.trainer.steps)
+    ckpt.close()
+    writer.close()
+    plot_metrics(read_metrics(run_dir / "metrics.jsonl"), run_dir / "plots")
+    if cfg.trainer.export_final:
+        export = run_dir / "final"
+        models.save_pretrained(nnx.merge(graphdef, params), export)
+        tokenizer.hf.save_pretrained(export)
+        log(f"final policy exported to {export}")
+    return metrics

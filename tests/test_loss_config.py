@@ -1,0 +1,79 @@
+"""Config validation: bad values fail on construction with the field and the allowed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (
+            {"kind": "icepop"},
+            r"CorrectionConfig\.kind must be one of "
+            r"\('none', 'tis', 'mis', 'sparse_rl'\), got 'icepop'",
+        ),
+        (
+            {"level": "tokens"},
+            r"CorrectionConfig\.level must be one of \('token', 'sequence', 'geometric'\)",
+        ),
+        ({"is_upper": 0.0}, r"CorrectionConfig\.is_upper must be > 0"),
+        ({"is_lower": -1.0}, r"CorrectionConfig\.is_lower must be > 0"),
+        ({"is_lower": 2.0, "is_upper": 1.5}, r"CorrectionConfig\.is_lower must be < is_upper"),
+        ({"rs_lower": 1.2, "rs_upper": 1.1}, r"CorrectionConfig\.rs_lower must be < rs_upper"),
+        ({"rs_lower": 1.6}, r"CorrectionConfig\.rs_lower must be < rs_upper"),
+        ({"rs_upper": float("nan")}, r"CorrectionConfig\.rs_upper must be a finite number"),
+        ({"veto_threshold": 1.5}, r"CorrectionConfig\.veto_threshold must be None or in"),
+        ({"veto_threshold": 1e-12}, r"CorrectionConfig\.veto_threshold must be None or in"),
+        ({"log_ratio_clamp": 0}, r"CorrectionConfig\.log_ratio_clamp must be > 0"),
+        ({"normalize": "yes"}, r"CorrectionConfig\.normalize must be True, False or None"),
+    ],
+)
+def test_correction_config_errors_name_the_field(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        CorrectionConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"eps_low": 0.0}, r"GRPOLossConfig\.eps_low must be in \(0, 1\)"),
+        ({"eps_low": -0.2}, r"GRPOLossConfig\.eps_low must be in \(0, 1\)"),
+        ({"eps_low": 1.0}, r"GRPOLossConfig\.eps_low must be in \(0, 1\)"),
+        ({"eps_high": 0.0}, r"GRPOLossConfig\.eps_high must be > 0"),
+        (
+            {"aggregation": "mean"},
+            r"GRPOLossConfig\.aggregation must be one of "
+            r"\('seq_mean_token_mean', 'token_mean', 'seq_mean_token_sum'\)",
+        ),
+        ({"kl_coef": -1e-4}, r"GRPOLossConfig\.kl_coef must be >= 0"),
+        ({"kl_kind": "k4"}, r"GRPOLossConfig\.kl_kind must be one of \('k1', 'k2', 'k3'\)"),
+        ({"group_size": 1}, r"GRPOLossConfig\.group_size must be an int >= 2"),
+        ({"group_size": 8.0}, r"GRPOLossConfig\.group_size must be an int >= 2"),
+        ({"group_size": True}, r"GRPOLossConfig\.group_size must be an int >= 2"),
+        ({"adv_eps": 0.0}, r"GRPOLossConfig\.adv_eps must be > 0"),
+        ({"eps_high": "0.2"}, r"GRPOLossConfig\.eps_high must be a finite number"),
+    ],
+)
+def test_grpo_config_errors_name_the_field(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        GRPOLossConfig(**kwargs)
+
+
+def test_defaults_and_resolution():
+    cfg = GRPOLossConfig()
+    assert (cfg.eps_low, cfg.eps_high, cfg.aggregation, cfg.kl_coef, cfg.kl_kind) == (
+        0.2, 0.2, "seq_mean_token_mean", 0.0, "k3"
+    )
+    assert (cfg.group_size, cfg.adv_eps) == (8, 1e-6)
+    assert GRPOLossConfig(eps_high=0.28).eps_high == 0.28
+    c = CorrectionConfig(is_lower=0.6, is_upper=2.0)
+    assert (c.rs_lower, c.rs_upper) == (0.6, 2.0)  # rejection bounds default to the IS bounds
+    assert CorrectionConfig(kind="mis", normalize=True).normalize is True
+    assert CorrectionConfig(veto_threshold=None).veto_threshold is None
+    # frozen and hashable: usable as a static jit argument
+    assert hash(CorrectionConfig()) == hash(CorrectionConfig())
+    with pytest.raises(AttributeError):
+        cfg.eps_low = 0.1  # type: ignore[misc]

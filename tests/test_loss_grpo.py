@@ -1,0 +1,243 @@
+"""grpo_loss vs a NumPy reference (values, and gradients by float64 central differences)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_rl_jax.advantages import group_advantages
+from sparse_rl_jax.corrections import compute_corrections
+from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
+from sparse_rl_jax.loss_config import (
+    AGGREGATIONS,
+    CORRECTION_KINDS,
+    CORRECTION_LEVELS,
+    KL_KINDS,
+    CorrectionConfig,
+    GRPOLossConfig,
+)
+
+loss_and_grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnames="cfg")
+corrections_jit = jax.jit(compute_corrections, static_argnames="cfg")
+
+
+def np_loss(new, old, adv, mask, w, cfg, ref=None):
+    """Float64 reference: per-token PPO-clip (+ KL) terms, then the aggregation by loops."""
+    b, t = new.shape
+    c = cfg.log_ratio_clamp
+    per_seq_terms = []
+    for i in range(b):
+        terms = []
+        for j in range(t):
+            if not mask[i, j]:
+                continue
+            rho = np.exp(np.clip(new[i, j] - old[i, j], -c, c))
+            a = adv[i]
+            pg = w[i, j] * max(-rho * a, -min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high) * a)
+            kl = 0.0
+            if ref is not None:
+                d = np.clip(new[i, j] - ref[i, j], -c, c)
+                kl = {"k1": d, "k2": d * d / 2, "k3": np.exp(-d) - 1 + d}[cfg.kl_kind]
+            terms.append(pg + cfg.kl_coef * kl)
+        per_seq_terms.append(terms)
+    nonempty = [x for x in per_seq_terms if x]
+    if not nonempty:
+        return 0.0
+    if cfg.aggregation == "token_mean":
+        flat = [v for x in nonempty for v in x]
+        return sum(flat) / len(flat)
+    if cfg.aggregation == "seq_mean_token_mean":
+        return sum(sum(x) / len(x) for x in nonempty) / len(nonempty)
+    return sum(sum(x) for x in nonempty) / len(nonempty)
+
+
+def np_grad(new, *args, h=1e-5, **kwargs):
+    g = np.zeros_like(new)
+    for idx in np.ndindex(new.shape):
+        up, down = new.copy(), new.copy()
+        up[idx] += h
+        down[idx] -= h
+        g[idx] = (np_loss(up, *args, **kwargs) - np_loss(down, *args, **kwargs)) / (2 * h)
+    return g
+
+
+def random_batch(seed, b=6, t=5, with_ref=False):
+    rng = np.random.default_rng(seed)
+    old = rng.normal(-1.2, 0.6, (b, t))
+    new = old + rng.normal(0.0, 0.35, (b, t))  # rho spread across the clip band
+    loss_mask = rng.random((b, t)) < 0.85
+    loss_mask[0] = False
+    token_mask = loss_mask & (rng.random((b, t)) < 0.85)
+    seq_mask = np.ones(b, bool)
+    seq_mask[1] = False
+    weights = rng.uniform(0.0, 1.6, (b, t))
+    adv = rng.normal(0.0, 1.0, b)
+    ref = old + rng.normal(0.0, 0.3, (b, t)) if with_ref else None
+    batch = LossBatch(
+        logp_old_dense=jnp.asarray(old, jnp.float32),
+        advantages=jnp.asarray(adv, jnp.float32),
+        loss_mask=jnp.asarray(loss_mask),
+        is_weights=jnp.asarray(weights, jnp.float32),
+        token_mask=jnp.asarray(token_mask),
+        seq_mask=jnp.asarray(seq_mask),
+        logp_ref=None if ref is None else jnp.asarray(ref, jnp.float32),
+    )
+    eff = loss_mask & token_mask & seq_mask[:, None]
+    # round through float32 so the reference sees exactly what JAX sees
+    f = lambda x: None if x is None else np.asarray(x, np.float32).astype(np.float64)  # noqa: E731
+    return f(new), batch, (f(old), f(adv), eff, f(weights)), f(ref)
+
+
+# every aggregation without KL, and with KL (each KL kind once, DAPO-style eps_high)
+CASES = [GRPOLossConfig(aggregation=agg) for agg in AGGREGATIONS] + [
+    GRPOLossConfig(aggregation=agg, eps_high=0.28, kl_coef=0.5, kl_kind=kk)
+    for agg, kk in zip(AGGREGATIONS, KL_KINDS)
+]
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.aggregation}-{c.kl_kind}-{c.kl_coef}")
+def test_value_and_grad_match_numpy(cfg):
+    with_ref = cfg.kl_coef > 0
+    new, batch, (old, adv, eff, w), ref = random_batch(11, with_ref=with_ref)
+    (loss, metrics), grad = loss_and_grad(jnp.asarray(new, jnp.float32), batch, cfg=cfg)
+    expected = np_loss(new, old, adv, eff, w, cfg, ref)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5, atol=1e-6)
+    expected_grad = np_grad(new, old, adv, eff, w, cfg, ref)
+    np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=1e-4, atol=1e-6)
+    assert np.all(np.asarray(grad)[~eff] == 0)
+
+    # metrics vs NumPy token means over effective tokens
+    rho = np.exp(new - old)[eff]
+    a = np.broadcast_to(adv[:, None], new.shape)[eff]
+    clipped = -np.clip(rho, 1 - cfg.eps_low, 1 + cfg.eps_high) * a
+    m = {k: float(v) for k, v in metrics.items()}
+    np.testing.assert_allclose(m["clip_fraction"], np.mean(clipped > -rho * a), atol=1e-7)
+    np.testing.assert_allclose(m["ppo_kl"], np.mean((old - new)[eff]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(metrics["ratio_mean"]), rho.mean(), rtol=1e-5)
+    assert float(metrics["effective_tokens"]) == eff.sum()
+    assert float(metrics["effective_sequences"]) == eff.any(1).sum()
+    assert float(metrics["all_rejected"]) == 0.0
+    assert 0.0 < float(metrics["clip_fraction"]) < 1.0  # the inputs do exercise both branches
+
+
+def test_kl_metric_reported_even_when_coef_zero_and_loss_unchanged():
+    new, batch, (old, adv, eff, w), _ = random_batch(3, with_ref=True)
+    cfg = GRPOLossConfig(kl_coef=0.0)
+    loss, metrics = grpo_loss(jnp.asarray(new, jnp.float32), batch, cfg)
+    np.testing.assert_allclose(float(loss), np_loss(new, old, adv, eff, w, cfg), rtol=1e-5)
+    assert float(metrics["kl_loss"]) > 0.0  # k3 of a nonzero gap
+
+
+def test_gradient_flows_to_logp_new_only():
+    new, batch, _, _ = random_batch(5, with_ref=True)
+    cfg = GRPOLossConfig(kl_coef=0.1)
+    grads = jax.grad(lambda b: grpo_loss(jnp.asarray(new, jnp.float32), b, cfg)[0], allow_int=True)(
+        batch
+    )
+    for name in ("logp_old_dense", "advantages", "is_weights", "logp_ref"):
+        assert np.all(np.asarray(getattr(grads, name)) == 0), name
+
+
+def test_end_to_end_with_corrections_and_advantages():
+    """rewards -> advantages, logps -> corrections -> loss, against the composed NumPy pieces."""
+    rng = np.random.default_rng(0)
+    b, t, g = 8, 6, 4
+    old = rng.normal(-1.0, 0.5, (b, t)).astype(np.float32)
+    sparse = (old + rng.normal(0, 0.3, (b, t))).astype(np.float32)
+    new = (old + rng.normal(0, 0.2, (b, t))).astype(np.float32)
+    mask = rng.random((b, t)) < 0.9
+    rewards = rng.integers(0, 2, b).astype(np.float32)
+    adv = group_advantages(jnp.asarray(rewards), g)
+    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    batch = LossBatch.from_corrections(old, adv, mask, corr)
+    cfg = GRPOLossConfig(group_size=g)
+    (loss, _), grad = loss_and_grad(jnp.asarray(new), batch, cfg=cfg)
+    eff = mask & np.asarray(corr.token_mask) & np.asarray(corr.seq_mask)[:, None]
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    args = (f64(old), f64(adv), eff, f64(corr.weights), cfg)
+    np.testing.assert_allclose(float(loss), np_loss(f64(new), *args), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(grad), np_grad(f64(new), *args), rtol=1e-4, atol=1e-6)
+
+
+# Property tests run eagerly at fixed shapes (variable lengths come from the masks): every
+# (config, shape) pair would otherwise cost an XLA compilation.
+B, T = 4, 5
+EXTREME = st.sampled_from([-np.inf, np.inf, 1e4, -1e4, 0.0, -0.3, -2.0, -40.0])
+
+
+def arrays(elements, dtype):
+    return st.lists(elements, min_size=B * T, max_size=B * T).map(
+        lambda v: np.array(v, dtype).reshape(B, T)
+    )
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    old=arrays(EXTREME, np.float32),
+    sparse=arrays(EXTREME, np.float32),
+    new=arrays(EXTREME, np.float32),
+    ref=arrays(EXTREME, np.float32),
+    mask=arrays(st.booleans(), bool),
+    adv=st.lists(st.floats(-3, 3, width=32), min_size=B, max_size=B),
+    kind=st.sampled_from(CORRECTION_KINDS),
+    level=st.sampled_from(CORRECTION_LEVELS),
+    agg=st.sampled_from(AGGREGATIONS),
+    kl_kind=st.sampled_from(KL_KINDS),
+)
+def test_extreme_log_prob_gaps_stay_finite(
+    old, sparse, new, ref, mask, adv, kind, level, agg, kl_kind
+):
+    corr = compute_corrections(old, sparse, mask, CorrectionConfig(kind=kind, level=level))
+    batch = LossBatch.from_corrections(old, np.array(adv, np.float32), mask, corr, logp_ref=ref)
+    cfg = GRPOLossConfig(aggregation=agg, kl_kind=kl_kind, kl_coef=1e-4)
+    value_and_grad = jax.value_and_grad(grpo_loss, has_aux=True)
+    (loss, metrics), grad = value_and_grad(jnp.asarray(new), batch, cfg)
+    assert np.isfinite(float(loss))
+    assert np.all(np.isfinite(np.asarray(grad)))
+    for k, v in {**metrics, **corr.metrics}.items():
+        assert np.isfinite(float(v)), k
+    assert np.all(np.isfinite(np.asarray(corr.weights)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), agg=st.sampled_from(AGGREGATIONS))
+def test_all_vetoed_batch_is_a_zero_update(seed, agg):
+    rng = np.random.default_rng(seed)
+    old = rng.normal(-1.0, 0.5, (B, T)).astype(np.float32)
+    sparse = old.copy()
+    mask = rng.random((B, T)) < 0.6  # rows may be empty
+    mask[0, 0] = True
+    for i in np.flatnonzero(mask.any(1)):  # each sequence gets a catastrophic token (r = e^-10)
+        j = rng.choice(np.flatnonzero(mask[i]))
+        sparse[i, j] = old[i, j] + 10.0
+    new = old + rng.normal(0, 0.5, (B, T)).astype(np.float32)
+    adv = rng.normal(0, 1, B).astype(np.float32)
+    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    batch = LossBatch.from_corrections(old, adv, mask, corr, logp_ref=old - 0.5)
+    cfg = GRPOLossConfig(aggregation=agg, kl_coef=1e-4)
+    (loss, metrics), grad = loss_and_grad(jnp.asarray(new), batch, cfg=cfg)
+    assert float(loss) == 0.0
+    assert np.all(np.asarray(grad) == 0.0)
+    assert float(metrics["all_rejected"]) == 1.0
+    assert float(metrics["effective_tokens"]) == 0.0
+    assert float(corr.metrics["rejection_rate"]) == 1.0
+    assert float(corr.metrics["veto_fraction"]) == 1.0
+
+
+def test_shape_errors_name_the_tensor():
+    new, batch, _, _ = random_batch(0)
+    with pytest.raises(ValueError, match="batch.advantages"):
+        grpo_loss(jnp.asarray(new), batch.replace(advantages=jnp.zeros((2,))), GRPOLossConfig())
+    with pytest.raises(ValueError, match="entropy"):
+        grpo_loss(jnp.asarray(new), batch, GRPOLossConfig(), entropy=jnp.zeros((1, 1)))
+
+
+def test_entropy_metric_is_masked_mean():
+    new, batch, (_, _, eff, _), _ = random_batch(9)
+    ent = np.random.default_rng(1).uniform(0, 3, new.shape).astype(np.float32)
+    _, metrics = grpo_loss(jnp.asarray(new), batch, GRPOLossConfig(), entropy=jnp.asarray(ent))
+    np.testing.assert_allclose(float(metrics["entropy"]), ent[eff].mean(), rtol=1e-6)

@@ -1,0 +1,186 @@
+"""MetricsWriter (JSONL + TensorBoard), read_metrics, and the TrainProgress display."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from sparse_rl_jax.metrics_writer import MetricsWriter, read_metrics
+from sparse_rl_jax.progress import TrainProgress
+
+
+def _metrics(step: int) -> dict:
+    """Deterministic metrics of mixed scalar types for a step."""
+    return {
+        "reward_mean": jnp.float32(0.1 * step + 0.05),
+        "rejection_rate": np.float64(1.0 / (step + 2)),
+        "effective_tokens": jnp.asarray(10 * step, jnp.int32),
+        "all_rejected": step == 3,
+        "lr": 1e-6,
+    }
+
+
+def _expected(step: int) -> dict:
+    return {"step": step, **{k: float(np.asarray(v)) for k, v in _metrics(step).items()}}
+
+
+def _read_events(tb_dir: Path) -> list[event_pb2.Event]:
+    """Parse every TFRecord event file under tb_dir (length, crc, payload, crc)."""
+    events = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            payload = data[offset + 12 : offset + 12 + length]
+            offset += 12 + length + 4
+            event = event_pb2.Event()
+            event.ParseFromString(payload)
+            events.append(event)
+    return events
+
+
+def _scalars(events: list[event_pb2.Event]) -> dict[tuple[str, int], float]:
+    return {
+        (value.tag, event.step): value.simple_value
+        for event in events
+        if event.HasField("summary")
+        for value in event.summary.value
+    }
+
+
+def test_jsonl_round_trip_and_tensorboard_scalars(tmp_path):
+    with MetricsWriter(tmp_path) as writer:
+        for step in (1, 2, 3):
+            returned = writer.log(step, _metrics(step))
+            assert all(type(v) is float for v in returned.values())
+            # flushed on every write: readable while the writer is still open
+            assert read_metrics(tmp_path)[-1] == _expected(step)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [_expected(s) for s in (1, 2, 3)]
+    assert read_metrics(tmp_path / "metrics.jsonl") == [_expected(s) for s in (1, 2, 3)]
+
+    scalars = _scalars(_read_events(tmp_path / "tb"))
+    for step in (1, 2, 3):
+        for name, value in _expected(step).items():
+            if name != "step":
+                assert scalars[(name, step)] == np.float32(value), (name, step)
+    assert len(scalars) == 3 * 5
+
+
+def test_resume_truncates_to_match_an_uninterrupted_run(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    with MetricsWriter(straight) as writer:
+        for step in range(1, 7):
+            writer.log(step, _metrics(step))
+
+    with MetricsWriter(resumed) as writer:
+        for step in range(1, 6):
+            writer.log(step, _metrics(step))
+    with open(resumed / "metrics.jsonl", "a") as f:  # killed in the middle of a write
+        f.write('{"step": 6, "reward_me')
+    torn = (resumed / "metrics.jsonl").read_text()
+    torn_then_more = torn + "\n" + json.dumps(_expected(7)) + "\n"
+    (tmp_path / "bad.jsonl").write_text(torn_then_more)
+    with pytest.raises(ValueError, match=r"bad.jsonl:6: malformed"):
+        read_metrics(tmp_path / "bad.jsonl")  # a torn line followed by more lines is corrupt
+    assert read_metrics(resumed)[-1]["step"] == 5  # the torn final line is ignored
+
+    with MetricsWriter(resumed, resume_step=3) as writer:  # last checkpoint was step 3
+        assert writer.last_step == 3
+        assert [r["step"] for r in read_metrics(resumed)] == [1, 2, 3]
+        with pytest.raises(ValueError, match="not after the last logged step 3"):
+            writer.log(3, _metrics(3))
+        for step in range(4, 7):
+            writer.log(step, _metrics(step))
+    assert (resumed / "metrics.jsonl").read_text() == (straight / "metrics.jsonl").read_text()
+
+    events = _read_events(resumed / "tb")
+    purges = [e.step for e in events if e.HasField("session_log") and e.session_log.status == 1]
+    assert purges == [4]  # TensorBoard hides the stale steps 4 and 5 of the first attempt
+    scalars_after_purge = {}
+    seen_purge = False
+    for event in events:
+        if event.HasField("session_log"):
+            seen_purge = True
+        elif seen_purge and event.HasField("summary"):
+            for value in event.summary.value:
+                scalars_after_purge[(value.tag, event.step)] = value.simple_value
+    assert sorted({s for _, s in scalars_after_purge}) == [4, 5, 6]
+
+
+def test_fresh_writer_empties_old_log(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.log(1, {"a": 1.0})
+        writer.log(2, {"a": 2.0})
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        assert read_metrics(tmp_path) == []
+        writer.log(1, {"a": 5.0})
+    assert read_metrics(tmp_path) == [{"step": 1, "a": 5.0}]
+
+
+def test_bad_metrics_fail_before_writing(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.log(1, {"a": 1.0})
+        with pytest.raises(TypeError, match="metric 'vec' must be a scalar, got shape \\(3,\\)"):
+            writer.log(2, {"ok": 1.0, "vec": jnp.ones(3)})
+        with pytest.raises(TypeError, match="metric 'name' must be a number"):
+            writer.log(2, {"name": "dense"})
+        with pytest.raises(ValueError, match="other than 'step'"):
+            writer.log(2, {"step": 2})
+        with pytest.raises(ValueError, match="not after the last logged step 1"):
+            writer.log(1, {"a": 1.0})
+        writer.log(2, {"a": float("nan"), "b": float("inf")})
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert np.isnan(records[1]["a"]) and records[1]["b"] == float("inf")
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\nnot json\n{"step": 3, "a": 1.0}\n')
+    before = path.read_text()
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: malformed"):
+        MetricsWriter(tmp_path, resume_step=2, tensorboard=False)
+    assert path.read_text() == before
+    with pytest.raises(ValueError, match="resume_step"):
+        MetricsWriter(tmp_path, resume_step=-2, tensorboard=False)
+
+
+def test_progress_plain_lines_when_not_a_tty():
+    stream = io.StringIO()
+    now = iter([100.0, 106.0, 109.0])
+    progress = TrainProgress(10, start_step=2, stream=stream, clock=lambda: next(now))
+    assert not progress.live  # StringIO is not a terminal
+    progress.update(
+        4, {"reward_mean": jnp.float32(0.5), "rejection_rate": 0.07, "kv_token_savings": 0.75}
+    )
+    progress.message("saved checkpoint 4")
+    progress.update(5, {"reward_mean": 0.25, "other": 1.0})
+    progress.close()
+    assert stream.getvalue().splitlines() == [
+        # 6 s for 2 steps -> 3 s/step, 6 steps left -> 18 s
+        "step 4/10 | reward 0.5 | rejected 0.07 | kv saved 0.75 | 3.00 s/step | eta 0:00:18",
+        "saved checkpoint 4",
+        # 9 s for 3 steps -> 3 s/step, 5 steps left -> 15 s
+        "step 5/10 | reward 0.25 | 3.00 s/step | eta 0:00:15",
+    ]
+
+
+def test_progress_live_bar_renders_step_and_metrics():
+    stream = io.StringIO()
+    with TrainProgress(10, stream=stream, live=True) as progress:
+        assert progress.live
+        for step in range(1, 11):
+            progress.update(step, {"reward_mean": 0.5, "kv_token_savings": 0.75})
+        progress.message("done training")
+    out = stream.getvalue()
+    assert "10/10" in out and "reward 0.5" in out and "kv saved 0.75" in out
+    assert "done training" in out
+    with pytest.raises(ValueError, match="start_step"):
+        TrainProgress(10, start_step=11)

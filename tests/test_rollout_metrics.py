@@ -1,0 +1,105 @@
+"""rollout_metrics / repetition_flags / kv_token_savings vs plain Python references."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_rl_jax.rollout_metrics import kv_token_savings, repetition_flags, rollout_metrics
+
+N, T = 6, 24
+flags_jit = jax.jit(repetition_flags, static_argnames=("max_period", "repeats"))
+
+
+def py_is_repetitive(seq, max_period, repeats):
+    """Reference: the response ends in >= `repeats` copies of some p-gram, p <= max_period,
+    judged on a window of the last repeats * max_period tokens."""
+    w = repeats * max_period
+    if len(seq) < w:
+        return False
+    tail = list(seq[-w:])
+    return any(all(tail[i] == tail[i - p] for i in range(p, w)) for p in range(1, max_period + 1))
+
+
+def py_flags(tokens, mask, max_period, repeats):
+    return np.array([py_is_repetitive(t[m], max_period, repeats) for t, m in zip(tokens, mask)])
+
+
+def test_repetition_hand_cases():
+    # max_period 3, repeats 3 -> window 9
+    rows = [
+        [5, 1, 2, 3, 1, 2, 3, 1, 2, 3],  # period-3 loop at the end: flagged
+        [7, 7, 7, 7, 7, 7, 7, 7, 7, 0],  # period-1 loop then EOS (0): not flagged
+        [1, 2, 1, 2, 1, 2, 1, 2, 1, 2],  # period 2: flagged
+        [1, 2, 3, 4, 1, 2, 3, 4, 1, 2],  # period 4 > max_period: not flagged
+        [4, 4, 4, 4, 4, 4, 4, 4, 9, 9],  # broken at the tail: not flagged
+    ]
+    tokens = np.array(rows, np.int32)
+    mask = np.ones_like(tokens, bool)
+    got = np.asarray(flags_jit(tokens, mask, max_period=3, repeats=3))
+    np.testing.assert_array_equal(got, [True, False, True, False, False])
+    # a short response (< window) is never flagged; padding after it is ignored
+    short = np.array([[1, 1, 1, 1, 1, 0, 0, 0, 0, 0]], np.int32)
+    assert not bool(flags_jit(short, short > 0, max_period=3, repeats=3)[0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2), min_size=N * T, max_size=N * T),
+    mask=st.lists(st.booleans(), min_size=N * T, max_size=N * T),
+    loop_rows=st.lists(st.booleans(), min_size=N, max_size=N),
+)
+def test_repetition_matches_reference(tokens, mask, loop_rows):
+    tokens = np.array(tokens, np.int32).reshape(N, T)
+    mask = np.array(mask, bool).reshape(N, T)
+    for i, loop in enumerate(loop_rows):  # plant loops (over arbitrary masks) in some rows
+        if loop:
+            mask[i, T // 4 :] = True
+            tokens[i, T // 4 :] = np.resize(tokens[i, :3], T - T // 4)
+    got = np.asarray(flags_jit(tokens, mask, max_period=4, repeats=3))
+    np.testing.assert_array_equal(got, py_flags(tokens, mask, 4, 3))
+
+
+def test_rollout_metrics_match_numpy():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, (N, T)).astype(np.int32)
+    lengths = np.array([3, 24, 10, 0, 24, 17])
+    mask = np.arange(T)[None, :] < lengths[:, None]
+    tokens[1, :] = 8  # one degenerate loop that ran to the length limit
+    truncated = np.array([False, True, False, False, True, False])
+    rewards = rng.normal(0, 1, N).astype(np.float32)
+    sparse = rng.uniform(10, 40, N).astype(np.float32)
+    dense = sparse + rng.uniform(0, 60, N).astype(np.float32)
+    m = jax.jit(rollout_metrics, static_argnames=("max_period", "repeats"))(
+        rewards, tokens, mask, truncated, sparse, dense, max_period=4, repeats=3
+    )
+    expected = {
+        "reward_mean": rewards.mean(),
+        "reward_std": rewards.std(),
+        "response_length_mean": lengths.mean(),
+        "response_length_max": 24.0,
+        "truncated_fraction": 2 / 6,
+        "repetition_fraction": py_flags(tokens, mask, 4, 3).mean(),
+        "kv_token_savings": 1 - sparse.sum() / dense.sum(),
+    }
+    assert set(m) == set(expected)
+    for k, v in expected.items():
+        np.testing.assert_allclose(float(m[k]), v, rtol=1e-5, err_msg=k)
+    assert float(m["repetition_fraction"]) > 0
+
+
+def test_kv_savings_edge_cases_and_errors():
+    assert float(kv_token_savings(np.zeros(3), np.zeros(3))) == 0.0
+    assert float(kv_token_savings(np.full(3, 5.0), np.full(3, 5.0))) == 0.0
+    savings = kv_token_savings(np.array([1.0, 3.0]), np.array([4.0, 4.0]))
+    np.testing.assert_allclose(float(savings), 0.5)
+    with pytest.raises(ValueError, match="sparse_resident"):
+        kv_token_savings(np.zeros(3), np.zeros(4))
+    tokens, mask = np.zeros((2, 3), np.int32), np.ones((2, 3))
+    with pytest.raises(ValueError, match="given together"):
+        rollout_metrics(np.zeros(2), tokens, mask, np.zeros(2, bool), np.zeros(2))
+    with pytest.raises(ValueError, match="truncated"):
+        rollout_metrics(np.zeros(2), tokens, mask, np.zeros(3, bool))
