@@ -1,0 +1,20 @@
+"""Flax NNX decoder models (Llama 3.x, Qwen2/2.5, Qwen3) and HF checkpoint I/O.
+
+Nothing RL-specific lives here; ``models`` never imports ``sparse_rl_jax``.
+"""
+
+from models.attention import attention, visibility
+from models.cache import KVCache, init_cache
+from models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+from models.decoder import Decoder, DecoderOutput
+from models.loading import hf_name, load_pretrained, read_config, save_pretrained
+from models.partitioning import (MESH_AXES, PARTITION_RULES, make_mesh, param_shardings,
+                                 partition_spec)
+from models.tokenizer import Tokenizer
+
+__all__ = [
+    "MESH_AXES", "PARTITION_RULES", "SUPPORTED_MODEL_TYPES", "Decoder", "DecoderOutput", "KVCache",
+    "ModelConfig", "RopeScaling", "Tokenizer", "attention", "hf_name", "init_cache",
+    "load_pretrained", "make_mesh", "param_shardings", "partition_spec", "read_config",
+    "save_pretrained", "visibility",
+]

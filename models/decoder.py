@@ -1,0 +1,255 @@
+"""Flax NNX decoder for the Llama 3.x / Qwen2 / Qwen3 families.
+
+Parameter paths mirror HF names: ``embed_tokens/embedding``, ``layers/{i}/self_attn/q_proj/
+kernel``, ``layers/{i}/mlp/gate_proj/kernel``, ``layers/{i}/input_layernorm/weight``,
+``norm/weight``, ``lm_head/kernel`` (kernels are HF ``weight`` transposed, ``[in, out]``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import attention
+from models.cache import KVCache
+from models.config import ModelConfig
+from models.rope import apply_rope, inv_frequencies
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+class DecoderOutput(NamedTuple):
+    """Forward results.
+
+    logits: ``[B, T, V]`` float32, or None when ``return_logits=False``.
+    hidden: ``[B, T, H]`` final-normed hidden states (input of the LM head).
+    cache: the updated :class:`KVCache` (``index += T``), or None without a cache.
+    queries: ``[L, B, Hq, W, D]`` last ``W`` queries of every layer (after qk-norm and RoPE),
+      or None when ``return_queries == 0``.
+    """
+
+    logits: jax.Array | None
+    hidden: jax.Array
+    cache: KVCache | None
+    queries: jax.Array | None
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis; normalises in float32 like HF, then scales by ``weight``."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * xf.astype(self.dtype)
+
+
+def _dense(dtype, param_dtype, rngs: nnx.Rngs) -> partial:
+    """``nnx.Linear`` factory with the model's dtypes and HF's N(0, 0.02) initialisation."""
+    return partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, kernel_init=_INIT, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Self-attention block: q/k/v/o projections, optional q/k RMSNorm, RoPE, GQA."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        dense = _dense(dtype, param_dtype, rngs)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = dense(h, cfg.num_heads * d, use_bias=cfg.attention_bias)
+        self.k_proj = dense(h, cfg.num_kv_heads * d, use_bias=cfg.attention_bias)
+        self.v_proj = dense(h, cfg.num_kv_heads * d, use_bias=cfg.attention_bias)
+        self.o_proj = dense(cfg.num_heads * d, h, use_bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, layer, cache, key_expiry, mask):
+        """x ``[B, T, H]`` -> (out ``[B, T, H]``, queries ``[B, T, Hq, D]``, cache)."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+        k_pos = jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t))
+        if cache is not None:
+            cache = _write_layer(cache, layer, k, v, k_pos)
+            k, v, k_pos = cache.k[layer], cache.v[layer], cache.pos[layer]
+        out = attention(q, k, v, positions, k_pos, k_expiry=key_expiry, mask=mask)
+        return self.o_proj(out.reshape(b, t, -1)), q, cache
+
+
+def _write_layer(cache: KVCache, layer: int, k, v, pos) -> KVCache:
+    """Write ``k, v [B, Hkv, T, D]`` and ``pos [B, Hkv, T]`` at slots ``[index, index + T)``."""
+    at = (layer, 0, 0, cache.index)
+    return cache.replace(
+        k=jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at + (0,)),
+        v=jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at + (0,)),
+        pos=jax.lax.dynamic_update_slice(cache.pos, pos[None].astype(jnp.int32), at),
+    )
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        dense = _dense(dtype, param_dtype, rngs)
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = dense(h, f, use_bias=cfg.mlp_bias)
+        self.up_proj = dense(h, f, use_bias=cfg.mlp_bias)
+        self.down_proj = dense(f, h, use_bias=cfg.mlp_bias)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(cfg, rngs=rngs, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg, rngs=rngs, **kw)
+
+    def __call__(self, x, positions, layer, cache, key_expiry, mask):
+        attn, q, cache = self.self_attn(self.input_layernorm(x), positions, layer, cache,
+                                        key_expiry, mask)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), q, cache
+
+
+class Decoder(nnx.Module):
+    """Decoder-only LM. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, embedding_init=_INIT,
+                                      rngs=rngs, **kw)
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw)
+                                for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        if not config.tie_word_embeddings:
+            self.lm_head = _dense(dtype, param_dtype, rngs)(config.hidden_size, config.vocab_size,
+                                                            use_bias=False)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        key_expiry: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        return_queries: int = 0,
+        return_logits: bool = True,
+    ) -> DecoderOutput:
+        """Forward ``tokens [B, T]``.
+
+        Args:
+          tokens: ``[B, T]`` int token ids.
+          positions: ``[B, T]`` int positions, ``-1`` marks padding. Default: from
+            ``attention_mask`` (``cumsum - 1``, pads ``-1``), else ``arange(T)`` (offset by
+            ``cache.index`` when a cache is given; pass positions explicitly once rows are
+            padded or the cache has been compressed).
+          attention_mask: ``[B, T]`` HF-style 1/0 padding mask; zeros force position ``-1``.
+          cache: if given, the ``T`` new keys/values are written at slots
+            ``[cache.index, cache.index + T)`` of every layer (the caller keeps
+            ``index + T <= C``), queries attend over all ``C`` slots, and the returned cache
+            has ``index += T``. Without a cache the keys are the ``T`` tokens themselves.
+          key_expiry: ``[L, B, Hkv, S]`` int; key ``s`` is hidden from queries at position
+            ``>= key_expiry[..., s]``. ``S = T`` without a cache, ``C`` with one.
+          mask: ``[L|1, B, Hkv|1, T, S]`` bool visibility ANDed into the causal rule.
+          return_queries: ``W > 0`` returns the last ``W`` queries of every layer.
+          return_logits: compute ``[B, T, V]`` float32 logits (else use :meth:`unembed`).
+        """
+        cfg = self.config
+        b, t = tokens.shape
+        positions = _resolve_positions(tokens, positions, attention_mask, cache)
+        num_keys = t if cache is None else cache.capacity
+        _check_shape("key_expiry", key_expiry, (cfg.num_layers, b, cfg.num_kv_heads, num_keys))
+        if mask is not None and (mask.ndim != 5 or mask.shape[0] not in (1, cfg.num_layers)
+                                 or mask.shape[1] != b or mask.shape[2] not in (1, cfg.num_kv_heads)
+                                 or mask.shape[3:] != (t, num_keys)):
+            raise ValueError(f"mask: expected shape [L|1, B, Hkv|1, T, S] = "
+                             f"[{cfg.num_layers}|1, {b}, {cfg.num_kv_heads}|1, {t}, {num_keys}], "
+                             f"got {mask.shape}")
+        if not 0 <= return_queries <= t:
+            raise ValueError(f"return_queries: must be in [0, T={t}], got {return_queries}")
+        _check_cache_room(cache, t)
+
+        x = self.embed_tokens(tokens)
+        queries = []
+        for layer, block in enumerate(self.layers):
+            layer_expiry = None if key_expiry is None else key_expiry[layer]
+            layer_mask = None if mask is None else mask[layer if mask.shape[0] > 1 else 0]
+            x, q, cache = block(x, positions, layer, cache, layer_expiry, layer_mask)
+            if return_queries:
+                queries.append(q[:, t - return_queries:].transpose(0, 2, 1, 3))
+        hidden = self.norm(x)
+        if cache is not None:
+            cache = cache.replace(index=cache.index + t)
+        return DecoderOutput(
+            logits=self.unembed(hidden) if return_logits else None,
+            hidden=hidden,
+            cache=cache,
+            queries=jnp.stack(queries) if return_queries else None,
+        )
+
+    def unembed(self, hidden: jax.Array) -> jax.Array:
+        """LM head: ``hidden [..., H]`` -> float32 logits ``[..., V]`` (tied or untied)."""
+        hidden = hidden.astype(self.dtype)
+        if self.config.tie_word_embeddings:
+            table = self.embed_tokens.embedding[...].astype(self.dtype)  # [V, H]
+            return jnp.einsum("...h,vh->...v", hidden, table, preferred_element_type=jnp.float32)
+        kernel = self.lm_head.kernel[...].astype(self.dtype)  # [H, V]
+        return jnp.einsum("...h,hv->...v", hidden, kernel, preferred_element_type=jnp.float32)
+
+
+def _resolve_positions(tokens, positions, attention_mask, cache) -> jax.Array:
+    """``[B, T]`` int32 positions with ``-1`` on padding."""
+    if positions is None:
+        if attention_mask is not None:
+            _check_shape("attention_mask", attention_mask, tokens.shape)
+            positions = jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1
+        else:
+            offset = 0 if cache is None else cache.index
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]) + offset, tokens.shape)
+    _check_shape("positions", positions, tokens.shape)
+    positions = positions.astype(jnp.int32)
+    if attention_mask is not None:
+        _check_shape("attention_mask", attention_mask, tokens.shape)
+        positions = jnp.where(attention_mask.astype(bool), positions, -1)
+    return positions
+
+
+def _check_shape(name: str, x: jax.Array | None, expected: tuple[int, ...]) -> None:
+    if x is not None and tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(x.shape)}")
+
+
+def _check_cache_room(cache: KVCache | None, t: int) -> None:
+    """Reject a write past the cache's capacity when the index is known (not under jit)."""
+    if cache is None or isinstance(cache.index, jax.core.Tracer):
+        return
+    if int(cache.index) + t > cache.capacity:
+        raise ValueError(f"cache: writing {t} tokens at index {int(cache.index)} exceeds "
+                         f"capacity {cache.capacity}")

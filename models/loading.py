@@ -1,0 +1,205 @@
+"""HF checkpoint directories (config.json + safetensors) <-> :class:`Decoder`.
+
+Loading validates every tensor name, shape and dtype from the safetensors headers before any
+data is read, builds the model abstractly, then places one tensor at a time directly into its
+``NamedSharding`` (each device's shard is read from the memory-mapped file, so the full model
+never sits in host memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from models.decoder import Decoder
+from models.partitioning import make_mesh, param_shardings, path_str
+
+log = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def hf_name(path: str) -> tuple[str, bool]:
+    """HF tensor name for an NNX param path, and whether the tensor is stored transposed.
+
+    ``layers/0/self_attn/q_proj/kernel`` -> (``model.layers.0.self_attn.q_proj.weight``, True);
+    ``embed_tokens/embedding`` -> ``model.embed_tokens.weight``; ``lm_head/kernel`` ->
+    ``lm_head.weight``; norms' ``weight`` and biases keep their names.
+    """
+    *module, leaf = path.split("/")
+    prefix = "" if module[0] == "lm_head" else "model."
+    return prefix + ".".join(module) + (".bias" if leaf == "bias" else ".weight"), leaf == "kernel"
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """ModelConfig from ``path/config.json`` (via ``transformers.AutoConfig``, local only)."""
+    import transformers
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config.json not found in checkpoint directory {path}")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file}: invalid JSON: {e}") from e
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{config_file}: model_type: unsupported {model_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / _INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} lists shard {file.name}, which does not exist")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path}")
+    return files
+
+
+def _check_tensors(state: Any, handles: dict[str, Any]) -> None:
+    """Every expected tensor exists with the expected shape and a float dtype, else ValueError."""
+    problems, expected = [], set()
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name, transpose = hf_name(path_str(key_path))
+        expected.add(name)
+        shape = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
+        if name not in handles:
+            problems.append(f"missing tensor {name!r} (expected shape {shape})")
+            continue
+        info = handles[name].get_slice(name)
+        actual = tuple(info.get_shape())
+        if actual != shape:
+            problems.append(f"tensor {name!r} has wrong shape: expected {shape}, got {actual}")
+        elif info.get_dtype() not in _FLOAT_DTYPES:
+            problems.append(f"tensor {name!r} has dtype {info.get_dtype()}, expected one of "
+                            f"{', '.join(_FLOAT_DTYPES)}")
+    if problems:
+        raise ValueError("checkpoint does not match the config:\n  " + "\n  ".join(problems))
+    extra = sorted(set(handles) - expected)
+    if extra:
+        log.info("ignoring %d unexpected checkpoint tensors: %s", len(extra), ", ".join(extra))
+
+
+def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Decoder:
+    """Load a local HF checkpoint directory into a :class:`Decoder` with params in ``dtype``.
+
+    Args:
+      path: directory with ``config.json`` and ``*.safetensors`` (optionally sharded with
+        ``model.safetensors.index.json``). Never downloads.
+      dtype: param and compute dtype.
+      mesh: a ('data', 'fsdp', 'tensor') mesh; params are placed with
+        :func:`models.partitioning.param_shardings`. Default: the first device.
+
+    Raises:
+      FileNotFoundError: missing directory, config.json or safetensors files.
+      ValueError: unsupported model_type/feature, missing tensor, wrong shape or dtype. All
+        checks run before any tensor data is read; no partial model is returned.
+    """
+    path = Path(path)
+    config = read_config(path)
+    files = _checkpoint_files(path)
+    abstract = nnx.eval_shape(
+        lambda: Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for file in files:
+            try:
+                handle = stack.enter_context(safe_open(file, framework="np"))
+            except Exception as e:
+                raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
+            handles.update({name: handle for name in handle.keys()})
+        _check_tensors(state, handles)
+        mesh = mesh if mesh is not None else make_mesh(devices=jax.devices()[:1])
+
+        def place(key_path, leaf, sharding):
+            name, transpose = hf_name(path_str(key_path))
+            tensor = handles[name].get_slice(name)
+
+            def read(index):  # one device's shard, read from the memory map
+                if transpose:
+                    return tensor[index[1], index[0]].T.astype(leaf.dtype)
+                return tensor[index].astype(leaf.dtype)
+
+            return jax.make_array_from_callback(leaf.shape, sharding, read, dtype=leaf.dtype)
+
+        state = jax.tree_util.tree_map_with_path(place, state, param_shardings(state, mesh))
+    return nnx.merge(graphdef, state)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The full value of ``x`` on this host (gathered across processes if needed)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write ``config.json`` + safetensors that ``transformers`` (and vLLM) load.
+
+    Tensors are gathered one shard file at a time (``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` + index when larger than ``max_shard_bytes``).
+    On multi-host runs every process must call this; process 0 writes.
+    """
+    import transformers
+
+    cfg = model.config
+    tensors = []  # (hf name, param, transpose)
+    for key_path, param in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        tensors.append((*hf_name(path_str(key_path)), param))
+    shards, size = [[]], 0
+    for name, transpose, param in tensors:
+        nbytes = param.size * param.dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, transpose, param))
+        size += nbytes
+    writer = jax.process_index() == 0
+    path = Path(path)
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+        hf_kwargs = cfg.to_hf_dict()
+        hf_config = transformers.AutoConfig.for_model(hf_kwargs.pop("model_type"), **hf_kwargs)
+        hf_config.dtype = jnp.dtype(tensors[0][2].dtype).name
+        hf_config.save_pretrained(path)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        filename = ("model.safetensors" if len(shards) == 1
+                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        arrays = {}
+        for name, transpose, param in shard:
+            host = _to_host(param)
+            arrays[name] = np.ascontiguousarray(host.T if transpose else host)
+            weight_map[name] = filename
+        if writer:
+            save_file(arrays, path / filename, metadata={"format": "pt"})
+    if writer and len(shards) > 1:
+        total = sum(math.prod(p.shape) * p.dtype.itemsize for _, _, p in tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / _INDEX_FILE).write_text(json.dumps(index, indent=2))

@@ -1,0 +1,83 @@
+"""Thin wrapper over ``transformers.AutoTokenizer`` for batched, left-padded int32 encoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+class Tokenizer:
+    """The tokenizer of a local HF checkpoint directory (never downloads).
+
+    Attributes:
+      hf: the underlying ``transformers`` tokenizer.
+      eos_ids: token ids that end a response (the tokenizer's EOS plus any
+        ``generation_config.json`` ``eos_token_id``), in first-seen order.
+      pad_id: padding id (the tokenizer's pad token, else the first EOS id, else 0).
+    """
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {path}")
+        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        eos = [self.hf.eos_token_id]
+        generation_config = path / "generation_config.json"
+        if generation_config.is_file():
+            extra = json.loads(generation_config.read_text()).get("eos_token_id")
+            eos += extra if isinstance(extra, list) else [extra]
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos if i is not None))
+        pad = self.hf.pad_token_id
+        self.pad_id: int = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (including added tokens)."""
+        return len(self.hf)
+
+    def encode(
+        self,
+        texts: Sequence[str],
+        *,
+        max_length: int | None = None,
+        add_special_tokens: bool = True,
+        pad_to_multiple_of: int = 1,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Encode a batch, left-padded: (ids ``[B, T]`` int32, mask ``[B, T]`` int32 1 = token).
+
+        ``T`` is the longest row rounded up to ``pad_to_multiple_of`` (shape bucketing). A row
+        longer than ``max_length`` is an error naming the row, never a silent truncation.
+        """
+        if isinstance(texts, str):
+            raise TypeError("texts: expected a sequence of strings, got a single str")
+        rows = self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+        for i, row in enumerate(rows):
+            if max_length is not None and len(row) > max_length:
+                raise ValueError(f"texts[{i}]: {len(row)} tokens exceed max_length={max_length}")
+        width = max([len(row) for row in rows] + [1])
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+        ids = np.full((len(rows), width), self.pad_id, np.int32)
+        mask = np.zeros((len(rows), width), np.int32)
+        for i, row in enumerate(rows):
+            if row:
+                ids[i, width - len(row):] = row
+                mask[i, width - len(row):] = 1
+        return ids, mask
+
+    def decode(self, ids, mask=None, *, skip_special_tokens: bool = True) -> list[str]:
+        """Decode ``ids [B, T]``; tokens where ``mask [B, T]`` is 0 are dropped."""
+        ids = np.asarray(ids)
+        keep = np.ones(ids.shape, bool) if mask is None else np.asarray(mask).astype(bool)
+        return [self.hf.decode(row[k].tolist(), skip_special_tokens=skip_special_tokens)
+                for row, k in zip(ids, keep)]
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *,
+                            add_generation_prompt: bool = True) -> str:
+        """Render chat ``messages`` ([{role, content}, ...]) as the prompt string."""
+        return self.hf.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
