@@ -160,19 +160,38 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
-    """Loads ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
+def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config as a dict, with its ``base:`` files (a path or a list, relative to the
+    file) merged underneath it in order."""
+    path = Path(path).resolve()
+    if path in _chain:
+        raise ConfigError(f"config file {path} includes itself through 'base'")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    bases = data.pop("base", [])
+    merged: dict[str, Any] = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        merged = _merge(merged, read_yaml(path.parent / base, _chain + (path,)))
+    return _merge(merged, data)
+
+
+def load_config(
+    cls: type[T], paths: str | Path | list | tuple | None, overrides: list[str] = ()
+) -> T:
+    """Loads ``cls`` from YAML file(s) (merged in order; None = defaults) plus overrides."""
+    if paths is None:
+        paths = []
+    elif isinstance(paths, (str, Path)):
+        paths = [paths]
     data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at top level")
+    for path in paths:
+        data = _merge(data, read_yaml(path))
     return from_dict(cls, apply_overrides(data, list(overrides)))
 
 

@@ -58,7 +58,7 @@ class WarmStartConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
-    steps: int = 500
+    steps: int = 1000
     batch_size: int = 32
     lr: float = 3e-3
     seed: int = 0
@@ -187,8 +187,8 @@ class EvalConfig:
 
 # The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
 # own defaults (the official Sparse-RL settings); configs/ holds the paper setups.
-DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=48, num_samples=8, prompt_bucket=16)
-DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=32, buffer=24, window=4)
+DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucket=16)
+DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=24, buffer=12, window=4)
 DEFAULT_LOSS = GRPOLossConfig(group_size=8)
 DEFAULT_OPTIM = OptimConfig(lr=1e-4, weight_decay=0.0)
 DEFAULT_TRAINER = TrainerConfig(steps=30, prompts_per_step=16, minibatch_size=64,
@@ -227,6 +227,18 @@ class RunConfig:
         score = self.trainer.score_batch or self.trainer.minibatch_size
         _require("trainer", "score_batch", sequences % score == 0,
                  f"must divide the rollout's {sequences} sequences", self.trainer.score_batch)
+
+        if self.data.source == "task" and self.model.path is None and self.compression.compresses:
+            # The default model's tokenizer has one token per character: lengths are known.
+            longest = self.data.task.max_prompt_tokens
+            _require("compression", "budget", self.compression.capacity >= longest,
+                     f"+ buffer ({self.compression.capacity}) must hold the task's longest "
+                     f"prompt ({longest} tokens, data.task.n_max={self.data.task.n_max})",
+                     self.compression.budget)
+            needed = self.data.task.max_response_tokens
+            _require("sampling", "max_new_tokens", self.sampling.max_new_tokens >= needed,
+                     f"must fit the task's longest solution + EOS ({needed} tokens)",
+                     self.sampling.max_new_tokens)
 
     @property
     def sequences_per_step(self) -> int:

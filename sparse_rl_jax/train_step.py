@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.loss_config import GRPOLossConfig
@@ -67,6 +68,19 @@ def update_step(
         metrics["all_rejected"] > 0, lambda operand: operand, apply, (params, opt_state)
     )
     return params, opt_state, metrics
+
+
+def init_optimizer(optimizer: optax.GradientTransformation, params, mesh):
+    """Optimizer state laid out on ``mesh``, and its shardings.
+
+    Moment buffers take the sharding of their parameter (jit propagates it); leaves jit
+    leaves on one device (step counters) are replicated over the mesh.
+    """
+    opt_state = jax.jit(optimizer.init)(params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shardings = jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, opt_state)
+    return jax.device_put(opt_state, shardings), shardings
 
 
 def jit_update_step(

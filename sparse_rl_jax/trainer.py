@@ -30,7 +30,7 @@ from sparse_rl_jax.prompt_source import PromptSource
 from sparse_rl_jax.rewards import get_reward_fn
 from sparse_rl_jax.rl_step import StepContext, batch_sharding, rl_step
 from sparse_rl_jax.run_config import RunConfig
-from sparse_rl_jax.train_step import jit_update_step
+from sparse_rl_jax.train_step import init_optimizer, jit_update_step
 from sparse_rl_jax.warm_start import build_default_model
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -46,6 +46,17 @@ def make_run_mesh(cfg: RunConfig):
             f"mesh's data x fsdp = {batch_devices} devices"
         )
     return mesh
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Fails (naming the field) if a file the run reads is missing, before anything is written."""
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path={cfg.model.path!r} is not an HF checkpoint directory (no config.json); "
+            "nothing is downloaded: point it at a local copy")
+    for field, dataset in (("data.jsonl", cfg.data.jsonl), ("eval.jsonl", cfg.eval.jsonl)):
+        if dataset is not None and not Path(dataset.path).is_file():
+            raise FileNotFoundError(f"{field}.path={dataset.path!r} does not exist")
 
 
 def policy_path(cfg: RunConfig, log: Callable[[str], None] = print) -> str:
@@ -83,7 +94,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     config hash must match), otherwise starts fresh.
     """
     run_dir = Path(cfg.run_dir)
-    mesh = make_run_mesh(cfg)  # config/mesh errors before anything is written
+    check_inputs(cfg)  # missing files and mesh errors surface before anything is written
+    mesh = make_run_mesh(cfg)
     reward_fn = get_reward_fn(cfg.data.reward)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -95,11 +107,10 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     del model
     ref_params = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(cfg.optim)
-    opt_state = jax.jit(optimizer.init)(params)
-    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
     update = jit_update_step(
-        graphdef, loss_cfg=cfg.loss, optimizer=optimizer, param_shardings=param_shardings,
-        opt_shardings=jax.tree.map(lambda x: x.sharding, opt_state),
+        graphdef, loss_cfg=cfg.loss, optimizer=optimizer,
+        param_shardings=jax.tree.map(lambda x: x.sharding, params), opt_shardings=opt_shardings,
         batch_sharding=batch_sharding(mesh), chunk_size=cfg.trainer.logp_chunk,
     )
     ctx = StepContext(
@@ -144,3 +155,37 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
         tokenizer.hf.save_pretrained(export)
         log(f"final policy exported to {export}")
     return metrics
+
+
+def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[str], None] = print):
+    """``(graphdef, params, tokenizer)`` of a policy to evaluate.
+
+    Args:
+      cfg: the run config (its ``run_dir``, model and warm-start sections).
+      checkpoint: an HF checkpoint directory (has ``config.json``), or a run directory whose
+        latest orbax checkpoint is restored; None means ``cfg.run_dir``.
+    """
+    target = Path(checkpoint or cfg.run_dir)
+    if (target / "config.json").is_file():
+        path = target
+    else:
+        path = Path(policy_path(cfg, log))
+    tokenizer = models.Tokenizer(path)
+    mesh = make_run_mesh(cfg)
+    model = models.load_pretrained(path, dtype=DTYPES[cfg.model.dtype], mesh=mesh)
+    graphdef, params = nnx.split(model)
+    if path != target:
+        ckpt_dir = target / "checkpoints"
+        if not ckpt_dir.is_dir():
+            raise FileNotFoundError(
+                f"{target} is neither an HF checkpoint (no config.json) nor a run directory "
+                "with checkpoints/")
+        opt_state = jax.eval_shape(make_optimizer(cfg.optim).init, params)
+        abstract = {"params": _abstract(params),
+                    "opt_state": jax.tree.map(
+                        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), opt_state)}
+        with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+            state, meta = ckpt.restore(abstract)
+        params = state["params"]
+        log(f"loaded step {meta['step']} from {ckpt_dir}")
+    return graphdef, params, tokenizer

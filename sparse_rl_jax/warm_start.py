@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 import models
-from sparse_rl_jax.task import TaskConfig, TaskDataset
+from sparse_rl_jax.task import TaskConfig, TaskDataset, prompt_length, solution_length
 from sparse_rl_jax.task_tokenizer import build_task_tokenizer
 
 MARKER = "warm_start.json"
@@ -90,7 +90,9 @@ def build_default_model(
     """Creates (or reuses) the warm-started default checkpoint in ``out_dir``; returns it.
 
     Trains on problems drawn with a seed distinct from RL's (``warm.seed`` offsets the task
-    seed) so the warm start never sees RL's exact prompts.
+    seed) so the warm start never sees RL's exact prompts, with lengths from 2 items up to
+    the task's ``n_max``: the short problems let the lookup (an induction head) form early,
+    and it then carries over to the long ones.
     """
     out = Path(out_dir)
     signature = {"warm_start": dataclasses.asdict(warm), "task": dataclasses.asdict(task)}
@@ -115,15 +117,15 @@ def build_default_model(
         optimizer.update(model, grads)
         return loss
 
-    data = TaskDataset(dataclasses.replace(task, seed=task.seed + 1_000_003 + warm.seed),
-                       warm.steps * warm.batch_size)
-    width = len(tokenizer.hf(data[0].prompt)["input_ids"])  # noqa: F841 (tokenizer warm-up)
+    curriculum = dataclasses.replace(task, n_min=min(2, task.n_min),
+                                     seed=task.seed + 1_000_003 + warm.seed)
+    data = TaskDataset(curriculum, warm.steps * warm.batch_size)
+    # Pad to the task's longest problem so every step reuses one compiled program.
+    full = prompt_length(task.n_max) + solution_length(task.n_max) + 1
     start = time.monotonic()
     for step in range(warm.steps):
         batch = data[step * warm.batch_size : (step + 1) * warm.batch_size]
         tokens, attention, loss_mask = supervised_batch(tokenizer, batch, eos_id)
-        # Pad to the task's longest problem so every step reuses one compiled program.
-        full = 7 * task.n_max + 4
         pad = ((0, 0), (0, max(0, full - tokens.shape[1])))
         loss = train_step(model, optimizer, np.pad(tokens, pad), np.pad(attention, pad),
                           np.pad(loss_mask, pad))

@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""sparse-rl-jax command line: GRPO with KV-compressed rollouts (Sparse-RL) in JAX.
+
+  python run.py                                   # train the embedded default (CPU, minutes)
+  python run.py train --config configs/X.yaml trainer.steps=200 compression.budget=512
+  python run.py --config configs/paper/qwen2.5-1.5b_rkv.yaml --config configs/mesh/tpu_pod.yaml
+  python run.py eval --checkpoint runs/default    # dense vs sparse pass@1 / avg@k
+  python run.py config --config configs/X.yaml    # print the resolved config
+
+Overrides are dotted ``key=value`` pairs (values parsed as YAML). ``--distributed`` calls
+``jax.distributed.initialize()`` first (multi-host GPU / TPU pods).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+COMMANDS = ("train", "eval", "config")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Command, ``--config``, ``--checkpoint``, ``--distributed`` and ``key=value`` overrides."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=COMMANDS)
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted config overrides, e.g. trainer.steps=10")
+    parser.add_argument("--config", action="append",
+                        help="YAML config; repeat to merge several in order (default: the "
+                             "embedded tiny default)")
+    parser.add_argument("--checkpoint",
+                        help="eval: an HF checkpoint dir or a run dir (default: run_dir)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="call jax.distributed.initialize() (multi-host)")
+    argv = list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        argv.insert(0, "train")  # the command is optional: train by default
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from sparse_rl_jax.config_io import ConfigError, load_config, to_dict
+    from sparse_rl_jax.run_config import RunConfig
+
+    config_path = args.config
+    if args.command == "eval" and config_path is None and args.checkpoint:
+        saved = Path(args.checkpoint) / "config.yaml"
+        config_path = [str(saved)] if saved.is_file() else None
+    try:
+        cfg = load_config(RunConfig, config_path, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        import yaml
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
+
+    import jax
+
+    if args.distributed:
+        jax.distributed.initialize()
+    try:
+        if args.command == "train":
+            from sparse_rl_jax.trainer import train
+
+            train(cfg)
+            print(f"done: metrics, plots and checkpoints in {cfg.run_dir}")
+        else:
+            from sparse_rl_jax.evaluation import run_eval
+
+            run_eval(cfg, args.checkpoint)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

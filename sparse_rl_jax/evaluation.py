@@ -1,0 +1,152 @@
+"""Accuracy of a policy under dense inference and under sparse (compressed-KV) inference.
+
+pass@1 is greedy decoding; avg@k is the mean reward of ``k`` samples per prompt at the eval
+temperature (the paper's avg@32 on AIME/AMC). Both are measured through the same sampler as
+training, once with ``method='none'`` (dense) and once with the training compression.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.rewards import compute_rewards
+from sparse_rl_jax.sampler import generate
+from sparse_rl_jax.sampling_config import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalRow:
+    """One line of the results table."""
+
+    mode: str  # "dense" or "sparse (<method> budget B)"
+    pass_at_1: float
+    avg_at_k: float
+    k: int
+    mean_length: float
+    kv_savings: float
+
+    def format(self) -> str:
+        """A fixed-width table line."""
+        return (f"{self.mode:<28} {self.pass_at_1:>8.3f} {self.avg_at_k:>9.3f} {self.k:>3d} "
+                f"{self.mean_length:>9.1f} {self.kv_savings:>9.3f}")
+
+
+HEADER = f"{'mode':<28} {'pass@1':>8} {'avg@k':>9} {'k':>3} {'length':>9} {'kv saved':>9}"
+
+
+def _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
+                 compression, key, batch_size):
+    """Mean reward, mean response length and KV savings over all prompts and samples."""
+    rewards, lengths, sparse_kv, dense_kv = [], [], [], []
+    for start in range(0, len(prompts), batch_size):
+        chunk = slice(start, start + batch_size)
+        ids, mask = tokenizer.encode(prompts[chunk], add_special_tokens=False)
+        rollout = generate(graphdef, params, ids, mask, jax.random.fold_in(key, start),
+                           sampling, compression)
+        texts = tokenizer.decode(rollout.response, rollout.response_mask)
+        gold = np.repeat(np.asarray(answers[chunk], dtype=object), sampling.num_samples)
+        rewards.append(compute_rewards(reward_fn, texts, list(gold)))
+        lengths.append(np.asarray(rollout.response_mask).sum(1))
+        sparse_kv.append(np.asarray(rollout.kv_mean))
+        dense_kv.append(np.asarray(rollout.dense_kv_mean))
+    savings = 1.0 - np.concatenate(sparse_kv).sum() / np.concatenate(dense_kv).sum()
+    return (float(np.concatenate(rewards).mean()), float(np.concatenate(lengths).mean()),
+            float(savings))
+
+
+def evaluate(
+    graphdef,
+    params,
+    tokenizer,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    reward_fn: Callable,
+    sampling: SamplingConfig,
+    compression: CompressionConfig,
+    *,
+    samples: int,
+    temperature: float,
+    batch_size: int,
+    seed: int = 0,
+) -> list[EvalRow]:
+    """Dense and sparse pass@1 / avg@k of one policy.
+
+    Args:
+      graphdef, params: ``nnx.split`` of the policy.
+      tokenizer: ``models.Tokenizer``.
+      prompts, answers: the eval set.
+      reward_fn: ``(completions, answers) -> [N]`` (1.0 = correct).
+      sampling: base sampling config (EOS ids, max_new_tokens, prompt bucket).
+      compression: the sparse-inference setting (usually the training one).
+      samples: ``k`` of avg@k; temperature: its sampling temperature.
+      batch_size: prompts per generation call.
+      seed: sampling seed.
+    """
+    prompts, answers = list(prompts), list(answers)
+    modes = [("dense", CompressionConfig(method="none"))]
+    if compression.compresses:
+        modes.append((f"sparse ({compression.method} {compression.budget})", compression))
+    greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
+    sampled = dataclasses.replace(sampling, greedy=False, num_samples=samples,
+                                  temperature=temperature, top_p=1.0, top_k=0)
+    key = jax.random.key(seed)
+    rows = []
+    for name, comp in modes:
+        p1, length, savings = _mean_reward(graphdef, params, tokenizer, prompts, answers,
+                                           reward_fn, greedy, comp, key, batch_size)
+        avg, _, _ = _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn,
+                                 sampled, comp, key, batch_size)
+        rows.append(EvalRow(name, p1, avg, samples, length, savings))
+    return rows
+
+
+def write_table(rows: list[EvalRow], path: str | Path) -> str:
+    """Writes the table as text (``path``) and JSON (``path`` with ``.json``); returns it."""
+    text = "\n".join([HEADER] + [row.format() for row in rows])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    path.with_suffix(".json").write_text(json.dumps([dataclasses.asdict(r) for r in rows],
+                                                    indent=1))
+    return text
+
+
+def eval_set(cfg) -> tuple[list[str], list[str]]:
+    """The eval prompts and answers of a ``RunConfig``: ``eval.jsonl`` if set, else held-out
+    problems of the shipped task (``eval.task_seed``), ``eval.num_prompts`` of them."""
+    from sparse_rl_jax.datasets import load_jsonl
+    from sparse_rl_jax.task import TaskDataset
+
+    if cfg.eval.jsonl is not None:
+        items = list(load_jsonl(cfg.eval.jsonl))[: cfg.eval.num_prompts]
+    else:
+        task = dataclasses.replace(cfg.data.task, seed=cfg.eval.task_seed)
+        items = TaskDataset(task, cfg.eval.num_prompts)[:]
+    return [x.prompt for x in items], [x.answer for x in items]
+
+
+def run_eval(cfg, checkpoint: str | None = None, log: Callable[[str], None] = print) -> str:
+    """``run.py eval``: loads the policy, evaluates dense and sparse, prints and saves the
+    table to ``<run_dir>/eval.txt`` (+ ``.json``); returns the table text."""
+    from sparse_rl_jax.rewards import get_reward_fn
+    from sparse_rl_jax.trainer import load_policy, resolve_sampling
+
+    graphdef, params, tokenizer = load_policy(cfg, checkpoint, log)
+    prompts, answers = eval_set(cfg)
+    rows = evaluate(
+        graphdef, params, tokenizer, prompts, answers, get_reward_fn(cfg.data.reward),
+        resolve_sampling(cfg, tokenizer), cfg.compression, samples=cfg.eval.samples,
+        temperature=cfg.eval.temperature, batch_size=cfg.eval.batch_size, seed=cfg.trainer.seed,
+    )
+    out = Path(checkpoint or cfg.run_dir)
+    out = out if out.is_dir() else Path(cfg.run_dir)
+    text = write_table(rows, out / "eval.txt")
+    log(f"{len(prompts)} prompts, checkpoint {checkpoint or cfg.run_dir}\n{text}")
+    return text
