@@ -1,0 +1,172 @@
+"""Per-slot eviction scores Z for one layer of a KV cache (SnapKV, R-KV, StreamingLLM).
+
+Geometry shared by every function (one layer):
+  queries ``[B, Hq, w, D]``: the queries of the ``w`` newest written slots, oldest -> newest.
+  keys ``[B, Hkv, C, D]`` (after RoPE), pos ``[B, Hkv, C]`` int32 (``-1`` = empty/padding).
+  index ``[]`` int32: the next write slot; the observation window is the slots
+  ``[index - w, index)`` (``index >= w``), slots ``>= index`` are empty.
+Empty slots take part in nothing (no softmax, mean or similarity sees them) and score
+``-inf``. Window slots also score ``-inf``: selection keeps them unconditionally. Every score
+is float32 and finite on valid non-window slots, so ranking never sees NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sparse_rl_jax.compression import CompressionConfig
+
+_SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency score
+
+
+def _slot_masks(pos: jax.Array, index: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
+    """``(valid [B, Hkv, C], non_window [C])``: slot holds a token / slot is older than the window."""
+    slot = jnp.arange(pos.shape[-1])
+    valid = (pos >= 0) & (slot < index)
+    return valid, slot < index - window
+
+
+def _window_positions(pos: jax.Array, index: jax.Array, window: int) -> jax.Array:
+    """Positions ``[B, Hkv, w]`` of the window slots ``[index - w, index)``."""
+    return lax.dynamic_slice_in_dim(pos, index - window, window, axis=-1)
+
+
+def _masked_softmax(x: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax of ``x`` over the entries where ``mask`` holds; 0 elsewhere and on empty rows."""
+    x = jnp.where(mask, x, -jnp.inf)
+    peak = jnp.max(x, axis=axis, keepdims=True)
+    e = jnp.where(mask, jnp.exp(x - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
+    total = jnp.sum(e, axis=axis, keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
+    """Mean of ``x`` over the entries where ``mask`` holds (0 when none does)."""
+    total = jnp.sum(jnp.where(mask, x, 0.0), axis=axis)
+    count = jnp.sum(mask, axis=axis)
+    return total / jnp.maximum(count, 1).astype(x.dtype)
+
+
+def _pool_slots(x: jax.Array, kind: str, kernel: int) -> jax.Array:
+    """Stride-1 'same' pooling of non-negative ``x [..., C]`` along slots, zero padding counted.
+
+    ``max`` equals PyTorch ``max_pool1d(padding=kernel // 2)`` on non-negative data (every
+    window contains its own centre); ``avg`` equals ``avg_pool1d`` with
+    ``count_include_pad=True``.
+    """
+    if kernel == 1:
+        return x
+    dims = (1,) * (x.ndim - 1) + (kernel,)
+    pad = ((0, 0),) * (x.ndim - 1) + ((kernel // 2, kernel // 2),)
+    if kind == "max":
+        return lax.reduce_window(x, 0.0, lax.max, dims, (1,) * x.ndim, pad)
+    return lax.reduce_window(x, 0.0, lax.add, dims, (1,) * x.ndim, pad) / kernel
+
+
+def _reduce_group(x: jax.Array, kind: str, axis: int) -> jax.Array:
+    """Reduce over the query heads of a KV group (``max`` or ``mean``)."""
+    return jnp.max(x, axis=axis) if kind == "max" else jnp.mean(x, axis=axis)
+
+
+def _group_logits(queries: jax.Array, keys: jax.Array) -> jax.Array:
+    """Scaled logits ``[B, Hkv, G, w, C]`` (float32) of the window queries of each KV group."""
+    b, hq, w, d = queries.shape
+    hkv = keys.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    q = queries.astype(jnp.float32).reshape(b, hkv, hq // hkv, w, d)
+    k = keys.astype(jnp.float32)
+    return jnp.einsum("bhgwd,bhcd->bhgwc", q, k) / jnp.sqrt(jnp.float32(d))
+
+
+def importance(
+    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+) -> jax.Array:
+    """Attention importance ``I [B, Hkv, C]`` of the non-window slots (0 on the others).
+
+    ``cfg.importance == "sparse_rl"`` (official Sparse-RL / R-KV): logits pooled over the
+    group's query heads (``cfg.gqa_pool``), softmax over the valid non-window keys, mean over
+    the valid window queries, then pooled along slots (``cfg.pool``, ``cfg.pool_kernel``).
+    ``"kvpress_snapkv"`` (kvpress ``SnapKVPress``): per query head, softmax over every key the
+    query may see (causal inside the window), sliced to the non-window slots without
+    renormalising, mean over the window queries, pooled along slots, then reduced over the
+    group's query heads.
+    """
+    w = queries.shape[2]
+    valid, non_window = _slot_masks(pos, index, w)
+    qpos = _window_positions(pos, index, w)  # [B, Hkv, w]
+    q_ok = (qpos >= 0)[..., None]  # [B, Hkv, w, 1]
+    logits = _group_logits(queries, keys)  # [B, Hkv, G, w, C]
+    kept = valid & non_window  # [B, Hkv, C]
+    if cfg.importance == "sparse_rl":
+        pooled = _reduce_group(logits, cfg.gqa_pool, axis=2)  # [B, Hkv, w, C]
+        probs = _masked_softmax(pooled, kept[:, :, None, :])
+        scores = _masked_mean(probs, q_ok, axis=2)  # [B, Hkv, C]
+        return _pool_slots(scores, cfg.pool, cfg.pool_kernel)
+    visible = valid[:, :, None, :] & (pos[:, :, None, :] <= qpos[..., None])  # [B, Hkv, w, C]
+    probs = _masked_softmax(logits, visible[:, :, None])  # [B, Hkv, G, w, C]
+    probs = jnp.where(kept[:, :, None, None, :], probs, 0.0)
+    scores = _masked_mean(probs, q_ok[:, :, None], axis=3)  # [B, Hkv, G, C]
+    return _reduce_group(_pool_slots(scores, cfg.pool, cfg.pool_kernel), cfg.gqa_pool, axis=2)
+
+
+def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: float) -> jax.Array:
+    """R-KV redundancy ``R [B, Hkv, C]`` over the valid slots (0 on empty ones).
+
+    Cosine similarity ``S`` of the valid keys (``k / (|k| + 1e-8)``), diagonal zeroed; in each
+    row ``i`` the newest ``j`` with ``S_ij > threshold`` is zeroed (the newest near-duplicate
+    survives; nothing is zeroed when no such ``j``); ``R = softmax_j(mean_i S_ij)``.
+
+    The column sums use ``sum_i S_ij = (sum_i k_i) . k_j`` minus the diagonal and the zeroed
+    entries, so the ``[C, C]`` similarity is only read by the duplicate search (CPU: ~6x faster
+    than masking and reducing ``S``; gathers/scatters into ``[C, C]`` are slow on XLA:CPU).
+    """
+    c = keys.shape[2]
+    valid, _ = _slot_masks(pos, index, 0)
+    k = keys.astype(jnp.float32)
+    k = jnp.where(valid[..., None], k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + 1e-8), 0.0)
+    sim = jnp.einsum("bhid,bhjd->bhij", k, k)  # [B, Hkv, C, C]
+    slot = jnp.arange(c)
+    dup = (sim > threshold) & valid[..., None, :] & (slot[:, None] != slot[None, :])
+    # float slot ids (exact below 2**24): XLA:CPU vectorises a float max, not an int one
+    newest = jnp.max(jnp.where(dup, slot.astype(jnp.float32), -1.0), axis=-1).astype(jnp.int32)
+    partner = jnp.take_along_axis(k, jnp.maximum(newest, 0)[..., None], axis=-2)  # [B, Hkv, C, D]
+    zeroed = jnp.where(newest >= 0, jnp.sum(k * partner, axis=-1), 0.0)  # S[i, newest_i]; 0 if none
+    # per column j: the sum of the S[i, j] zeroed in rows i (a fused compare-reduce, no scatter)
+    removed = jnp.sum(jnp.where(newest[..., :, None] == slot, zeroed[..., :, None], 0.0), axis=-2)
+    col_sum = jnp.einsum("bhd,bhjd->bhj", jnp.sum(k, axis=2), k) - jnp.sum(k * k, axis=-1)
+    count = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1).astype(jnp.float32)
+    return _masked_softmax((col_sum - removed) / count, valid)
+
+
+def streaming_scores(pos: jax.Array, index: jax.Array, num_sinks: int) -> jax.Array:
+    """StreamingLLM ``[B, Hkv, C]``: the first ``num_sinks`` valid slots of each row score
+    above everything, the rest their position (newer = higher); empty slots ``-inf``."""
+    valid, _ = _slot_masks(pos, index, 0)
+    rank = jnp.cumsum(valid, axis=-1) - 1
+    score = jnp.where(rank < num_sinks, _SINK_SCORE, pos.astype(jnp.float32))
+    return jnp.where(valid, score, -jnp.inf)
+
+
+def slot_scores(
+    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+) -> jax.Array:
+    """The eviction score ``Z [B, Hkv, C]`` float32 of ``cfg.method`` for one layer.
+
+    ``snapkv``: ``Z = I``; ``rkv``: ``Z = lambda * I - (1 - lambda) * R``; ``streaming``:
+    sinks + recency. Finite on valid non-window slots, ``-inf`` on window and empty slots.
+    ``none`` has no score (it never evicts).
+    """
+    if cfg.method == "none":
+        raise ValueError("CompressionConfig.method='none' never evicts and has no slot scores")
+    valid, non_window = _slot_masks(pos, index, queries.shape[2])
+    if cfg.method == "streaming":
+        z = streaming_scores(pos, index, cfg.num_sinks)
+    else:
+        z = importance(cfg, queries, keys, pos, index)
+        if cfg.method == "rkv":
+            r = redundancy(keys, pos, index, cfg.redundancy_threshold)
+            z = cfg.rkv_lambda * z - (1.0 - cfg.rkv_lambda) * r
+    return jnp.where(valid & non_window, z, -jnp.inf)
