@@ -1,1 +1,27 @@
-"""sparse_rl_jax: GRPO with KV-compressed rollouts and Sparse-RL corrections, in JAX."""
+"""sparse_rl_jax: GRPO with KV-compressed rollouts and Sparse-RL corrections, in JAX.
+
+The functional API in one namespace::
+
+    rollout = sparse_rl_jax.generate(graphdef, params, ids, mask, key, sampling, compression)
+    dense = sparse_rl_jax.score(graphdef, params, rollout.prompt, rollout.prompt_mask,
+                                rollout.response).logp
+    corr = sparse_rl_jax.compute_corrections(dense, rollout.logp, rollout.response_mask,
+                                             sparse_rl_jax.CorrectionConfig())
+
+``sparse_rl_jax.trainer.train(cfg)`` runs the whole loop (``python run.py``).
+"""
+
+from sparse_rl_jax.advantages import group_advantages
+from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.corrections import Corrections, compute_corrections
+from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
+from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
+from sparse_rl_jax.sampler import Rollout, generate
+from sparse_rl_jax.sampling_config import SamplingConfig
+from sparse_rl_jax.scoring import ScoreOutput, response_logprobs, score
+
+__all__ = [
+    "CompressionConfig", "CorrectionConfig", "Corrections", "GRPOLossConfig", "LossBatch",
+    "Rollout", "SamplingConfig", "ScoreOutput", "compute_corrections", "generate",
+    "grpo_loss", "group_advantages", "response_logprobs", "score",
+]

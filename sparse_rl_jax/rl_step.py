@@ -31,6 +31,8 @@ from sparse_rl_jax.scoring import score
 from sparse_rl_jax.train_step import Minibatch
 
 BATCH_AXES = ("data", "fsdp")
+_corrections = jax.jit(compute_corrections, static_argnames="cfg")
+_rollout_metrics = jax.jit(rollout_metrics)
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -111,7 +113,7 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
         t_score += t_ref
 
     mask = rollout.response_mask
-    corrections = compute_corrections(logp_old, rollout.logp, mask, cfg.correction)
+    corrections = _corrections(logp_old, rollout.logp, mask, cfg=cfg.correction)
     advantages = group_advantages(jnp.asarray(rewards), cfg.loss.group_size, cfg.loss.adv_eps)
     loss_batch = LossBatch.from_corrections(logp_old, advantages, mask, corrections, logp_ref)
     full = Minibatch(rollout.prompt, rollout.prompt_mask, rollout.response, loss_batch)
@@ -127,7 +129,7 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
     update_metrics = jax.device_get(update_metrics)
     t_update = time.perf_counter() - start
 
-    metrics = rollout_metrics(
+    metrics = _rollout_metrics(
         jnp.asarray(rewards), rollout.response, mask, ~rollout.finished,
         rollout.kv_mean, rollout.dense_kv_mean)
     metrics["kv_peak_tokens"] = jnp.max(rollout.kv_peak)

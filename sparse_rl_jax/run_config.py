@@ -188,10 +188,10 @@ class EvalConfig:
 # The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
 # own defaults (the official Sparse-RL settings); configs/ holds the paper setups.
 DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucket=16)
-DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=24, buffer=12, window=4)
+DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=32, buffer=8, window=4)
 DEFAULT_LOSS = GRPOLossConfig(group_size=8)
-DEFAULT_OPTIM = OptimConfig(lr=1e-4, weight_decay=0.0)
-DEFAULT_TRAINER = TrainerConfig(steps=30, prompts_per_step=16, minibatch_size=64,
+DEFAULT_OPTIM = OptimConfig(lr=3e-4, weight_decay=0.0)
+DEFAULT_TRAINER = TrainerConfig(steps=50, prompts_per_step=32, minibatch_size=128,
                                 checkpoint_every=10, logp_chunk=64)
 
 

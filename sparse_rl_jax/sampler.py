@@ -196,23 +196,23 @@ def _decode(graphdef, params, state, first, first_logp, resident0, lengths, comp
         key=key,
     )
 
-    def cond(c: _Loop):
+    capacity = state.cache.capacity
+
+    def running(c: _Loop):
         return (c.step < m) & ~jnp.all(c.done)
 
-    def body(c: _Loop):
+    def step(c: _Loop):
         positions = (lengths + c.step - 1)[:, None]
         out = model(c.last[:, None], positions, cache=c.state.cache, return_queries=1,
                     return_logits=False)
         state = kv_state.advance(c.state, out.cache, out.queries)
         active = ~c.done
         resident = _resident(state)
-        before = state.cache.index
-        state = kv_state.maybe_compress(state, compression)
         key, sub = jax.random.split(c.key)
         token, logp = sample_tokens(sub, model.unembed(out.hidden[:, 0]), sampling)
         token = jnp.where(active, token, sampling.pad_id)
         logp = jnp.where(active, logp, 0.0)
-        return _Loop(
+        return c._replace(
             state=state,
             step=c.step + 1,
             last=token,
@@ -222,11 +222,20 @@ def _decode(graphdef, params, state, first, first_logp, resident0, lengths, comp
             kv_sum=c.kv_sum + jnp.where(active, resident, 0),
             kv_peak=jnp.where(active, jnp.maximum(c.kv_peak, resident), c.kv_peak),
             forwards=c.forwards + active,
-            compressions=c.compressions + (state.cache.index != before),
             key=key,
         )
 
-    final = jax.lax.while_loop(cond, body, loop)
+    def fill_then_compress(c: _Loop):
+        # Decode until the cache is full, then compress once. Keeping the compression out of
+        # the per-token loop body lets XLA update the KV buffers in place (a lax.cond next
+        # to the cache writes makes it copy the whole cache every step).
+        c = jax.lax.while_loop(lambda c: running(c) & (c.state.cache.index < capacity), step, c)
+        before = c.state.cache.index
+        state = kv_state.maybe_compress(c.state, compression)
+        return c._replace(state=state,
+                          compressions=c.compressions + (state.cache.index != before))
+
+    final = jax.lax.while_loop(running, fill_then_compress, loop)
     return final
 
 
