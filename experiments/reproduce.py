@@ -73,8 +73,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     base = list(args.overrides)
     if args.quick:
-        base = ["trainer.steps=3", "trainer.prompts_per_step=8", "trainer.minibatch_size=64",
-                "warm_start.steps=60", "eval.num_prompts=16", "eval.samples=2"] + base
+        # Eval batches shaped like training rollouts (8 prompts x 8 samples) reuse the
+        # compiled sampler, which keeps the quick mode's compile time down.
+        base = ["trainer.steps=2", "trainer.prompts_per_step=8", "trainer.minibatch_size=64",
+                "warm_start.steps=30", "eval.num_prompts=8", "eval.batch_size=8",
+                "eval.samples=8"] + base
     started = time.monotonic()
     shared = load_config(RunConfig, None, [f"run_dir={out / 'shared'}"] + base)
     policy = policy_path(shared)  # one warm start, shared by every arm
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")
             cfg = load_config(RunConfig, None, [
                 f"run_dir={run_dir}", f"model.path={policy}", f"trainer.seed={seed}",
-                *base, *arm])
+                "trainer.plots=false", *base, *arm])
             print(f"== {label} (seed {seed}) -> {run_dir}", flush=True)
             train(cfg)
             records = read_metrics(run_dir / "metrics.jsonl")

@@ -136,6 +136,7 @@ class TrainerConfig:
       checkpoint_every: save every this many RL steps (and at the end).
       keep_checkpoints: how many checkpoints to keep.
       export_final: write the final policy as an HF checkpoint to ``run_dir/final``.
+      plots: write PNG plots of the metrics to ``run_dir/plots`` at the end.
     """
 
     steps: int = 100
@@ -147,6 +148,7 @@ class TrainerConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     export_final: bool = True
+    plots: bool = True
 
     def __post_init__(self):
         for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",

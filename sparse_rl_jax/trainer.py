@@ -148,8 +148,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
                       force=done == cfg.trainer.steps)
     ckpt.close()
     writer.close()
-    records = read_metrics(run_dir / "metrics.jsonl")
-    plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10))
+    if cfg.trainer.plots:
+        records = read_metrics(run_dir / "metrics.jsonl")
+        plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10))
     if cfg.trainer.export_final:
         export = run_dir / "final"
         models.save_pretrained(nnx.merge(graphdef, params), export)

@@ -17,7 +17,7 @@ def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
             "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
             "data.task.n_min=2", "data.task.n_max=3", "sampling.max_new_tokens=16",
             "compression.budget=14", "compression.buffer=4", "compression.window=2",
-            "eval.num_prompts=4", "trainer.logp_chunk=16"]
+            "trainer.logp_chunk=16", "warm_start.steps=10"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
