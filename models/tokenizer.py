@@ -9,6 +9,24 @@ from typing import Sequence
 import numpy as np
 
 
+# Checkpoints that declare these classes ship their whole tokenizer in tokenizer.json.
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _load_hf_tokenizer(path: Path):
+    """``AutoTokenizer`` for the directory, except that a checkpoint declaring a generic fast
+    tokenizer gets exactly its ``tokenizer.json``: newer transformers (5.2x) otherwise pick
+    the class of config.json's ``model_type`` and replace the pre-tokenizer with that
+    family's (e.g. Qwen2's byte-level regex, which drops the spaces of a char-level vocab)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = path / "tokenizer_config.json"
+    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if declared in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 class Tokenizer:
     """The tokenizer of a local HF checkpoint directory (never downloads).
 
@@ -20,12 +38,10 @@ class Tokenizer:
     """
 
     def __init__(self, path: str | Path):
-        from transformers import AutoTokenizer
-
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.hf = _load_hf_tokenizer(path)
         eos = [self.hf.eos_token_id]
         generation_config = path / "generation_config.json"
         if generation_config.is_file():

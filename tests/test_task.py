@@ -196,3 +196,23 @@ def test_tokenizer_round_trips_task_strings(tokenizer, cfg, index):
     with_eos = tokenizer(p.solution + tokenizer.eos_token)["input_ids"]
     assert with_eos[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(with_eos, skip_special_tokens=True) == p.solution
+
+
+def test_task_tokenizer_round_trips_beside_a_qwen2_config(tmp_path):
+    # The warm-started default is a Qwen2 checkpoint: its directory holds config.json with
+    # model_type qwen2 next to the task tokenizer. Loading must keep the char-level
+    # tokenizer (newer transformers' AutoTokenizer would swap in Qwen2's pre-tokenizer).
+    import transformers
+
+    import models
+
+    build_task_tokenizer(tmp_path)
+    transformers.Qwen2Config(vocab_size=69, hidden_size=8, intermediate_size=8,
+                             num_hidden_layers=1, num_attention_heads=1,
+                             num_key_value_heads=1).save_pretrained(tmp_path)
+    tok = models.Tokenizer(tmp_path)
+    problem = problem_at(TaskConfig(n_min=5, n_max=5), 3)
+    for text in (problem.prompt, problem.solution):
+        ids, mask = tok.encode([text], add_special_tokens=False)
+        assert ids.shape[1] == len(text)  # one token per character, spaces included
+        assert tok.decode(ids, mask) == [text]
