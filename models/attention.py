@@ -69,7 +69,5 @@ def attention(
     weights = jnp.exp(logits - row_max)
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(total > 0, total, 1.0)
-    # probs @ V as a batched matmul over (B, Hkv): emitting the [B, T, ...] layout directly
-    # from the einsum made XLA:CPU decode ~35% slower (benchmarks/bench_decode.py).
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(v.dtype), v)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
