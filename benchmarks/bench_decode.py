@@ -2,7 +2,8 @@
 ``snapkv``, against ``transformers`` greedy ``generate`` and against a bytes/FLOPs floor.
 
     python benchmarks/bench_decode.py [--lengths 256 1024 4096] [--batches 8 32]
-        [--max-tokens 32768] [--hf-lengths 256] [--no-profile]
+        [--max-tokens 32768] [--hf-lengths 256] [--torch-threads 2 1] [--no-profile]
+    python benchmarks/bench_decode.py --profile-only [--profile-cell 8 1024]
 
 Model: the CPU bench model (Qwen2-shaped, hidden 512, 8 layers, 8 query / 2 KV heads,
 head_dim 64, intermediate 1408, vocab 32000, tied embeddings, ~39M params, random weights,
@@ -14,8 +15,9 @@ never emit. Decoding is greedy (``--temperature T`` samples instead).
 Timing excludes compilation: each cell first calls ``generate`` with the same shapes and a
 decode loop whose first token is that EOS id (zero iterations), which compiles the prefill
 and the loop; the timed call is then checked not to have compiled anything. ``transformers``
-runs in its own child process (``torch.set_num_threads`` = cores) on the same weights,
-prompts, batch and length, after a short warm-up generate.
+runs in its own child process (``torch.set_num_threads`` = each ``--torch-threads``; on a
+shared machine one thread can beat all cores) on the same weights, prompts, batch and length,
+after a short warm-up generate; the ratio is taken against each.
 
 Floor per decode step: bytes (all weights + the resident KV of every row, mean over the
 response) over the measured memory bandwidth, and FLOPs over the measured matmul throughput;
@@ -23,6 +25,8 @@ the floor is the larger. ``--max-tokens`` skips cells with batch x length above 
 grid is long on 2 shared cores). The profile (``--no-profile`` skips it) takes one cell
 (``--profile-cell``): prefill; the decode loop of ``none`` and of the compressed method, and
 the latter with compression replaced by an index reset (what compression costs in the loop);
+both with the probs @ V product rewritten as a plain batched matmul (a proposed
+``models/attention.py`` change, applied as a local monkeypatch while the library lacks it);
 one compression alone; the whole-cache copies in each compiled loop; and a
 ``jax.profiler`` trace of the dense and compressed loops with every executed HLO op
 attributed to the source line that emitted it.
@@ -220,9 +224,12 @@ class Bench:
             max_len=PROMPT_LEN + sampling.max_new_tokens))
         return time.perf_counter() - start
 
-    def trace(self, batch: int, length: int, compression) -> dict:
+    def trace(self, batch: int, length: int, compression, room: int | None = None) -> dict:
         """Seconds of the (compiled) decode loop by source line, from a ``jax.profiler`` trace:
-        each executed HLO thunk is attributed to the line that emitted it."""
+        each executed HLO thunk is attributed to the line that emitted it. ``length`` tokens
+        are decoded into a cache sized for ``room`` (default ``length``) response tokens: a
+        dense loop reads every slot each step, so a short run in a large cache costs per step
+        what the long run does."""
         import gzip
 
         from sparse_rl_jax import sampler
@@ -232,14 +239,15 @@ class Bench:
         prompt = jnp.asarray(self.prompts[:batch])
         k_prefill, k_decode = jax.random.split(jax.random.key(0))
         kw = dict(sampling=sampling, compression=compression)
+        max_len = PROMPT_LEN + (room or length)
         args = (self.graphdef, self.params, *sampler._prefill(
             self.graphdef, self.params, prompt, jnp.ones_like(prompt), k_prefill,
-            max_len=PROMPT_LEN + length, **kw), k_decode)
+            max_len=max_len, **kw), k_decode)
         labels = hlo_sources(sampler._decode.lower(*args, **kw).compile().as_text())
         jax.block_until_ready(sampler._decode(*args, **kw))  # compile (if needed)
         args = (self.graphdef, self.params, *sampler._prefill(
             self.graphdef, self.params, prompt, jnp.ones_like(prompt), k_prefill,
-            max_len=PROMPT_LEN + length, **kw), k_decode)
+            max_len=max_len, **kw), k_decode)
         with tempfile.TemporaryDirectory() as logdir:
             jax.profiler.start_trace(logdir)
             start = time.perf_counter()
@@ -252,13 +260,15 @@ class Bench:
             if e.get("ph") == "X" and e["name"] in labels:
                 by_line[labels[e["name"]]] = by_line.get(labels[e["name"]], 0.0) + e["dur"] / 1e6
         return dict(method=compression.method, batch=batch, length=length, seconds=seconds,
-                    lines=sorted(by_line.items(), key=lambda kv: -kv[1]))
+                    capacity=compression.cache_capacity(max_len), lines=sorted(by_line.items(), key=lambda kv: -kv[1]))
 
-    def profile(self, batch: int, length: int, configs: dict, method: str, repeats: int) -> dict:
+    def profile(self, batch: int, length: int, configs: dict, method: str, repeats: int,
+                room: int) -> dict:
         """Decode loops of one cell (dense, ``method``, and ``method`` with the compression
         replaced by an index reset), each traced into a fresh jit, timed round-robin; the
         whole-cache copies in each compiled loop; prefill; one compression alone; and a
-        ``jax.profiler`` breakdown of the dense and ``method`` loops."""
+        ``jax.profiler`` breakdown of the dense and ``method`` loops, and of the dense loop in
+        a cache sized for ``room`` response tokens."""
         from sparse_rl_jax import kv_state, sampler
 
         jax, jnp = self.jax, self.jnp
@@ -281,6 +291,9 @@ class Bench:
             (method, "compression -> index reset (no scoring)", lambda: mock.patch.object(
                 kv_state, "maybe_compress", functools.partial(reset_index, compression))),
         ]
+        if _BatchedPV.applies():
+            variants[1:1] = [("none", "probs @ V as a batched matmul (proposed)", _BatchedPV.patch)]
+            variants.append((method, "probs @ V as a batched matmul (proposed)", _BatchedPV.patch))
         compiled = []
         for name, variant, context in variants:
             def loop(*args, **kwargs):  # a new function: JAX caches traces per function
@@ -333,7 +346,39 @@ class Bench:
                                for m in ("none", method)},
                     compress_s=statistics.median(times),
                     cache_mib=2 * state.cache.k.nbytes / 2**20,
-                    traces=[self.trace(batch, length, configs[m]) for m in ("none", method)])
+                    traces=[self.trace(batch, length, configs[m]) for m in ("none", method)]
+                    + ([self.trace(batch, length, configs["none"], room)] if room > length else []))
+
+
+class _BatchedPV:
+    """Stands in for ``jax.numpy`` inside ``models/attention.py``: the probs @ V product
+    ``bkgts,bksd->btkgd`` is computed as ``bkgts,bksd->bkgtd`` (batch axes leading: one plain
+    batched matmul) and its small output transposed. Same math; the proposed library change."""
+
+    SPEC = "bkgts,bksd->btkgd"
+
+    def __getattr__(self, name):
+        import jax.numpy as jnp
+
+        return getattr(jnp, name)
+
+    def einsum(self, spec, *operands, **kwargs):
+        import jax.numpy as jnp
+
+        if spec == self.SPEC:
+            return jnp.einsum("bkgts,bksd->bkgtd", *operands, **kwargs).transpose(0, 3, 1, 2, 4)
+        return jnp.einsum(spec, *operands, **kwargs)
+
+    @classmethod
+    def applies(cls) -> bool:
+        """False once the library computes the product this way itself."""
+        import inspect
+
+        return cls.SPEC in inspect.getsource(sys.modules["models.attention"])
+
+    @classmethod
+    def patch(cls):
+        return mock.patch.object(sys.modules["models.attention"], "jnp", cls())
 
 
 def reset_index(compression, state, cfg, **_):
@@ -446,6 +491,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="skip the grid and transformers; run the profile alone")
     parser.add_argument("--profile-cell", type=int, nargs=2, default=[8, 1024],
                         metavar=("BATCH", "LENGTH"))
     parser.add_argument("--profile-repeats", type=int, default=1,
@@ -469,7 +516,7 @@ def main() -> None:
         configs = {m: CompressionConfig(method=m, budget=args.budget, buffer=args.buffer,
                                         window=args.window) for m in args.methods}
         rows, skipped = [], []
-        for batch in args.batches:
+        for batch in [] if args.profile_only else args.batches:
             for length in args.lengths:
                 if args.max_tokens and batch * length > args.max_tokens:
                     skipped.append((batch, length))
@@ -480,7 +527,7 @@ def main() -> None:
                     print(f"  [{time.perf_counter() - wall:6.0f}s] {method:>6} b{batch:<3} "
                           f"n{length:<5} {row['tok_s']:8.1f} tok/s  compile {row['compile_s']:.1f}s",
                           file=sys.stderr, flush=True)
-        hf = run_child("torch", tmp, args) if args.hf_lengths else []
+        hf = run_child("torch", tmp, args) if args.hf_lengths and not args.profile_only else []
         for r in hf:
             ours = next((x for x in rows if x["method"] == "none" and x["batch"] == r["batch"]
                          and x["length"] == r["length"]), None)
@@ -491,7 +538,8 @@ def main() -> None:
         profile = None
         method = next((m for m in ("rkv", "snapkv") if m in configs), None)
         if not args.no_profile and method and "none" in configs:
-            profile = bench.profile(*args.profile_cell, configs, method, args.profile_repeats)
+            profile = bench.profile(*args.profile_cell, configs, method, args.profile_repeats,
+                                    max(args.lengths))
     report(args, bench, machine, rows, skipped, hf, profile, time.perf_counter() - wall)
 
 
@@ -589,7 +637,8 @@ def report(args, bench, machine, rows, skipped, hf, profile, wall) -> None:
         print("  (#cmp counts index resets for the reset variant)")
         for t in p["traces"]:
             total = sum(x for _, x in t["lines"])
-            print(f"jax.profiler trace, {t['method']} b{t['batch']} n{t['length']} as shipped: "
+            print(f"jax.profiler trace, {t['method']} b{t['batch']} n{t['length']} in a "
+                  f"{t['capacity']}-slot cache: "
                   f"{t['seconds'] / steps * 1e3:.2f} ms/step wall; executed HLO ops by source "
                   f"line (ms/step, share of op time)")
             for label, x in t["lines"][:10]:

@@ -4,6 +4,7 @@ the share of the step spent in rollout / reward / scoring / update.
 
     python benchmarks/bench_rl_step.py [--methods rkv none] [--steps 3] [--prompts 8]
         [--samples 4] [--max-new-tokens 128] [--budget 64] [--buffer 32] [--minibatch 16]
+        [--json results.json]
 
 Model: the bench model of ``bench_decode.py`` (Qwen2-shaped, ~39M params, vocab 32000, random
 weights, fp32), saved with the shipped task's character tokenizer (ids past its 69 tokens
@@ -11,8 +12,10 @@ decode to nothing; the reward is then 0, which changes no cost). The run config 
 code: the shipped task's prompts (<= 33 tokens, bucketed to 16), ``--prompts`` x ``--samples``
 sequences of ``--max-new-tokens`` (temperature 1), ``sparse_rl`` corrections, AdamW, one
 optimizer update per ``--minibatch`` sequences. Each method runs ``--steps`` RL steps in its
-own child process (so its peak RSS is its own; the first step includes compilation) and the
-last step is reported. Times are the trainer's own per-phase metrics (``time_rollout`` ...).
+own child process (so its peak RSS is its own). A step whose prompt batch falls in a new
+prompt-width bucket compiles everything again (the first step always does); the row is the
+median over the other, steady-state steps. Times are the trainer's own per-phase metrics
+(``time_rollout`` ...); peak memory is ``ru_maxrss`` after each step and at the end.
 """
 
 from __future__ import annotations
@@ -86,11 +89,13 @@ def worker(args) -> None:
     with mock.patch.object(trainer, "rl_step", step_and_record):
         trainer.train(cfg, log=lambda message: None)
     wall = time.perf_counter() - start
-    tokenizer = models.Tokenizer(args.path)  # the last step's bucketed prompt width
-    batch = PromptSource(cfg.data, args.prompts, tokenizer.hf).batch(args.steps - 1)
-    prompt, mask = tokenizer.encode(batch.prompts, add_special_tokens=False)
-    width = bucket_prompts(prompt, mask, cfg.sampling.prompt_bucket, None)[0].shape[1]
-    result = dict(prompt_width=width,
+    tokenizer = models.Tokenizer(args.path)  # each step's bucketed prompt width
+    source = PromptSource(cfg.data, args.prompts, tokenizer.hf)
+    widths = []
+    for step in range(args.steps):
+        prompt, mask = tokenizer.encode(source.batch(step).prompts, add_special_tokens=False)
+        widths.append(bucket_prompts(prompt, mask, cfg.sampling.prompt_bucket, None)[0].shape[1])
+    result = dict(prompt_widths=widths,
         method=args.method, records=read_metrics(run_dir / "metrics.jsonl"), wall=wall,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, base_rss_mib=base_rss,
         step_peaks_mib=peaks,
@@ -102,13 +107,14 @@ def worker(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["rkv", "none"])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--buffer", type=int, default=32)
     parser.add_argument("--minibatch", type=int, default=16)
+    parser.add_argument("--json", help="also write the per-step results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -132,16 +138,19 @@ def main() -> None:
                 sys.exit(f"{method} worker failed:\n{proc.stderr[-3000:]}")
             results.append(json.loads(Path(tmp, f"result_{method}.json").read_text()))
     report(args, results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 def report(args, results) -> None:
-    """One row per method: the median over the steps after the first (steady state)."""
+    """One row per method: the median over the steady-state steps (those whose prompt width
+    bucket was already used by an earlier step, so nothing compiles)."""
     n = args.prompts * args.samples
     print(f"model: bench Qwen2-shaped ~39M params, fp32, CPU ({os.cpu_count()} cores, shared); "
           f"{args.prompts} prompts x {args.samples} samples = {n} sequences, max_new_tokens "
           f"{args.max_new_tokens}, minibatch {args.minibatch} ({n // args.minibatch} updates/step),"
           f" compression budget {args.budget} + buffer {args.buffer}, window 8; "
-          f"{args.steps} steps: median of steps 2..{args.steps}")
+          f"{args.steps} steps: median of the steady-state steps")
     print("(times in s; upd tok/s = response tokens / update time; upd seq-tok/s = (prompt + "
           "response columns) x sequences / update time; step tok/s = response tokens / step "
           "time; KV save = 1 - sparse / dense mean resident KV; RSS MiB: at imports -> "
@@ -153,10 +162,13 @@ def report(args, results) -> None:
     print(header)
     print("-" * len(header))
     for r in results:
-        steady = r["records"][1:] or r["records"]
-        med = {k: statistics.median(x[k] for x in steady) for k in steady[0]}
+        widths = r["prompt_widths"]
+        fresh = [i for i, w in enumerate(widths) if w not in widths[:i]]  # these compile
+        steady = [i for i in range(len(widths)) if i not in fresh] or list(range(len(widths)))
+        med = {k: statistics.median(r["records"][i][k] for i in steady) for k in r["records"][0]}
         tokens = med["response_length_mean"] * r["sequences"]
-        seq_tokens = r["sequences"] * (r["prompt_width"] + args.max_new_tokens)
+        width = statistics.median(widths[i] for i in steady)
+        seq_tokens = r["sequences"] * (width + args.max_new_tokens)
         rss = (f"{r['base_rss_mib']:.0f}->{r['step_peaks_mib'][0]:.0f}->"
                f"{r['step_peaks_mib'][-1]:.0f}->{r['peak_rss_mib']:.0f}")
         print(f"{r['method']:<7}{med['time_step']:>7.2f}{med['time_rollout']:>8.2f}"
@@ -166,7 +178,8 @@ def report(args, results) -> None:
               f"{seq_tokens / med['time_update']:>14.0f}{med['tokens_per_second']:>11.0f}"
               f"{med.get('kv_token_savings', 0.0):>8.1%}  {rss:<24}"
               f"{r['records'][0]['time_step']:>8.1f}  "
-              f"{[round(x['time_step'], 1) for x in r['records']]}")
+              f"{[round(x['time_step'], 1) for x in r['records']]} (prompt widths {widths}; "
+              f"steps {[i + 1 for i in fresh]} compile)")
 
 
 if __name__ == "__main__":
