@@ -23,6 +23,14 @@ def _require(section: str, field: str, ok: bool, why: str, value) -> None:
         raise ValueError(f"{section}.{field}={value!r} {why}")
 
 
+def _require_counts(section: str, config, fields: tuple[str, ...]) -> None:
+    """Each named field of ``config`` must be an int >= 1."""
+    for field in fields:
+        value = getattr(config, field)
+        _require(section, field, isinstance(value, int) and value >= 1, "must be an int >= 1",
+                 value)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """Which policy to train.
@@ -64,11 +72,9 @@ class WarmStartConfig:
     seed: int = 0
 
     def __post_init__(self):
-        for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                      "intermediate_size", "steps", "batch_size"):
-            value = getattr(self, field)
-            _require("warm_start", field, isinstance(value, int) and value >= 1,
-                     "must be an int >= 1", value)
+        _require_counts("warm_start", self, ("hidden_size", "num_layers", "num_heads",
+                                             "num_kv_heads", "intermediate_size", "steps",
+                                             "batch_size"))
         _require("warm_start", "num_heads", self.num_heads % self.num_kv_heads == 0,
                  f"must be a multiple of num_kv_heads={self.num_kv_heads}", self.num_heads)
         _require("warm_start", "hidden_size", self.hidden_size % self.num_heads == 0,
@@ -151,11 +157,8 @@ class TrainerConfig:
     plots: bool = True
 
     def __post_init__(self):
-        for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",
-                      "checkpoint_every", "keep_checkpoints"):
-            value = getattr(self, field)
-            _require("trainer", field, isinstance(value, int) and value >= 1,
-                     "must be an int >= 1", value)
+        _require_counts("trainer", self, ("steps", "prompts_per_step", "minibatch_size",
+                                          "logp_chunk", "checkpoint_every", "keep_checkpoints"))
         _require("trainer", "score_batch", self.score_batch >= 0, "must be >= 0", self.score_batch)
 
 
@@ -180,10 +183,7 @@ class EvalConfig:
     batch_size: int = 64
 
     def __post_init__(self):
-        for field in ("num_prompts", "samples", "batch_size"):
-            value = getattr(self, field)
-            _require("eval", field, isinstance(value, int) and value >= 1,
-                     "must be an int >= 1", value)
+        _require_counts("eval", self, ("num_prompts", "samples", "batch_size"))
         _require("eval", "temperature", self.temperature > 0, "must be > 0", self.temperature)
 
 
