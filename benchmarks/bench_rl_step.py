@@ -94,7 +94,7 @@ def worker(args) -> None:
     widths = []
     for step in range(args.steps):
         prompt, mask = tokenizer.encode(source.batch(step).prompts, add_special_tokens=False)
-        widths.append(bucket_prompts(prompt, mask, cfg.sampling.prompt_bucket, None)[0].shape[1])
+        widths.append(bucket_prompts(prompt, mask, cfg.sampling.prompt_bucket)[0].shape[1])
     result = dict(prompt_widths=widths,
         method=args.method, records=read_metrics(run_dir / "metrics.jsonl"), wall=wall,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, base_rss_mib=base_rss,

@@ -1,16 +1,18 @@
 #!/usr/bin/env python
 """Reproduce the Sparse-RL claims at small scale on the shipped task.
 
-Arms, same seed, same warm-started policy, same data and KV budget:
-  dense            full KV cache (the reference)
-  naive <method>   compressed rollouts, no correction (trains on pi_sparse as if it were pi_dense)
-  sparse-rl <m.>   compressed rollouts with Sparse-RL's rejection + importance reweighting
-for <method> in R-KV and SnapKV. Each final policy is evaluated under dense and under sparse
-inference. Writes ``<out>/results.md`` (table), ``<out>/results.json`` and comparison plots
-``<out>/plots/compare_*.png``.
+Arms, same seed, same warm-started policy, same data:
+  dense                     full KV cache (the reference)
+  naive <method> <budget>   compressed rollouts, no correction (pi_sparse treated as pi_dense)
+  sparse-rl <method> <b.>   compressed rollouts with Sparse-RL's rejection + reweighting
+for every <method> (R-KV, SnapKV) and KV <budget> (a harsh and a moderate one by default; see
+``experiments/regime_sweep.py`` for where compression starts to change the samples), and for
+every seed. Each final policy is evaluated under dense inference and under every sparse
+setting. Writes ``<out>/results.md`` (tables), ``<out>/results.json`` and comparison plots
+``<out>/plots/seed<k>/budget<b>/compare_*.png`` (and ``plots/seed_mean/``: seeds averaged).
 
   python experiments/reproduce.py              # the full experiment (< 1 h on a 2-core CPU)
-  python experiments/reproduce.py --quick      # a smoke version (< 10 min)
+  python experiments/reproduce.py --quick      # a smoke version (< 1 min)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sparse_rl_jax.config_io import load_config  # noqa: E402
-from sparse_rl_jax.evaluation import HEADER, evaluate, eval_set  # noqa: E402
+from sparse_rl_jax.evaluation import evaluate, eval_set  # noqa: E402
 from sparse_rl_jax.metrics_writer import read_metrics  # noqa: E402
 from sparse_rl_jax.plots import plot_comparison  # noqa: E402
 from sparse_rl_jax.rewards import get_reward_fn  # noqa: E402
@@ -34,22 +36,24 @@ from sparse_rl_jax.run_config import RunConfig  # noqa: E402
 from sparse_rl_jax.trainer import load_policy, policy_path, resolve_sampling, train  # noqa: E402
 
 COMPARE_KEYS = ("reward_mean", "rejection_rate", "clip_fraction", "mismatch_k3",
-                "repetition_fraction", "kv_token_savings", "response_length_mean",
-                "token_mask_fraction")
+                "repetition_fraction", "kv_token_savings", "kv_peak_savings",
+                "response_length_mean", "token_mask_fraction")
 
 
-def arms(methods: list[str]) -> list[tuple[str, list[str]]]:
-    """(label, overrides) of every arm."""
+def arms(methods: list[str], budgets: list[int]) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of every arm: dense once, then naive and Sparse-RL per budget."""
     out = [("dense", ["compression.method=none", "correction.kind=none"])]
-    for method in methods:
-        out.append((f"naive {method}", [f"compression.method={method}", "correction.kind=none"]))
-        out.append((f"sparse-rl {method}", [f"compression.method={method}",
-                                            "correction.kind=sparse_rl"]))
+    for budget in budgets:
+        for method in methods:
+            setting = [f"compression.method={method}", f"compression.budget={budget}"]
+            out.append((f"naive {method} {budget}", [*setting, "correction.kind=none"]))
+            out.append((f"sparse-rl {method} {budget}", [*setting, "correction.kind=sparse_rl"]))
     return out
 
 
 def summarize(records: list[dict], tail: int) -> dict:
-    """Means over the first and the last ``tail`` steps of a run's metrics."""
+    """Means over the first and the last ``tail`` steps of a run's metrics (reward), and
+    over the whole run (everything else)."""
     def mean(rows, key):
         values = [r[key] for r in rows if key in r]
         return sum(values) / len(values) if values else float("nan")
@@ -60,14 +64,31 @@ def summarize(records: list[dict], tail: int) -> dict:
     }
 
 
+def mean_records(runs: list[list[dict]]) -> list[dict]:
+    """Step-by-step means of several runs' metrics (the steps the runs share)."""
+    return [{"step": steps[0]["step"],
+             **{key: sum(step[key] for step in steps) / len(steps) for key in COMPARE_KEYS
+                if all(key in step for step in steps)}} for steps in zip(*runs)]
+
+
+def plot_by_budget(runs: list[tuple[str, list[dict]]], budgets: list[int], out: Path) -> None:
+    """One comparison figure per budget (``out/budget<b>/``): dense and that budget's arms."""
+    for budget in budgets:
+        chosen = [run for run in runs if run[0] == "dense" or run[0].endswith(f" {budget}")]
+        plot_comparison(chosen, out / f"budget{budget}", COMPARE_KEYS, smooth=5)
+
+
 def main(argv=None) -> int:
     """Runs every arm, evaluates the final policies, writes the results."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/reproduce")
-    parser.add_argument("--quick", action="store_true", help="a few steps per arm (smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few steps per arm, first seed and budget only (smoke test)")
     parser.add_argument("--methods", nargs="+", default=["rkv", "snapkv"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--budgets", nargs="+", type=int, default=[32, 40],
+                        help="KV budgets of the sparse arms (see experiments/regime_sweep.py)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every arm")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -78,13 +99,17 @@ def main(argv=None) -> int:
         base = ["trainer.steps=2", "trainer.prompts_per_step=8", "trainer.minibatch_size=64",
                 "warm_start.steps=30", "eval.num_prompts=8", "eval.batch_size=8",
                 "eval.samples=8"] + base
+        args.seeds, args.budgets = args.seeds[:1], args.budgets[:1]
     started = time.monotonic()
     shared = load_config(RunConfig, None, [f"run_dir={out / 'shared'}"] + base)
     policy = policy_path(shared)  # one warm start, shared by every arm
-    results = []
+    # Every policy is evaluated dense and under every sparse setting that an arm trains with.
+    inference = [dataclasses.replace(shared.compression, method=m, budget=b)
+                 for b in args.budgets for m in args.methods]
+    results, curves = [], {}
     for seed in args.seeds:
         runs = []
-        for label, arm in arms(args.methods):
+        for label, arm in arms(args.methods, args.budgets):
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")
             cfg = load_config(RunConfig, None, [
                 f"run_dir={run_dir}", f"model.path={policy}", f"trainer.seed={seed}",
@@ -93,42 +118,92 @@ def main(argv=None) -> int:
             train(cfg)
             records = read_metrics(run_dir / "metrics.jsonl")
             runs.append((label, records))
+            curves.setdefault(label, []).append(records)
             graphdef, params, tokenizer = load_policy(cfg, str(run_dir / "final"))
             prompts, answers = eval_set(cfg)
-            sparse_cfg = cfg.compression if cfg.compression.compresses else dataclasses.replace(
-                shared.compression, method=args.methods[0])
             rows = evaluate(graphdef, params, tokenizer, prompts, answers,
                             get_reward_fn(cfg.data.reward), resolve_sampling(cfg, tokenizer),
-                            sparse_cfg, samples=cfg.eval.samples,
+                            inference, samples=cfg.eval.samples,
                             temperature=cfg.eval.temperature, batch_size=cfg.eval.batch_size,
                             seed=seed)
             results.append({"arm": label, "seed": seed,
+                            "own_eval": (f"sparse ({cfg.compression.method} "
+                                         f"{cfg.compression.budget})"
+                                         if cfg.compression.compresses else "dense"),
                             **summarize(records, max(1, len(records) // 4)),
                             "eval": [dataclasses.asdict(r) for r in rows]})
-        plot_comparison(runs, out / "plots" / f"seed{seed}", COMPARE_KEYS, smooth=5)
+        plot_by_budget(runs, args.budgets, out / "plots" / f"seed{seed}")
+    plot_by_budget([(label, mean_records(r)) for label, r in curves.items()], args.budgets,
+                   out / "plots" / "seed_mean")
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    table = format_table(results)
-    (out / "results.md").write_text(table + f"\n\nwall time: {time.monotonic() - started:.0f} s\n")
-    print(table)
+    text = "\n\n".join([training_table(results), inference_table(results),
+                         training_table(results, per_seed=True)])
+    (out / "results.md").write_text(
+        text + f"\n\nseeds {args.seeds}; wall time: {time.monotonic() - started:.0f} s\n")
+    print(text)
     return 0
 
 
-def format_table(results: list[dict]) -> str:
-    """A markdown table: training statistics and dense / sparse eval per arm and seed."""
-    head = ("| arm | seed | reward first→last quarter | rejection | clip frac | mismatch k3 | "
-            "repetition | KV saved | eval dense pass@1 / avg@k | eval sparse pass@1 / avg@k |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _cell(values: list[float], digits: int = 3) -> str:
+    """The mean, and the per-seed values in brackets when there are several."""
+    text = f"{_mean(values):.{digits}f}"
+    if len(values) > 1:
+        text += " (" + ", ".join(f"{v:.{digits}f}" for v in values) + ")"
+    return text
+
+
+def _by_arm(results: list[dict], per_seed: bool) -> list[tuple[str, list[dict]]]:
+    """Results grouped by arm in first-seen order (one group per arm and seed if per_seed)."""
+    groups: dict[str, list[dict]] = {}
     for r in results:
-        ev = {row["mode"].split()[0]: row for row in r["eval"]}
-        sparse = ev.get("sparse", {})
+        groups.setdefault(f"{r['arm']} | {r['seed']}" if per_seed else r["arm"], []).append(r)
+    return list(groups.items())
+
+
+def _pass1(r: dict, mode: str) -> float:
+    return next(e["pass_at_1"] for e in r["eval"] if e["mode"] == mode)
+
+
+def training_table(results: list[dict], per_seed: bool = False) -> str:
+    """Markdown table of the training statistics (means over the run) and the final policy's
+    greedy accuracy dense and under its own compression. Seeds are averaged (per-seed values
+    in brackets for the reward and the accuracies) unless ``per_seed``."""
+    digits = 3 if per_seed else 2
+    head = ("| arm | " + ("seed | " if per_seed else "")
+            + "reward first→last quarter | rejection | tok masked | clip frac | mismatch k3 | "
+            "repetition | KV saved mean / peak | eval pass@1 dense | eval pass@1 own sparse |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, rows in _by_arm(results, per_seed):
+        col = lambda key: _mean([r[key] for r in rows])  # noqa: E731
+        own = [_pass1(r, r["own_eval"]) for r in rows]
         lines.append(
-            f"| {r['arm']} | {r['seed']} | {r['reward_first']:.3f} → {r['reward_last']:.3f} | "
-            f"{r['rejection_rate']:.3f} | {r['clip_fraction']:.4f} | {r['mismatch_k3']:.3f} | "
-            f"{r['repetition_fraction']:.3f} | {r['kv_token_savings']:.3f} | "
-            f"{ev['dense']['pass_at_1']:.3f} / {ev['dense']['avg_at_k']:.3f} | "
-            f"{sparse.get('pass_at_1', float('nan')):.3f} / "
-            f"{sparse.get('avg_at_k', float('nan')):.3f} |")
+            f"| {name} | {_mean([r['reward_first'] for r in rows]):.3f} → "
+            f"{_cell([r['reward_last'] for r in rows], digits)} | {col('rejection_rate'):.3f} | "
+            f"{col('token_mask_fraction'):.3f} | {col('clip_fraction'):.4f} | "
+            f"{col('mismatch_k3'):.3f} | {col('repetition_fraction'):.3f} | "
+            f"{col('kv_token_savings'):.3f} / {col('kv_peak_savings'):.3f} | "
+            f"{_cell([_pass1(r, 'dense') for r in rows], digits)} | "
+            f"{_cell(own, digits) if rows[0]['own_eval'] != 'dense' else '–'} |")
+    return "\n".join(lines)
+
+
+def inference_table(results: list[dict]) -> str:
+    """Markdown table: greedy pass@1 (mean over seeds) of every final policy under dense
+    inference and under every sparse setting; avg@k in brackets."""
+    modes = [e["mode"] for e in results[0]["eval"]]
+    lines = ["| policy \\ inference | " + " | ".join(modes) + " |",
+             "|" + "---|" * (len(modes) + 1)]
+    for name, rows in _by_arm(results, per_seed=False):
+        cells = []
+        for mode in modes:
+            evals = [next(e for e in r["eval"] if e["mode"] == mode) for r in rows]
+            cells.append(f"{_mean([e['pass_at_1'] for e in evals]):.3f} "
+                         f"({_mean([e['avg_at_k'] for e in evals]):.3f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

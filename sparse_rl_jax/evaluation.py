@@ -69,7 +69,7 @@ def evaluate(
     answers: Sequence[str],
     reward_fn: Callable,
     sampling: SamplingConfig,
-    compression: CompressionConfig,
+    compression: CompressionConfig | Sequence[CompressionConfig],
     *,
     samples: int,
     temperature: float,
@@ -84,15 +84,16 @@ def evaluate(
       prompts, answers: the eval set.
       reward_fn: ``(completions, answers) -> [N]`` (1.0 = correct).
       sampling: base sampling config (EOS ids, max_new_tokens, prompt bucket).
-      compression: the sparse-inference setting (usually the training one).
+      compression: the sparse-inference setting (usually the training one), or several;
+        each compressing one adds a row after the dense one, in the given order.
       samples: ``k`` of avg@k; temperature: its sampling temperature.
       batch_size: prompts per generation call.
       seed: sampling seed.
     """
     prompts, answers = list(prompts), list(answers)
+    sparse = [compression] if isinstance(compression, CompressionConfig) else list(compression)
     modes = [("dense", CompressionConfig(method="none"))]
-    if compression.compresses:
-        modes.append((f"sparse ({compression.method} {compression.budget})", compression))
+    modes += [(f"sparse ({c.method} {c.budget})", c) for c in sparse if c.compresses]
     greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
     sampled = dataclasses.replace(sampling, greedy=False, num_samples=samples,
                                   temperature=temperature, top_p=1.0, top_k=0)

@@ -32,7 +32,8 @@ class SparseKVState:
       queries: ``[L, B, Hq, w, D]`` the last ``w`` queries per layer, oldest -> newest, aligned
         with the newest ``w`` written slots ``[index - w, index)``.
       evicted_at: ``[L, B, Hkv, T_total]`` int32, indexed by token position: the first query
-        position that no longer sees the key; ``NEVER`` if it was never evicted.
+        position that no longer sees the key; ``NEVER`` if it was never evicted. ``T_total``
+        is 0 when the state keeps no record (``init_state(record=False)``).
     """
 
     cache: KVCache
@@ -50,11 +51,13 @@ def init_state(
     head_dim: int,
     max_len: int,
     dtype=jnp.float32,
+    record: bool = True,
 ) -> SparseKVState:
     """An empty state for sequences of up to ``max_len`` positions (prompt + response).
 
     The cache gets ``cfg.cache_capacity(max_len)`` slots (``budget + buffer``; ``max_len`` for
-    ``none``); the eviction record covers positions ``[0, max_len)``.
+    ``none``); the eviction record covers positions ``[0, max_len)``, or nothing when
+    ``record`` is False (compression then skips the bookkeeping).
     """
     for name, value in (
         ("num_layers", num_layers),
@@ -74,7 +77,8 @@ def init_state(
     return SparseKVState(
         cache=cache,
         queries=jnp.zeros((num_layers, batch, num_heads, cfg.window, head_dim), dtype),
-        evicted_at=jnp.full((num_layers, batch, num_kv_heads, max_len), NEVER, jnp.int32),
+        evicted_at=jnp.full((num_layers, batch, num_kv_heads, max_len if record else 0), NEVER,
+                            jnp.int32),
     )
 
 
@@ -165,6 +169,8 @@ def _record_evictions(
 ) -> jax.Array:
     """Write ``when [L, B, 1]`` into ``evicted_at[l, b, h, pos]`` for every evicted slot."""
     total = evicted_at.shape[-1]
+    if total == 0:  # the state keeps no record
+        return evicted_at
     target = jnp.where(evicted, pos, total)  # out of range -> dropped
 
     def one_row(record: jax.Array, positions: jax.Array, value: jax.Array) -> jax.Array:
@@ -233,6 +239,10 @@ def visibility_from_record(evicted_at: jax.Array, positions: jax.Array) -> jax.A
     ``0 <= positions[s] <= t < expiry[s]``; padding and out-of-record columns get ``NEVER``.
     """
     n_layers, batch, heads, total = evicted_at.shape
+    if total == 0:
+        raise ValueError(
+            "the eviction record is empty: sample with SamplingConfig(record_evictions=True) "
+            "to replay the sparse context")
     if positions.ndim != 2 or positions.shape[0] != batch:
         raise ValueError(f"positions {positions.shape} must be [B={batch}, S]")
     inside = (positions >= 0) & (positions < total)

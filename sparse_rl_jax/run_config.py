@@ -189,7 +189,9 @@ class EvalConfig:
 
 # The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
 # own defaults (the official Sparse-RL settings); configs/ holds the paper setups.
-DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucket=16)
+# Runs score densely and never replay the sparse context: no eviction record (memory).
+DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucket=16,
+                                  record_evictions=False)
 DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=32, buffer=8, window=4)
 DEFAULT_LOSS = GRPOLossConfig(group_size=8)
 DEFAULT_OPTIM = OptimConfig(lr=3e-4, weight_decay=0.0)

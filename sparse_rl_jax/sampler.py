@@ -37,7 +37,8 @@ class Rollout(NamedTuple):
       logp: ``[N, M]`` float32 log-prob of each token under the sampling policy (0 off-mask).
       finished: ``[N]`` bool, the row emitted an EOS token (else it was truncated).
       eviction_record: ``[L, N, Hkv, P + M]`` int32 (``kv_state.NEVER`` = kept), indexed by
-        token position; all ``NEVER`` for ``none``.
+        token position; all ``NEVER`` for ``none``; ``[L, N, Hkv, 0]`` when
+        ``sampling.record_evictions`` is off.
       kv_peak / kv_mean: ``[N]`` float32 resident KV tokens per layer and head: maximum and
         mean over the row's forward passes (prefill included).
       dense_kv_peak / dense_kv_mean: ``[N]`` the same for a dense cache (every past token).
@@ -75,7 +76,8 @@ class _Loop(NamedTuple):
 
 
 def bucket_prompts(
-    prompt: np.ndarray, prompt_mask: np.ndarray, bucket: int, limit: int | None
+    prompt: np.ndarray, prompt_mask: np.ndarray, bucket: int,
+    compression: CompressionConfig | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Left-pads (or trims all-padding columns from) prompts to a multiple of ``bucket``.
 
@@ -83,11 +85,12 @@ def bucket_prompts(
       prompt: ``[B, P]`` int tokens, left-padded.
       prompt_mask: ``[B, P]`` 1 on real tokens; rows must be left-padded (mask non-decreasing).
       bucket: the length granularity.
-      limit: the longest padded prompt allowed (the cache capacity), or None.
+      compression: when it compresses, the longest prompt must fit its cache capacity
+        (``budget + buffer``; prompts are never truncated) and the padded width is capped there.
 
     Returns:
       ``(prompt, mask)`` of shape ``[B, P']`` with ``P' = ceil(longest / bucket) * bucket``
-      capped at ``limit``.
+      capped at the cache capacity.
     """
     prompt = np.asarray(prompt)
     mask = np.asarray(prompt_mask).astype(np.int32)
@@ -101,14 +104,10 @@ def bucket_prompts(
     if np.any(lengths == 0):
         raise ValueError(f"prompt rows {np.flatnonzero(lengths == 0).tolist()} are empty")
     longest = int(lengths.max())
-    if limit is not None and longest > limit:
-        raise ValueError(
-            f"prompt length {longest} exceeds the KV cache capacity of {limit} slots; raise "
-            "compression.budget/buffer or shorten the prompts (prompts are never truncated)"
-        )
     width = -(-longest // bucket) * bucket
-    if limit is not None:
-        width = min(width, limit)
+    if compression is not None and compression.compresses:
+        kv_state.check_prompt_fits(compression, longest)
+        width = min(width, compression.capacity)
     out = np.zeros((prompt.shape[0], width), np.int32)
     out_mask = np.zeros((prompt.shape[0], width), np.int32)
     keep = min(width, prompt.shape[1])
@@ -145,6 +144,7 @@ def _prefill(graphdef, params, prompt, prompt_mask, key, *, sampling, compressio
         head_dim=cfg.head_dim,
         max_len=max_len,
         dtype=model.dtype,
+        record=sampling.record_evictions,
     )
     positions = jnp.where(prompt_mask > 0, jnp.cumsum(prompt_mask, axis=1) - 1, -1)
     window = min(compression.window, p)
@@ -261,8 +261,7 @@ def generate(
     Returns:
       A :class:`Rollout` with ``N = B * num_samples`` rows.
     """
-    limit = compression.capacity if compression.compresses else None
-    prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, limit)
+    prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     max_len = prompt.shape[1] + sampling.max_new_tokens
     k_prefill, k_decode = jax.random.split(key)
     state, first, first_logp, resident0, lengths, compressed = _prefill(

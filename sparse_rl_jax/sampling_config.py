@@ -21,6 +21,10 @@ class SamplingConfig:
       pad_id: id written after a response ended.
       prompt_bucket: prompt lengths are left-padded up to a multiple of this, so calls with
         similar prompt lengths reuse one compiled program.
+      record_evictions: keep the eviction record (``Rollout.eviction_record``, int32
+        ``[L, N, Hkv, P + M]``) that lets ``score`` replay the sparse context exactly. Off,
+        the record is an empty ``[L, N, Hkv, 0]`` array: a training run, which scores densely,
+        saves that memory (about 2 GB for a 28-layer, 4-KV-head model at 1024 x 4.7k tokens).
     """
 
     max_new_tokens: int = 256
@@ -32,6 +36,7 @@ class SamplingConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     prompt_bucket: int = 32
+    record_evictions: bool = True
 
     def __post_init__(self):
         checks = {

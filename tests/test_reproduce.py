@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,23 +19,95 @@ def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     tiny = ["warm_start.hidden_size=32", "warm_start.num_layers=1", "warm_start.num_heads=2",
             "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
             "data.task.n_min=2", "data.task.n_max=3", "sampling.max_new_tokens=16",
-            "compression.budget=14", "compression.buffer=4", "compression.window=2",
+            "compression.buffer=4", "compression.window=2",
             "trainer.logp_chunk=16", "warm_start.steps=10"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "reproduce.py"), "--quick",
-         "--methods", "rkv", "--out", str(out), *tiny],
+         "--methods", "rkv", "--budgets", "14", "12", "--seeds", "0", "1", "--out", str(out),
+         *tiny],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())
-    assert [r["arm"] for r in rows] == ["dense", "naive rkv", "sparse-rl rkv"]
+    # --quick keeps the first seed and budget only.
+    assert [(r["arm"], r["seed"]) for r in rows] == [
+        ("dense", 0), ("naive rkv 14", 0), ("sparse-rl rkv 14", 0)]
     dense, naive, corrected = rows
     assert dense["kv_token_savings"] == 0.0 and corrected["kv_token_savings"] > 0.0
     assert naive["rejection_rate"] == 0.0  # no correction: nothing is ever rejected
     for row in rows:
         assert [e["mode"] for e in row["eval"]] == ["dense", "sparse (rkv 14)"]
     table = (out / "results.md").read_text()
-    assert "sparse-rl rkv" in table and "wall time" in table
-    assert (out / "plots" / "seed0" / "compare_summary.png").stat().st_size > 10_000
+    assert "sparse-rl rkv 14" in table and "wall time" in table
+    assert "| policy \\ inference | dense | sparse (rkv 14) |" in table
+    summary = out / "plots" / "seed0" / "budget14" / "compare_summary.png"
+    assert summary.stat().st_size > 10_000
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tables_average_seeds_and_list_every_inference_mode():
+    reproduce = _load_script("reproduce")
+
+    def result(arm, seed, own, reward_last, dense, sparse):
+        stats = {key: 0.5 for key in reproduce.COMPARE_KEYS}
+        return {"arm": arm, "seed": seed, "own_eval": own, "reward_first": 0.1,
+                "reward_last": reward_last, **stats,
+                "eval": [{"mode": "dense", "pass_at_1": dense, "avg_at_k": dense / 2},
+                         {"mode": "sparse (rkv 8)", "pass_at_1": sparse, "avg_at_k": 0.0}]}
+
+    results = [result("dense", 0, "dense", 0.2, 0.5, 0.25),
+               result("naive rkv 8", 0, "sparse (rkv 8)", 0.4, 0.75, 0.5),
+               result("dense", 1, "dense", 0.4, 0.25, 0.75)]
+    training = reproduce.training_table(results).splitlines()
+    assert len(training) == 4  # header, rule, one line per arm with the seeds averaged
+    assert training[2].startswith("| dense | 0.100 → 0.30 (0.20, 0.40) |")
+    assert training[2].endswith("| 0.38 (0.50, 0.25) | – |")
+    assert training[3].endswith("| 0.75 | 0.50 |")
+    per_seed = reproduce.training_table(results, per_seed=True).splitlines()
+    assert [line.split(" | ")[:2] for line in per_seed[2:]] == [
+        ["| dense", "0"], ["| naive rkv 8", "0"], ["| dense", "1"]]
+    inference = reproduce.inference_table(results).splitlines()
+    assert inference[0] == "| policy \\ inference | dense | sparse (rkv 8) |"
+    assert inference[2] == "| dense | 0.375 (0.188) | 0.500 (0.000) |"
+
+
+def test_first_difference_counts_changed_tokens_and_early_stops():
+    sweep = _load_script("regime_sweep")
+    a = np.array([[1, 2, 3, 0], [1, 2, 3, 0], [5, 6, 0, 0]])
+    b = np.array([[1, 2, 3, 0], [1, 9, 3, 0], [5, 6, 7, 0]])
+    on = np.array([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 0, 0]])
+    on_b = np.array([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0]])
+    np.testing.assert_array_equal(sweep.first_difference(a, b, on, on_b), [-1, 1, 2])
+
+
+def test_regime_sweep_quick_couples_dense_and_sparse_samples(tmp_path):
+    out = tmp_path / "sweep"
+    tiny = ["warm_start.hidden_size=32", "warm_start.num_layers=1", "warm_start.num_heads=2",
+            "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
+            "warm_start.steps=10", "compression.buffer=4", "compression.window=2",
+            "trainer.logp_chunk=16"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "regime_sweep.py"), "--quick",
+         "--methods", "snapkv", "--n", "2", "--budgets", "8", "64", "--out", str(out), *tiny],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [(r["method"], r["n"], r["budget"]) for r in rows] == [
+        ("snapkv", 2, 8), ("snapkv", 2, 64)]
+    small, large = rows
+    # Budget 64 + buffer 4 exceeds any context here (prompt 9 + at most 40 new tokens): the
+    # cache never compresses, so the same key must give the very same samples.
+    assert large["kv_saved_peak"] == 0.0 and large["seq_changed"] == 0.0
+    assert large["rejection_rate"] == 0.0 and abs(large["mismatch_k3"]) < 1e-5
+    assert large["acc_dense"] == large["acc_sparse"]
+    assert small["kv_saved_peak"] > 0.0
+    assert "| snapkv | 2 |" in (out / "sweep.md").read_text()

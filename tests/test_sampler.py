@@ -3,6 +3,8 @@ eviction-record replay, plus sampling-distribution and recompilation checks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import torch
 from flax import nnx
 
 import models
+from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.sampler import _decode, _prefill, bucket_prompts, generate
 from sparse_rl_jax.sampling_config import SamplingConfig
@@ -86,6 +89,24 @@ def test_sparse_logprobs_equal_replayed_scorer_not_dense(tiny, method):
     assert float(jnp.max(rollout.dense_kv_peak)) > compression.capacity
 
 
+def test_without_record_same_rollout_and_replay_is_refused(tiny):
+    _, graphdef, params, prompt, mask = tiny
+    sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4)
+    compression = CompressionConfig(method="rkv", budget=12, buffer=4, window=4)
+    key = jax.random.key(5)
+    kept = generate(graphdef, params, prompt, mask, key, sampling, compression)
+    dropped = generate(graphdef, params, prompt, mask, key,
+                       dataclasses.replace(sampling, record_evictions=False), compression)
+    assert int(dropped.num_compressions) >= 2
+    assert dropped.eviction_record.shape == kept.eviction_record.shape[:3] + (0,)
+    assert int(jnp.min(kept.eviction_record)) < kv_state.NEVER  # the kept one records
+    for name in ("response", "response_mask", "logp", "kv_peak", "kv_mean"):
+        np.testing.assert_array_equal(getattr(dropped, name), getattr(kept, name), err_msg=name)
+    with pytest.raises(ValueError, match="record_evictions=True"):
+        score(graphdef, params, dropped.prompt, dropped.prompt_mask, dropped.response,
+              dropped.eviction_record)
+
+
 def test_repeated_calls_with_same_bucket_do_not_recompile(tiny):
     _, graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=6, prompt_bucket=16)
@@ -99,7 +120,7 @@ def test_repeated_calls_with_same_bucket_do_not_recompile(tiny):
 
 def test_prompt_longer_than_capacity_is_an_error(tiny):
     _, graphdef, params, prompt, mask = tiny
-    with pytest.raises(ValueError, match="exceeds the KV cache capacity of 10"):
+    with pytest.raises(ValueError, match=r"prompt length 11 exceeds the KV cache capacity \(budget 6 \+ buffer 4 = 10"):
         generate(graphdef, params, prompt, mask, jax.random.key(0), SamplingConfig(),
                  CompressionConfig(method="rkv", budget=6, buffer=4, window=2))
 
@@ -107,11 +128,11 @@ def test_prompt_longer_than_capacity_is_an_error(tiny):
 def test_bucket_prompts_pads_left_and_rejects_right_padding():
     prompt = np.array([[0, 5, 6], [7, 8, 9]])
     mask = np.array([[0, 1, 1], [1, 1, 1]])
-    out, out_mask = bucket_prompts(prompt, mask, bucket=4, limit=None)
+    out, out_mask = bucket_prompts(prompt, mask, bucket=4)
     np.testing.assert_array_equal(out, [[0, 0, 5, 6], [0, 7, 8, 9]])
     np.testing.assert_array_equal(out_mask, [[0, 0, 1, 1], [0, 1, 1, 1]])
     with pytest.raises(ValueError, match="left-padded"):
-        bucket_prompts(prompt, np.array([[1, 1, 0], [1, 1, 1]]), bucket=4, limit=None)
+        bucket_prompts(prompt, np.array([[1, 1, 0], [1, 1, 1]]), bucket=4)
 
 
 def _reference_distribution(logits, temperature, top_k, top_p):

@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""Where does KV compression change the rollouts? A sweep over KV budget and problem size.
+
+For one warm-started policy (no RL), every cell (method, n labelled digits, budget) samples
+the same prompts twice with the same PRNG key, once with a dense cache and once compressed.
+The sampler draws every token by Gumbel-max from one key stream, so the two rollouts are
+identical until compression moves the distribution far enough to flip a draw: the first
+differing token is where compression changed the sample. The sparse rollout is then scored
+densely (what the learner sees) and put through Sparse-RL's corrections. Per cell:
+
+  kv saved mean / peak   1 - resident KV tokens of the compressed cache / of a dense cache
+  seq changed            fraction of sequences whose sparse sample differs from the dense one
+  first diff             mean response position of the first differing token (changed rows)
+  rejection, tok masked  Sparse-RL's sequence rejection rate and token mask fraction
+  mismatch k3            KL(pi_sparse || pi_dense) estimate on the sparse samples
+  acc dense / sparse     mean reward of the dense and the compressed samples
+  greedy dense / sparse  greedy (pass@1) accuracy, dense and compressed
+
+  python experiments/regime_sweep.py                    # the default grid (~4 min, 2 cores)
+  python experiments/regime_sweep.py --quick            # a smoke version (< 1 min)
+  python experiments/regime_sweep.py --n 8 12 --budgets 40 48 --methods rkv
+
+Writes ``<out>/sweep.md`` and ``<out>/sweep.json``. Extra ``key=value`` arguments override
+the run config (e.g. ``warm_start.steps=2000``); the warm start is trained on
+``data.task.n_min..max(--n)`` so every cell's problem size is in distribution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sparse_rl_jax.compression import CompressionConfig  # noqa: E402
+from sparse_rl_jax.config_io import load_config  # noqa: E402
+from sparse_rl_jax.corrections import compute_corrections  # noqa: E402
+from sparse_rl_jax.loss_config import CorrectionConfig  # noqa: E402
+from sparse_rl_jax.rewards import compute_rewards, get_reward_fn  # noqa: E402
+from sparse_rl_jax.run_config import RunConfig  # noqa: E402
+from sparse_rl_jax.sampler import generate  # noqa: E402
+from sparse_rl_jax.scoring import score  # noqa: E402
+from sparse_rl_jax.task import TaskDataset, prompt_length, solution_length  # noqa: E402
+from sparse_rl_jax.trainer import load_policy, policy_path, resolve_sampling  # noqa: E402
+
+_corrections = jax.jit(compute_corrections, static_argnames="cfg")
+
+
+def first_difference(a: np.ndarray, b: np.ndarray, mask_a: np.ndarray,
+                     mask_b: np.ndarray) -> np.ndarray:
+    """Per row, the first response position where two rollouts differ, or -1 if they agree.
+
+    Args:
+      a, b: ``[N, M]`` response tokens; mask_a, mask_b: ``[N, M]`` their response masks.
+        A position differs when exactly one row has a token there or both have different
+        tokens (so an early EOS in one rollout counts as a difference).
+    """
+    a_on, b_on = mask_a.astype(bool), mask_b.astype(bool)
+    differs = (a_on != b_on) | (a_on & b_on & (a != b))
+    return np.where(differs.any(1), differs.argmax(1), -1)
+
+
+def _rollout(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling, compression,
+             key):
+    ids, mask = tokenizer.encode(prompts, add_special_tokens=False)
+    rollout = generate(graphdef, params, ids, mask, key, sampling, compression)
+    texts = tokenizer.decode(rollout.response, rollout.response_mask)
+    gold = np.repeat(np.asarray(answers, dtype=object), sampling.num_samples)
+    return rollout, compute_rewards(reward_fn, texts, list(gold))
+
+
+def measure_cell(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
+                 compression: CompressionConfig, correction: CorrectionConfig, key,
+                 chunk: int) -> dict:
+    """The statistics of one (compression, prompt set) cell; see the module docstring."""
+    dense_cfg = CompressionConfig(method="none")
+    args = (graphdef, params, tokenizer, prompts, answers, reward_fn)
+    dense, dense_reward = _rollout(*args, sampling, dense_cfg, key)
+    sparse, sparse_reward = _rollout(*args, sampling, compression, key)
+    greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
+    _, greedy_dense = _rollout(*args, greedy, dense_cfg, key)
+    _, greedy_sparse = _rollout(*args, greedy, compression, key)
+
+    logp_dense = score(graphdef, params, sparse.prompt, sparse.prompt_mask, sparse.response,
+                       chunk_size=chunk).logp
+    stats = jax.device_get(_corrections(logp_dense, sparse.logp, sparse.response_mask,
+                                        cfg=correction).metrics)
+    first = first_difference(*(np.asarray(x) for x in (
+        dense.response, sparse.response, dense.response_mask, sparse.response_mask)))
+    changed = first >= 0
+    kv = {name: float(np.asarray(getattr(sparse, name)).sum()) for name in
+          ("kv_mean", "dense_kv_mean", "kv_peak", "dense_kv_peak")}
+    return {
+        "kv_saved_mean": 1.0 - kv["kv_mean"] / kv["dense_kv_mean"],
+        "kv_saved_peak": 1.0 - kv["kv_peak"] / kv["dense_kv_peak"],
+        "seq_changed": float(changed.mean()),
+        "first_diff": float(first[changed].mean()) if changed.any() else float("nan"),
+        "rejection_rate": float(stats["rejection_rate"]),
+        "token_mask_fraction": float(stats["token_mask_fraction"]),
+        "mismatch_k3": float(stats["mismatch_k3"]),
+        "acc_dense": float(np.mean(dense_reward)),
+        "acc_sparse": float(np.mean(sparse_reward)),
+        "greedy_dense": float(np.mean(greedy_dense)),
+        "greedy_sparse": float(np.mean(greedy_sparse)),
+    }
+
+
+COLUMNS = (("kv_saved_mean", "KV saved mean"), ("kv_saved_peak", "KV saved peak"),
+           ("seq_changed", "seq changed"), ("first_diff", "first diff"),
+           ("rejection_rate", "rejection"), ("token_mask_fraction", "tok masked"),
+           ("mismatch_k3", "mismatch k3"), ("acc_dense", "acc dense"),
+           ("acc_sparse", "acc sparse"), ("greedy_dense", "greedy dense"),
+           ("greedy_sparse", "greedy sparse"))
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table of the sweep, one line per cell."""
+    names = ["method", "n", "context", "budget"] + [title for _, title in COLUMNS]
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    for r in rows:
+        cells = [r["method"], str(r["n"]), str(r["context"]), str(r["budget"])]
+        cells += [f"{r[key]:.1f}" if key == "first_diff" else f"{r[key]:.3f}"
+                  for key, _ in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Runs the grid and writes the table."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/regime_sweep")
+    parser.add_argument("--quick", action="store_true", help="a tiny grid (smoke test)")
+    parser.add_argument("--methods", nargs="+", default=["rkv", "snapkv"])
+    parser.add_argument("--n", nargs="+", type=int, default=[4, 6, 8],
+                        help="labelled digits per problem (one problem size per cell)")
+    parser.add_argument("--budgets", nargs="+", type=int, default=[16, 24, 32, 40, 48, 56])
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per cell")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.budgets, args.prompts = args.n[:1], args.budgets[:2], 8
+    out = Path(args.out)
+    n_max, defaults = max(args.n), RunConfig().sampling
+    cfg = load_config(RunConfig, None, [
+        f"run_dir={out}", f"data.task.n_max={n_max}",
+        f"data.task.n_min={min(args.n + [RunConfig().data.task.n_min])}",
+        f"sampling.max_new_tokens={max(solution_length(n_max) + 1, defaults.max_new_tokens)}",
+        f"compression.budget={prompt_length(n_max)}", *args.overrides])
+    started = time.monotonic()
+    graphdef, params, tokenizer = load_policy(cfg, policy_path(cfg))
+    sampling = resolve_sampling(cfg, tokenizer)
+    reward_fn = get_reward_fn(cfg.data.reward)
+    correction = dataclasses.replace(cfg.correction, kind="sparse_rl")
+    key = jax.random.key(cfg.trainer.seed)
+    rows = []
+    for n in args.n:
+        task = dataclasses.replace(cfg.data.task, n_min=n, n_max=n, seed=cfg.eval.task_seed)
+        problems = TaskDataset(task, args.prompts)[:]
+        prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
+        context = prompt_length(n) + solution_length(n) + 1
+        for method in args.methods:
+            for budget in args.budgets:
+                compression = dataclasses.replace(cfg.compression, method=method, budget=budget)
+                if compression.capacity < prompt_length(n):
+                    continue  # the prompt alone overflows the cache: not a valid setting
+                row = {"method": method, "n": n, "context": context, "budget": budget}
+                row.update(measure_cell(graphdef, params, tokenizer, prompts, answers,
+                                        reward_fn, sampling, compression, correction, key,
+                                        cfg.trainer.logp_chunk))
+                rows.append(row)
+                print(format_table([row]).splitlines()[-1], flush=True)
+    table = format_table(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    (out / "sweep.md").write_text(
+        table + f"\n\n{args.prompts} prompts x {sampling.num_samples} samples per cell; "
+        f"wall time {time.monotonic() - started:.0f} s\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
