@@ -6,7 +6,11 @@ Run by tests/test_trainer.py in a subprocess (the fake devices must exist before
 
 import json
 import os
+import sys
+from pathlib import Path
 
+# Import this checkout's packages even where another copy is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
