@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -137,7 +139,7 @@ def main(argv=None) -> int:
                    out / "plots" / "seed_mean")
     (out / "results.json").write_text(json.dumps(results, indent=1))
     text = "\n\n".join([training_table(results), inference_table(results),
-                         training_table(results, per_seed=True)])
+                         reward_curve_table(curves), training_table(results, per_seed=True)])
     (out / "results.md").write_text(
         text + f"\n\nseeds {args.seeds}; wall time: {time.monotonic() - started:.0f} s\n")
     print(text)
@@ -188,6 +190,18 @@ def training_table(results: list[dict], per_seed: bool = False) -> str:
             f"{col('kv_token_savings'):.3f} / {col('kv_peak_savings'):.3f} | "
             f"{_cell([_pass1(r, 'dense') for r in rows], digits)} | "
             f"{_cell(own, digits) if rows[0]['own_eval'] != 'dense' else '–'} |")
+    return "\n".join(lines)
+
+
+def reward_curve_table(curves: dict[str, list[list[dict]]], blocks: int = 4) -> str:
+    """Markdown table: mean reward over each of ``blocks`` equal spans of the steps per arm
+    (seeds averaged), so a late drift or collapse shows in numbers, not only in the plots."""
+    lines = [f"| arm | reward over {blocks} spans of the steps (seed mean) |", "|---|---|"]
+    for label, runs in curves.items():
+        steps = mean_records(runs)
+        spans = [chunk for chunk in np.array_split(np.arange(len(steps)), blocks) if chunk.size]
+        means = [_mean([steps[i]["reward_mean"] for i in chunk]) for chunk in spans]
+        lines.append(f"| {label} | " + " → ".join(f"{m:.3f}" for m in means) + " |")
     return "\n".join(lines)
 
 

@@ -111,3 +111,13 @@ def test_regime_sweep_quick_couples_dense_and_sparse_samples(tmp_path):
     assert large["acc_dense"] == large["acc_sparse"]
     assert small["kv_saved_peak"] > 0.0
     assert "| snapkv | 2 |" in (out / "sweep.md").read_text()
+
+
+def test_reward_curve_table_averages_seeds_per_span():
+    reproduce = _load_script("reproduce")
+    run = lambda rewards: [{"step": i + 1, "reward_mean": r}  # noqa: E731
+                           for i, r in enumerate(rewards)]
+    curves = {"dense": [run([0.0, 0.2, 0.4, 0.6, 0.8]), run([0.2, 0.4, 0.6, 0.8, 1.0])]}
+    table = reproduce.reward_curve_table(curves, blocks=2).splitlines()
+    # Spans of steps 1-3 and 4-5; seed means 0.1, 0.3, 0.5, 0.7, 0.9.
+    assert table[2] == "| dense | 0.300 → 0.800 |"
