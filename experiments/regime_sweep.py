@@ -44,15 +44,12 @@ from sparse_rl_jax.compression import CompressionConfig  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
 from sparse_rl_jax.corrections import compute_corrections  # noqa: E402
 from sparse_rl_jax.loss_config import CorrectionConfig  # noqa: E402
-from sparse_rl_jax.rewards import compute_rewards, get_reward_fn  # noqa: E402
+from sparse_rl_jax.evaluation import rollout_rewards  # noqa: E402
+from sparse_rl_jax.rewards import get_reward_fn  # noqa: E402
 from sparse_rl_jax.run_config import RunConfig  # noqa: E402
-from sparse_rl_jax.sampler import generate  # noqa: E402
 from sparse_rl_jax.scoring import score  # noqa: E402
 from sparse_rl_jax.task import TaskDataset, prompt_length, solution_length  # noqa: E402
 from sparse_rl_jax.trainer import load_policy, policy_path, resolve_sampling  # noqa: E402
-
-_corrections = jax.jit(compute_corrections, static_argnames="cfg")
-
 
 def first_difference(a: np.ndarray, b: np.ndarray, mask_a: np.ndarray,
                      mask_b: np.ndarray) -> np.ndarray:
@@ -68,31 +65,23 @@ def first_difference(a: np.ndarray, b: np.ndarray, mask_a: np.ndarray,
     return np.where(differs.any(1), differs.argmax(1), -1)
 
 
-def _rollout(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling, compression,
-             key):
-    ids, mask = tokenizer.encode(prompts, add_special_tokens=False)
-    rollout = generate(graphdef, params, ids, mask, key, sampling, compression)
-    texts = tokenizer.decode(rollout.response, rollout.response_mask)
-    gold = np.repeat(np.asarray(answers, dtype=object), sampling.num_samples)
-    return rollout, compute_rewards(reward_fn, texts, list(gold))
-
-
 def measure_cell(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
                  compression: CompressionConfig, correction: CorrectionConfig, key,
-                 chunk: int) -> dict:
-    """The statistics of one (compression, prompt set) cell; see the module docstring."""
-    dense_cfg = CompressionConfig(method="none")
+                 chunk: int, dense_runs: tuple) -> dict:
+    """The statistics of one (compression, prompt set) cell; see the module docstring.
+
+    ``dense_runs`` is ``dense_reference(...)`` of the same prompts, sampling and key.
+    """
+    (dense, dense_reward), greedy_dense = dense_runs
     args = (graphdef, params, tokenizer, prompts, answers, reward_fn)
-    dense, dense_reward = _rollout(*args, sampling, dense_cfg, key)
-    sparse, sparse_reward = _rollout(*args, sampling, compression, key)
+    sparse, sparse_reward = rollout_rewards(*args, sampling, compression, key)
     greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
-    _, greedy_dense = _rollout(*args, greedy, dense_cfg, key)
-    _, greedy_sparse = _rollout(*args, greedy, compression, key)
+    _, greedy_sparse = rollout_rewards(*args, greedy, compression, key)
 
     logp_dense = score(graphdef, params, sparse.prompt, sparse.prompt_mask, sparse.response,
                        chunk_size=chunk).logp
-    stats = jax.device_get(_corrections(logp_dense, sparse.logp, sparse.response_mask,
-                                        cfg=correction).metrics)
+    stats = jax.device_get(compute_corrections(logp_dense, sparse.logp, sparse.response_mask,
+                                               correction).metrics)
     first = first_difference(*(np.asarray(x) for x in (
         dense.response, sparse.response, dense.response_mask, sparse.response_mask)))
     changed = first >= 0
@@ -111,6 +100,17 @@ def measure_cell(graphdef, params, tokenizer, prompts, answers, reward_fn, sampl
         "greedy_dense": float(np.mean(greedy_dense)),
         "greedy_sparse": float(np.mean(greedy_sparse)),
     }
+
+
+def dense_reference(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
+                    key) -> tuple:
+    """The dense sampled rollout with its rewards, and the dense greedy rewards: what every
+    cell of one prompt set is compared against (computed once per prompt set)."""
+    args = (graphdef, params, tokenizer, prompts, answers, reward_fn)
+    dense = CompressionConfig(method="none")
+    greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
+    return (rollout_rewards(*args, sampling, dense, key),
+            rollout_rewards(*args, greedy, dense, key)[1])
 
 
 COLUMNS = (("kv_saved_mean", "KV saved mean"), ("kv_saved_peak", "KV saved peak"),
@@ -149,11 +149,12 @@ def main(argv=None) -> int:
     if args.quick:
         args.n, args.budgets, args.prompts = args.n[:1], args.budgets[:2], 8
     out = Path(args.out)
-    n_max, defaults = max(args.n), RunConfig().sampling
+    n_max, defaults = max(args.n), RunConfig()
     cfg = load_config(RunConfig, None, [
         f"run_dir={out}", f"data.task.n_max={n_max}",
-        f"data.task.n_min={min(args.n + [RunConfig().data.task.n_min])}",
-        f"sampling.max_new_tokens={max(solution_length(n_max) + 1, defaults.max_new_tokens)}",
+        f"data.task.n_min={min(args.n + [defaults.data.task.n_min])}",
+        "sampling.max_new_tokens="
+        f"{max(solution_length(n_max) + 1, defaults.sampling.max_new_tokens)}",
         f"compression.budget={prompt_length(n_max)}", *args.overrides])
     started = time.monotonic()
     graphdef, params, tokenizer = load_policy(cfg, policy_path(cfg))
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
         problems = TaskDataset(task, args.prompts)[:]
         prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
         context = prompt_length(n) + solution_length(n) + 1
+        dense_runs = dense_reference(graphdef, params, tokenizer, prompts, answers, reward_fn,
+                                     sampling, key)
         for method in args.methods:
             for budget in args.budgets:
                 compression = dataclasses.replace(cfg.compression, method=method, budget=budget)
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
                 row = {"method": method, "n": n, "context": context, "budget": budget}
                 row.update(measure_cell(graphdef, params, tokenizer, prompts, answers,
                                         reward_fn, sampling, compression, correction, key,
-                                        cfg.trainer.logp_chunk))
+                                        cfg.trainer.logp_chunk, dense_runs))
                 rows.append(row)
                 print(format_table([row]).splitlines()[-1], flush=True)
     table = format_table(rows)

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sparse_rl_jax.config_io import load_config  # noqa: E402
-from sparse_rl_jax.evaluation import evaluate, eval_set  # noqa: E402
+from sparse_rl_jax.evaluation import evaluate, eval_set, mode_name  # noqa: E402
 from sparse_rl_jax.metrics_writer import read_metrics  # noqa: E402
 from sparse_rl_jax.plots import plot_comparison  # noqa: E402
 from sparse_rl_jax.rewards import get_reward_fn  # noqa: E402
@@ -57,8 +57,7 @@ def summarize(records: list[dict], tail: int) -> dict:
     """Means over the first and the last ``tail`` steps of a run's metrics (reward), and
     over the whole run (everything else)."""
     def mean(rows, key):
-        values = [r[key] for r in rows if key in r]
-        return sum(values) / len(values) if values else float("nan")
+        return _mean([r[key] for r in rows if key in r])
     first, last = records[:tail], records[-tail:]
     return {
         "reward_first": mean(first, "reward_mean"), "reward_last": mean(last, "reward_mean"),
@@ -129,9 +128,7 @@ def main(argv=None) -> int:
                             temperature=cfg.eval.temperature, batch_size=cfg.eval.batch_size,
                             seed=seed)
             results.append({"arm": label, "seed": seed,
-                            "own_eval": (f"sparse ({cfg.compression.method} "
-                                         f"{cfg.compression.budget})"
-                                         if cfg.compression.compresses else "dense"),
+                            "own_eval": mode_name(cfg.compression),
                             **summarize(records, max(1, len(records) // 4)),
                             "eval": [dataclasses.asdict(r) for r in rows]})
         plot_by_budget(runs, args.budgets, out / "plots" / f"seed{seed}")
@@ -147,7 +144,8 @@ def main(argv=None) -> int:
 
 
 def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+    """The mean, NaN for no values."""
+    return sum(values) / len(values) if values else float("nan")
 
 
 def _cell(values: list[float], digits: int = 3) -> str:

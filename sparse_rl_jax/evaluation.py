@@ -17,7 +17,7 @@ import numpy as np
 
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.rewards import compute_rewards
-from sparse_rl_jax.sampler import generate
+from sparse_rl_jax.sampler import Rollout, generate
 from sparse_rl_jax.sampling_config import SamplingConfig
 
 
@@ -41,18 +41,39 @@ class EvalRow:
 HEADER = f"{'mode':<28} {'pass@1':>8} {'avg@k':>9} {'k':>3} {'length':>9} {'kv saved':>9}"
 
 
+def mode_name(compression: CompressionConfig) -> str:
+    """The eval-table name of an inference setting: ``dense`` or ``sparse (<method> <budget>)``."""
+    if not compression.compresses:
+        return "dense"
+    return f"sparse ({compression.method} {compression.budget})"
+
+
+def rollout_rewards(graphdef, params, tokenizer, prompts: Sequence[str], answers: Sequence[str],
+                    reward_fn: Callable, sampling: SamplingConfig,
+                    compression: CompressionConfig, key) -> tuple[Rollout, np.ndarray]:
+    """One ``generate`` call on plain-text prompts and the reward of every sample.
+
+    Returns:
+      ``(rollout, rewards [B * num_samples])``; sample ``i`` answers prompt
+      ``i // num_samples``.
+    """
+    ids, mask = tokenizer.encode(list(prompts), add_special_tokens=False)
+    rollout = generate(graphdef, params, ids, mask, key, sampling, compression)
+    texts = tokenizer.decode(rollout.response, rollout.response_mask)
+    gold = np.repeat(np.asarray(answers, dtype=object), sampling.num_samples)
+    return rollout, compute_rewards(reward_fn, texts, list(gold))
+
+
 def _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
                  compression, key, batch_size):
     """Mean reward, mean response length and KV savings over all prompts and samples."""
     rewards, lengths, sparse_kv, dense_kv = [], [], [], []
     for start in range(0, len(prompts), batch_size):
         chunk = slice(start, start + batch_size)
-        ids, mask = tokenizer.encode(prompts[chunk], add_special_tokens=False)
-        rollout = generate(graphdef, params, ids, mask, jax.random.fold_in(key, start),
-                           sampling, compression)
-        texts = tokenizer.decode(rollout.response, rollout.response_mask)
-        gold = np.repeat(np.asarray(answers[chunk], dtype=object), sampling.num_samples)
-        rewards.append(compute_rewards(reward_fn, texts, list(gold)))
+        rollout, chunk_rewards = rollout_rewards(
+            graphdef, params, tokenizer, prompts[chunk], answers[chunk], reward_fn, sampling,
+            compression, jax.random.fold_in(key, start))
+        rewards.append(chunk_rewards)
         lengths.append(np.asarray(rollout.response_mask).sum(1))
         sparse_kv.append(np.asarray(rollout.kv_mean))
         dense_kv.append(np.asarray(rollout.dense_kv_mean))
@@ -92,19 +113,18 @@ def evaluate(
     """
     prompts, answers = list(prompts), list(answers)
     sparse = [compression] if isinstance(compression, CompressionConfig) else list(compression)
-    modes = [("dense", CompressionConfig(method="none"))]
-    modes += [(f"sparse ({c.method} {c.budget})", c) for c in sparse if c.compresses]
+    modes = [CompressionConfig(method="none")] + [c for c in sparse if c.compresses]
     greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
     sampled = dataclasses.replace(sampling, greedy=False, num_samples=samples,
                                   temperature=temperature, top_p=1.0, top_k=0)
     key = jax.random.key(seed)
     rows = []
-    for name, comp in modes:
+    for comp in modes:
         p1, length, savings = _mean_reward(graphdef, params, tokenizer, prompts, answers,
                                            reward_fn, greedy, comp, key, batch_size)
         avg, _, _ = _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn,
                                  sampled, comp, key, batch_size)
-        rows.append(EvalRow(name, p1, avg, samples, length, savings))
+        rows.append(EvalRow(mode_name(comp), p1, avg, samples, length, savings))
     return rows
 
 
