@@ -61,19 +61,33 @@ class LossBatch:
         )
 
 
-def aggregate(per_token: jax.Array, mask: jax.Array, mode: str) -> jax.Array:
-    """Reduce per-token values `[B, T]` over valid tokens to a scalar; 0 when nothing is valid.
+def aggregate(
+    per_token: jax.Array, kept: jax.Array, valid: jax.Array, mode: str, denominator: str
+) -> jax.Array:
+    """Reduce per-token values `[B, T]` over the kept tokens to a scalar; 0 when none is kept.
 
-    seq_mean_token_mean: mean over each sequence's valid tokens, then mean over sequences with
-      at least one valid token. token_mean: sum over valid tokens / their count.
-    seq_mean_token_sum: sum over each sequence's valid tokens, then mean over non-empty sequences.
+    kept: `[B, T]` bool, the tokens that enter the loss (after rejection).
+    valid: `[B, T]` bool, the loss mask before rejection (`kept` is a subset of it).
+    mode:
+      seq_mean_token_mean: mean over each sequence's kept tokens, then over sequences.
+      seq_mean_token_sum: sum over each sequence's kept tokens, then mean over sequences.
+      token_mean: sum over kept tokens / a token count.
+    denominator: which sequences / tokens divide the sum.
+      all (official): sequences with at least one `valid` token (a vetoed or fully rejected
+        sequence still counts, so rejection never scales the gradient up), and for
+        token_mean the `valid` tokens.
+      kept: only sequences with a kept token / only kept tokens (rejection renormalises).
+    The batch is whatever the caller passes: in training, one optimizer minibatch (the
+    official "global batch"). A row with no `valid` token at all (padding, or a response the
+    data pipeline excluded from the loss) is not a sample and never counts.
     """
+    base = valid if denominator == "all" else kept
     if mode == "token_mean":
-        return masked_mean(per_token, mask)
-    per_seq = masked_sum(per_token, mask, axis=1)
+        return masked_sum(per_token, kept) / jnp.maximum(masked_count(base), 1.0)
+    per_seq = masked_sum(per_token, kept, axis=1)
     if mode == "seq_mean_token_mean":
-        per_seq = per_seq / jnp.maximum(masked_count(mask, axis=1), 1.0)
-    return masked_mean(per_seq, jnp.any(mask, axis=1))
+        per_seq = per_seq / jnp.maximum(masked_count(kept, axis=1), 1.0)
+    return jnp.sum(per_seq) / jnp.maximum(masked_count(jnp.any(base, axis=1)), 1.0)
 
 
 def kl_penalty(log_ratio: jax.Array, kind: str) -> jax.Array:
@@ -98,7 +112,9 @@ def grpo_loss(
 
     Per token: `w_t * max(-rho_t A, -clip(rho_t, 1 - eps_low, 1 + eps_high) A)` with
     `rho_t = exp(clamp(logp_new - logp_old_dense))`, aggregated by `cfg.aggregation` over the
-    effective mask `loss_mask * token_mask * seq_mask`, plus `kl_coef * KL(pi_theta || pi_ref)`
+    effective mask `loss_mask * token_mask * seq_mask` and divided as `cfg.seq_denominator`
+    says (see `aggregate`; default `all`: rejected sequences/tokens stay in the denominator,
+    as in the official code), plus `kl_coef * KL(pi_theta || pi_ref)`
     aggregated the same way when `logp_ref` is given and `kl_coef > 0`. When no token is valid
     (e.g. every sequence rejected) the loss is exactly 0 with zero gradient and
     `metrics["all_rejected"] == 1`. `cfg` is static under jit.
@@ -122,7 +138,8 @@ def grpo_loss(
         check_shape("entropy", entropy, (b, t))
 
     sg = jax.lax.stop_gradient
-    mask = as_mask(batch.loss_mask) & as_mask(batch.token_mask) & as_mask(batch.seq_mask)[:, None]
+    valid = as_mask(batch.loss_mask)
+    mask = valid & as_mask(batch.token_mask) & as_mask(batch.seq_mask)[:, None]
     clamp = float(cfg.log_ratio_clamp)
     adv = jnp.where(mask, sg(batch.advantages).astype(jnp.float32)[:, None], 0.0)
     weights = jnp.where(mask, sg(batch.is_weights).astype(jnp.float32), 0.0)
@@ -132,7 +149,7 @@ def grpo_loss(
     unclipped = -rho * adv
     clipped = -jnp.clip(rho, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
     pg_per_token = weights * jnp.maximum(unclipped, clipped)
-    pg_loss = aggregate(pg_per_token, mask, cfg.aggregation)
+    pg_loss = aggregate(pg_per_token, mask, valid, cfg.aggregation, cfg.seq_denominator)
     loss = pg_loss
 
     n_tokens = masked_count(mask)
@@ -148,7 +165,8 @@ def grpo_loss(
     }
     if batch.logp_ref is not None:
         log_ref_ratio = safe_log_ratio(logp_new, sg(batch.logp_ref), mask, clamp)
-        kl_loss = aggregate(kl_penalty(log_ref_ratio, cfg.kl_kind), mask, cfg.aggregation)
+        kl_loss = aggregate(kl_penalty(log_ref_ratio, cfg.kl_kind), mask, valid,
+                            cfg.aggregation, cfg.seq_denominator)
         metrics["kl_loss"] = kl_loss
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_loss

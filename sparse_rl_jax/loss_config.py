@@ -15,6 +15,7 @@ CORRECTION_KINDS = ("none", "tis", "mis", "sparse_rl")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 KL_KINDS = ("k1", "k2", "k3")
+SEQ_DENOMINATORS = ("all", "kept")
 
 
 def _choice(cls: str, field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -109,6 +110,11 @@ class GRPOLossConfig:
     eps_low, eps_high: ratio clip band `[1 - eps_low, 1 + eps_high]` (DAPO-style eps_high 0.28
       allowed); eps_low in (0, 1), eps_high > 0.
     aggregation: `seq_mean_token_mean` (official default), `token_mean`, `seq_mean_token_sum`.
+    seq_denominator: what the aggregation divides by. `all` (official default): every sequence
+      of the minibatch with a loss-mask token (`seq_mean_*`), or every loss-mask token
+      (`token_mean`), rejected or not, so rejection removes terms but never scales the rest
+      up. `kept`: only sequences / tokens that survive rejection (the project's behaviour
+      before issue 13; effectively a larger learning rate at high rejection rates).
     kl_coef, kl_kind: optional KL-to-reference penalty (`k1`, `k2` or `k3`), off at 0.
     group_size: samples per prompt (>= 2, needed for a group standard deviation).
     adv_eps: added to the group std in the advantage denominator.
@@ -118,6 +124,7 @@ class GRPOLossConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     aggregation: str = "seq_mean_token_mean"
+    seq_denominator: str = "all"
     kl_coef: float = 0.0
     kl_kind: str = "k3"
     group_size: int = 8
@@ -130,6 +137,7 @@ class GRPOLossConfig:
             raise ValueError(f"{name}.eps_low must be in (0, 1), got {self.eps_low!r}")
         _positive(name, "eps_high", self.eps_high)
         _choice(name, "aggregation", self.aggregation, AGGREGATIONS)
+        _choice(name, "seq_denominator", self.seq_denominator, SEQ_DENOMINATORS)
         if _number(name, "kl_coef", self.kl_coef) < 0:
             raise ValueError(f"{name}.kl_coef must be >= 0, got {self.kl_coef!r}")
         _choice(name, "kl_kind", self.kl_kind, KL_KINDS)

@@ -45,6 +45,10 @@ def update_step(
 ):
     """Loss, gradients and one optimizer update.
 
+    The loss is aggregated over this minibatch: its sequence and token denominators
+    (``loss_cfg.seq_denominator``) count the minibatch's sequences, i.e. the official code's
+    "global batch" is ``trainer.minibatch_size``, not the whole rollout.
+
     Returns:
       ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` included).
     """

@@ -49,6 +49,10 @@ def test_correction_config_errors_name_the_field(kwargs, pattern):
             r"\('seq_mean_token_mean', 'token_mean', 'seq_mean_token_sum'\)",
         ),
         ({"kl_coef": -1e-4}, r"GRPOLossConfig\.kl_coef must be >= 0"),
+        (
+            {"seq_denominator": "global"},
+            r"GRPOLossConfig\.seq_denominator must be one of \('all', 'kept'\), got 'global'",
+        ),
         ({"kl_kind": "k4"}, r"GRPOLossConfig\.kl_kind must be one of \('k1', 'k2', 'k3'\)"),
         ({"group_size": 1}, r"GRPOLossConfig\.group_size must be an int >= 2"),
         ({"group_size": 8.0}, r"GRPOLossConfig\.group_size must be an int >= 2"),

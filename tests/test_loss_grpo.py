@@ -17,6 +17,7 @@ from sparse_rl_jax.loss_config import (
     CORRECTION_KINDS,
     CORRECTION_LEVELS,
     KL_KINDS,
+    SEQ_DENOMINATORS,
     CorrectionConfig,
     GRPOLossConfig,
 )
@@ -25,8 +26,13 @@ loss_and_grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argn
 corrections_jit = jax.jit(compute_corrections, static_argnames="cfg")
 
 
-def np_loss(new, old, adv, mask, w, cfg, ref=None):
-    """Float64 reference: per-token PPO-clip (+ KL) terms, then the aggregation by loops."""
+def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None):
+    """Float64 reference: per-token PPO-clip (+ KL) terms, then the aggregation by loops.
+
+    mask: the kept tokens; valid: the loss mask before rejection (None: = mask), which sets
+    the denominator under `seq_denominator="all"`.
+    """
+    valid = mask if valid is None else valid
     b, t = new.shape
     c = cfg.log_ratio_clamp
     per_seq_terms = []
@@ -47,12 +53,15 @@ def np_loss(new, old, adv, mask, w, cfg, ref=None):
     nonempty = [x for x in per_seq_terms if x]
     if not nonempty:
         return 0.0
+    if cfg.seq_denominator == "all":
+        n_seq, n_tok = int(valid.any(1).sum()), int(valid.sum())
+    else:
+        n_seq, n_tok = len(nonempty), sum(len(x) for x in nonempty)
     if cfg.aggregation == "token_mean":
-        flat = [v for x in nonempty for v in x]
-        return sum(flat) / len(flat)
+        return sum(v for x in nonempty for v in x) / n_tok
     if cfg.aggregation == "seq_mean_token_mean":
-        return sum(sum(x) / len(x) for x in nonempty) / len(nonempty)
-    return sum(sum(x) for x in nonempty) / len(nonempty)
+        return sum(sum(x) / len(x) for x in nonempty) / n_seq
+    return sum(sum(x) for x in nonempty) / n_seq
 
 
 def np_grad(new, *args, h=1e-5, **kwargs):
@@ -89,24 +98,26 @@ def random_batch(seed, b=6, t=5, with_ref=False):
     eff = loss_mask & token_mask & seq_mask[:, None]
     # round through float32 so the reference sees exactly what JAX sees
     f = lambda x: None if x is None else np.asarray(x, np.float32).astype(np.float64)  # noqa: E731
-    return f(new), batch, (f(old), f(adv), eff, f(weights)), f(ref)
+    return f(new), batch, (f(old), f(adv), eff, f(weights)), f(ref), loss_mask
 
 
-# every aggregation without KL, and with KL (each KL kind once, DAPO-style eps_high)
-CASES = [GRPOLossConfig(aggregation=agg) for agg in AGGREGATIONS] + [
+# every aggregation x denominator without KL, and with KL (each KL kind once, DAPO eps_high)
+CASES = [GRPOLossConfig(aggregation=agg, seq_denominator=den)
+         for agg in AGGREGATIONS for den in SEQ_DENOMINATORS] + [
     GRPOLossConfig(aggregation=agg, eps_high=0.28, kl_coef=0.5, kl_kind=kk)
     for agg, kk in zip(AGGREGATIONS, KL_KINDS)
 ]
 
 
-@pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.aggregation}-{c.kl_kind}-{c.kl_coef}")
+@pytest.mark.parametrize(
+    "cfg", CASES, ids=lambda c: f"{c.aggregation}-{c.seq_denominator}-{c.kl_kind}-{c.kl_coef}")
 def test_value_and_grad_match_numpy(cfg):
     with_ref = cfg.kl_coef > 0
-    new, batch, (old, adv, eff, w), ref = random_batch(11, with_ref=with_ref)
+    new, batch, (old, adv, eff, w), ref, valid = random_batch(11, with_ref=with_ref)
     (loss, metrics), grad = loss_and_grad(jnp.asarray(new, jnp.float32), batch, cfg=cfg)
-    expected = np_loss(new, old, adv, eff, w, cfg, ref)
+    expected = np_loss(new, old, adv, eff, w, cfg, ref, valid)
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5, atol=1e-6)
-    expected_grad = np_grad(new, old, adv, eff, w, cfg, ref)
+    expected_grad = np_grad(new, old, adv, eff, w, cfg, ref, valid=valid)
     np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=1e-4, atol=1e-6)
     assert np.all(np.asarray(grad)[~eff] == 0)
 
@@ -125,15 +136,16 @@ def test_value_and_grad_match_numpy(cfg):
 
 
 def test_kl_metric_reported_even_when_coef_zero_and_loss_unchanged():
-    new, batch, (old, adv, eff, w), _ = random_batch(3, with_ref=True)
+    new, batch, (old, adv, eff, w), _, valid = random_batch(3, with_ref=True)
     cfg = GRPOLossConfig(kl_coef=0.0)
     loss, metrics = grpo_loss(jnp.asarray(new, jnp.float32), batch, cfg)
-    np.testing.assert_allclose(float(loss), np_loss(new, old, adv, eff, w, cfg), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), np_loss(new, old, adv, eff, w, cfg, valid=valid),
+                               rtol=1e-5)
     assert float(metrics["kl_loss"]) > 0.0  # k3 of a nonzero gap
 
 
 def test_gradient_flows_to_logp_new_only():
-    new, batch, _, _ = random_batch(5, with_ref=True)
+    new, batch, *_ = random_batch(5, with_ref=True)
     cfg = GRPOLossConfig(kl_coef=0.1)
     grads = jax.grad(lambda b: grpo_loss(jnp.asarray(new, jnp.float32), b, cfg)[0], allow_int=True)(
         batch
@@ -158,9 +170,66 @@ def test_end_to_end_with_corrections_and_advantages():
     (loss, _), grad = loss_and_grad(jnp.asarray(new), batch, cfg=cfg)
     eff = mask & np.asarray(corr.token_mask) & np.asarray(corr.seq_mask)[:, None]
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    args = (f64(old), f64(adv), eff, f64(corr.weights), cfg)
+    args = (f64(old), f64(adv), eff, f64(corr.weights), cfg, None, mask)
     np.testing.assert_allclose(float(loss), np_loss(f64(new), *args), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(grad), np_grad(f64(new), *args), rtol=1e-4, atol=1e-6)
+
+
+def test_issue13_minimal_case_rejected_sequence_stays_in_the_denominator():
+    """Row 1 is vetoed (r = e^-10 < 1e-4); row 0 keeps its token with IS weight 1 / mean(1, e^-10)
+    after normalisation. Official (all): -w0 / 2 sequences; kept: -w0 / 1 sequence."""
+    old = np.array([[-1.0], [-1.0]], np.float32)
+    sparse = np.array([[-1.0], [9.0]], np.float32)
+    mask = np.ones((2, 1), bool)
+    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    assert list(np.asarray(corr.seq_mask)) == [True, False]
+    batch = LossBatch.from_corrections(old, np.array([1.0, -1.0], np.float32), mask, corr)
+    w0 = 1.0 / ((1.0 + np.exp(-10.0)) / 2.0)
+    values = {}
+    for den in SEQ_DENOMINATORS:
+        for agg in AGGREGATIONS:
+            cfg = GRPOLossConfig(aggregation=agg, seq_denominator=den)
+            values[agg, den] = float(grpo_loss(jnp.asarray(old), batch, cfg)[0])
+    print("issue 13 minimal case:", values)
+    for agg in AGGREGATIONS:  # one token per row: every aggregation agrees
+        np.testing.assert_allclose(values[agg, "all"], -w0 / 2, rtol=1e-6)
+        np.testing.assert_allclose(values[agg, "kept"], -w0, rtol=1e-6)
+    assert round(values["seq_mean_token_mean", "all"], 5) == -0.99995
+    assert round(values["seq_mean_token_mean", "kept"], 5) == -1.99991
+    assert GRPOLossConfig().seq_denominator == "all"
+
+
+# Hand-made batch, new == old (rho = 1), so each kept token contributes -w * A:
+#   row 0: valid [1 1 0], kept [1 1 0], A = 1,  w = [1, .5] -> terms -1, -0.5
+#   row 1: valid [1 1 1], token 1 rejected,  A = -2, w = 1  -> terms  2, 2
+#   row 2: valid [1 1 0], sequence rejected (veto), A = 3    -> no terms
+#   row 3: no valid token (an empty row),            A = 5   -> not a sample
+# Sums: seq token means -0.75 + 2 = 1.25; seq token sums -1.5 + 4 = 2.5; token sum 2.5.
+# Denominators: all = 3 sequences / 7 tokens; kept = 2 sequences / 4 tokens.
+HAND = {
+    ("seq_mean_token_mean", "all"): 1.25 / 3, ("seq_mean_token_mean", "kept"): 1.25 / 2,
+    ("seq_mean_token_sum", "all"): 2.5 / 3, ("seq_mean_token_sum", "kept"): 2.5 / 2,
+    ("token_mean", "all"): 2.5 / 7, ("token_mean", "kept"): 2.5 / 4,
+}
+
+
+@pytest.mark.parametrize("agg, den", sorted(HAND))
+def test_aggregation_and_denominator_hand_computed(agg, den):
+    valid = np.array([[1, 1, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0]], bool)
+    token_mask = valid.copy()
+    token_mask[1, 1] = False
+    batch = LossBatch(
+        logp_old_dense=jnp.full((4, 3), -0.7),
+        advantages=jnp.array([1.0, -2.0, 3.0, 5.0]),
+        loss_mask=jnp.asarray(valid),
+        is_weights=jnp.asarray(np.where(valid, [[1.0, 0.5, 1.0]] * 4, 0.0), jnp.float32),
+        token_mask=jnp.asarray(token_mask),
+        seq_mask=jnp.array([True, True, False, True]),
+    )
+    cfg = GRPOLossConfig(aggregation=agg, seq_denominator=den)
+    loss, metrics = grpo_loss(jnp.full((4, 3), -0.7), batch, cfg)
+    np.testing.assert_allclose(float(loss), HAND[agg, den], rtol=1e-6)
+    assert float(metrics["effective_sequences"]) == 2 and float(metrics["effective_tokens"]) == 4
 
 
 # Property tests run eagerly at fixed shapes (variable lengths come from the masks): every
@@ -229,7 +298,7 @@ def test_all_vetoed_batch_is_a_zero_update(seed, agg):
 
 
 def test_shape_errors_name_the_tensor():
-    new, batch, _, _ = random_batch(0)
+    new, batch, *_ = random_batch(0)
     with pytest.raises(ValueError, match="batch.advantages"):
         grpo_loss(jnp.asarray(new), batch.replace(advantages=jnp.zeros((2,))), GRPOLossConfig())
     with pytest.raises(ValueError, match="entropy"):
@@ -237,7 +306,7 @@ def test_shape_errors_name_the_tensor():
 
 
 def test_entropy_metric_is_masked_mean():
-    new, batch, (_, _, eff, _), _ = random_batch(9)
+    new, batch, (_, _, eff, _), *_ = random_batch(9)
     ent = np.random.default_rng(1).uniform(0, 3, new.shape).astype(np.float32)
     _, metrics = grpo_loss(jnp.asarray(new), batch, GRPOLossConfig(), entropy=jnp.asarray(ent))
     np.testing.assert_allclose(float(metrics["entropy"]), ent[eff].mean(), rtol=1e-6)
