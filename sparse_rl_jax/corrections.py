@@ -63,7 +63,7 @@ def compute_corrections(
     logp_sparse: log pi_sparse(o_t) recorded by the sparse sampler.
     loss_mask: nonzero/True on response tokens that enter the loss.
 
-    Per kind (with `r` the ratio of `cfg.level`): `none` weight 1; `tis` weight `min(r, is_upper)`;
+    Per kind (with `r` the ratio of `cfg.level`): `none` and `shadow_mask` weight 1; `tis` weight `min(r, is_upper)`;
     `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`; `sparse_rl` weight
     `min(r, is_upper)`, reject `r` outside `[rs_lower, rs_upper]`, veto sequences with any valid
     token `r_t < veto_threshold`. Rejection is per token at the token level and per sequence
@@ -98,7 +98,7 @@ def compute_corrections(
     has_tokens = jnp.any(valid, axis=1)
 
     no_rejection = jnp.zeros_like(valid)
-    if cfg.kind == "none":
+    if cfg.kind in ("none", "shadow_mask"):
         weights, reject = jnp.ones_like(r), no_rejection
     elif cfg.kind == "tis":
         weights, reject = jnp.minimum(r, cfg.is_upper), no_rejection

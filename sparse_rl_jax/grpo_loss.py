@@ -12,6 +12,7 @@ from sparse_rl_jax.masked_math import (
     as_mask,
     check_shape,
     masked_count,
+    masked_max,
     masked_mean,
     masked_sum,
     safe_log_ratio,
@@ -23,7 +24,8 @@ class LossBatch:
     """Everything the loss needs besides `logp_new`; every leaf has leading axis B, so a
     minibatch is `jax.tree.map(lambda x: x[idx], batch)`. None of it receives gradients.
 
-    logp_old_dense: `[B, T]` log pi_old_dense (behaviour policy of the PPO ratio).
+    logp_old_dense: `[B, T]` old log-probs of the PPO ratio: log pi_old_dense, or under
+      shadow-mask training the sampler's own sparse log-probs (`Rollout.logp`).
     advantages: `[B]` per-sequence advantages.
     loss_mask: `[B, T]` response tokens (nonzero/True = valid).
     is_weights: `[B, T]` correction weights (`Corrections.weights`).
@@ -107,6 +109,8 @@ def grpo_loss(
     batch: LossBatch,
     cfg: GRPOLossConfig,
     entropy: jax.Array | None = None,
+    logp_dense: jax.Array | None = None,
+    kl_full: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO loss (scalar) and metrics; differentiable w.r.t. `logp_new` `[B, T]` only.
 
@@ -119,11 +123,26 @@ def grpo_loss(
     (e.g. every sequence rejected) the loss is exactly 0 with zero gradient and
     `metrics["all_rejected"] == 1`. `cfg` is static under jit.
 
+    Shadow-mask training (`correction.kind: shadow_mask`) passes `logp_new` = the sparse
+    (eviction-record replay) log-probs under the params being trained and
+    `batch.logp_old_dense` = the sampler's own log-probs, so the ratio is on-policy at the
+    first update, plus `logp_dense` for the distillation term
+    `cfg.distill_coef * aggregate(KL)`: `distill_kind: k3` uses the k3 estimator of
+    KL(pi_sparse || pi_dense) at the sampled tokens, `exp(-d) - 1 + d` with
+    `d = logp_new - logp_dense`; `full` uses `kl_full`, the exact per-position
+    KL(pi_dense || pi_sparse) over the vocabulary (`scoring.shadow_logprobs`). The teacher
+    side is stop-gradient; the KL is aggregated like the policy term.
+
     entropy: optional `[B, T]` per-token entropy of the current policy, reported only.
+    logp_dense: optional `[B, T]` dense log-probs of the current policy (the teacher).
+    kl_full: optional `[B, T]` differentiable per-token vocabulary KL (needed for `full`).
     metrics (float32 scalars, token means over effective tokens unless stated):
       loss, pg_loss, kl_loss (with a reference), clip_fraction (tokens where the clipped branch
-      is strictly larger), ppo_kl (mean of logp_old - logp_new), ratio_mean, advantage_mean,
-      entropy (if given), effective_tokens / effective_sequences (counts), all_rejected (0/1).
+      is strictly larger), ppo_kl (mean of logp_old - logp_new), ratio_mean, ratio_std and
+      log_ratio_abs_max (spread of the PPO ratio), advantage_mean, entropy (if given),
+      distill_kl (with `logp_dense`: the aggregated KL of `distill_kind`, the sparse-vs-dense
+      gap of the current policy) and distill_k3 (token mean of the k3 estimate),
+      effective_tokens / effective_sequences (counts), all_rejected (0/1).
     """
     b, t = logp_new.shape
     check_shape("batch.logp_old_dense", batch.logp_old_dense, (b, t))
@@ -136,6 +155,15 @@ def grpo_loss(
         check_shape("batch.logp_ref", batch.logp_ref, (b, t))
     if entropy is not None:
         check_shape("entropy", entropy, (b, t))
+    if logp_dense is not None:
+        check_shape("logp_dense", logp_dense, (b, t))
+    if kl_full is not None:
+        check_shape("kl_full", kl_full, (b, t))
+    if cfg.distill_coef > 0 and logp_dense is None:
+        raise ValueError("GRPOLossConfig.distill_coef > 0 needs logp_dense (shadow_mask training)")
+    if cfg.distill_kind == "full" and logp_dense is not None and kl_full is None:
+        raise ValueError("GRPOLossConfig.distill_kind='full' needs kl_full "
+                         "(scoring.shadow_logprobs(..., with_kl=True))")
 
     sg = jax.lax.stop_gradient
     valid = as_mask(batch.loss_mask)
@@ -158,6 +186,8 @@ def grpo_loss(
         "clip_fraction": masked_mean(clipped > unclipped, mask),
         "ppo_kl": masked_mean(-log_rho, mask),
         "ratio_mean": masked_mean(rho, mask),
+        "ratio_std": jnp.sqrt(masked_mean(jnp.square(rho - masked_mean(rho, mask)), mask)),
+        "log_ratio_abs_max": masked_max(jnp.abs(log_rho), mask),
         "advantage_mean": masked_mean(adv, mask),
         "effective_tokens": n_tokens,
         "effective_sequences": masked_count(jnp.any(mask, axis=1)),
@@ -170,6 +200,16 @@ def grpo_loss(
         metrics["kl_loss"] = kl_loss
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_loss
+    if logp_dense is not None:
+        distill_k3 = kl_penalty(safe_log_ratio(logp_new, sg(logp_dense), mask, clamp), "k3")
+        per_token = distill_k3
+        if cfg.distill_kind == "full":
+            per_token = jnp.where(mask, kl_full.astype(jnp.float32), 0.0)
+        distill = aggregate(per_token, mask, valid, cfg.aggregation, cfg.seq_denominator)
+        metrics["distill_kl"] = distill
+        metrics["distill_k3"] = masked_mean(distill_k3, mask)
+        if cfg.distill_coef > 0:
+            loss = loss + cfg.distill_coef * distill
     if entropy is not None:
         metrics["entropy"] = masked_mean(sg(entropy).astype(jnp.float32), mask)
     metrics["loss"] = loss

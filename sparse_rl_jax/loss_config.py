@@ -11,11 +11,12 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-CORRECTION_KINDS = ("none", "tis", "mis", "sparse_rl")
+CORRECTION_KINDS = ("none", "tis", "mis", "sparse_rl", "shadow_mask")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
 KL_KINDS = ("k1", "k2", "k3")
 SEQ_DENOMINATORS = ("all", "kept")
+DISTILL_KINDS = ("k3", "full")
 
 
 def _choice(cls: str, field: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -41,7 +42,10 @@ class CorrectionConfig:
     kind: `none` (naive sparse: weights 1, nothing rejected), `tis` (truncated IS weight
       `min(r, is_upper)`), `mis` (masked IS / IcePop: reject where `r` is outside
       `[is_lower, is_upper]`, weight `r` inside), `sparse_rl` (sequence veto + rejection outside
-      `[rs_lower, rs_upper]` + truncated IS weight `min(r, is_upper)`).
+      `[rs_lower, rs_upper]` + truncated IS weight `min(r, is_upper)`), `shadow_mask` (no
+      weights, nothing rejected: the learner scores with the sampler's eviction record, so
+      its PPO ratio is against the sampler's own log-probs; distillation to the dense policy
+      is `loss.distill_coef`; see `grpo_loss`).
     level: which ratio the weight/rejection uses: `token` (per token), `sequence` (product over
       the response, `exp(sum log r)`), `geometric` (`exp(mean log r)`). Non-token levels reject
       whole sequences.
@@ -116,6 +120,10 @@ class GRPOLossConfig:
       up. `kept`: only sequences / tokens that survive rejection (the project's behaviour
       before issue 13; effectively a larger learning rate at high rejection rates).
     kl_coef, kl_kind: optional KL-to-reference penalty (`k1`, `k2` or `k3`), off at 0.
+    distill_coef, distill_kind: shadow-mask distillation of the sparse policy toward the dense
+      one, `distill_coef * KL` (0 = off; only with `correction.kind: shadow_mask`). `k3`: the
+      k3 estimate of KL(sparse || dense) at the sampled tokens; `full`: the exact forward
+      KL(dense || sparse) over the vocabulary, chunked like the scorer.
     group_size: samples per prompt (>= 2, needed for a group standard deviation).
     adv_eps: added to the group std in the advantage denominator.
     log_ratio_clamp: `log(pi_theta / pi_old)` and `log(pi_theta / pi_ref)` are clamped to `[-c, c]`.
@@ -127,6 +135,8 @@ class GRPOLossConfig:
     seq_denominator: str = "all"
     kl_coef: float = 0.0
     kl_kind: str = "k3"
+    distill_coef: float = 0.0
+    distill_kind: str = "k3"
     group_size: int = 8
     adv_eps: float = 1e-6
     log_ratio_clamp: float = 20.0
@@ -141,6 +151,9 @@ class GRPOLossConfig:
         if _number(name, "kl_coef", self.kl_coef) < 0:
             raise ValueError(f"{name}.kl_coef must be >= 0, got {self.kl_coef!r}")
         _choice(name, "kl_kind", self.kl_kind, KL_KINDS)
+        if _number(name, "distill_coef", self.distill_coef) < 0:
+            raise ValueError(f"{name}.distill_coef must be >= 0, got {self.distill_coef!r}")
+        _choice(name, "distill_kind", self.distill_kind, DISTILL_KINDS)
         gs = self.group_size
         if isinstance(gs, bool) or not isinstance(gs, numbers.Integral) or gs < 2:
             raise ValueError(f"{name}.group_size must be an int >= 2, got {self.group_size!r}")

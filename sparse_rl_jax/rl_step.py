@@ -67,13 +67,17 @@ class StepContext:
     ref_params: Any = None
 
 
-def _score_all(ctx: StepContext, params, rollout: Rollout, size: int) -> jax.Array:
-    """Dense teacher-forced log-probs ``[N, M]`` of the rollout, ``size`` sequences a call."""
+def _score_all(ctx: StepContext, params, rollout: Rollout, size: int,
+               replay: bool = False) -> jax.Array:
+    """Teacher-forced log-probs ``[N, M]`` of the rollout, ``size`` sequences a call: dense,
+    or with ``replay`` under the rollout's recorded sparse context."""
     parts = []
     for start in range(0, rollout.response.shape[0], size):
         rows = slice(start, start + size)
+        record = rollout.eviction_record[:, rows] if replay else None
         parts.append(score(ctx.graphdef, params, rollout.prompt[rows], rollout.prompt_mask[rows],
-                           rollout.response[rows], chunk_size=ctx.cfg.trainer.logp_chunk).logp)
+                           rollout.response[rows], record,
+                           chunk_size=ctx.cfg.trainer.logp_chunk).logp)
     return jnp.concatenate(parts, axis=0)
 
 
@@ -106,17 +110,23 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
     t_reward = time.perf_counter() - start
 
     size = cfg.trainer.score_batch or cfg.trainer.minibatch_size
+    # Shadow-mask training: the learner's policy is the replayed sparse one, so the PPO ratio
+    # is against the sampler's own log-probs (equal to the replay) and the reference is scored
+    # under the same record; the dense scores still feed the mismatch metrics.
+    shadow = cfg.correction.kind == "shadow_mask"
     logp_old, t_score = _timed(_score_all, ctx, params, rollout, size)
     logp_ref = None
     if ctx.ref_params is not None:
-        logp_ref, t_ref = _timed(_score_all, ctx, ctx.ref_params, rollout, size)
+        logp_ref, t_ref = _timed(_score_all, ctx, ctx.ref_params, rollout, size, shadow)
         t_score += t_ref
 
     mask = rollout.response_mask
     corrections = _corrections(logp_old, rollout.logp, mask, cfg=cfg.correction)
     advantages = group_advantages(jnp.asarray(rewards), cfg.loss.group_size, cfg.loss.adv_eps)
-    loss_batch = LossBatch.from_corrections(logp_old, advantages, mask, corrections, logp_ref)
-    full = Minibatch(rollout.prompt, rollout.prompt_mask, rollout.response, loss_batch)
+    behaviour = rollout.logp if shadow else logp_old
+    loss_batch = LossBatch.from_corrections(behaviour, advantages, mask, corrections, logp_ref)
+    record = jnp.moveaxis(rollout.eviction_record, 1, 0) if shadow else None
+    full = Minibatch(rollout.prompt, rollout.prompt_mask, rollout.response, loss_batch, record)
 
     start = time.perf_counter()
     order = np.random.default_rng([cfg.trainer.seed, step]).permutation(rollout.response.shape[0])

@@ -189,9 +189,10 @@ class EvalConfig:
 
 # The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
 # own defaults (the official Sparse-RL settings); configs/ holds the paper setups.
-# Runs score densely and never replay the sparse context: no eviction record (memory).
+# Runs record evictions only when the learner replays the sparse context (shadow_mask):
+# record_evictions None = auto (memory).
 DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucket=16,
-                                  record_evictions=False)
+                                  record_evictions=None)
 DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=32, buffer=8, window=4)
 DEFAULT_LOSS = GRPOLossConfig(group_size=8)
 DEFAULT_OPTIM = OptimConfig(lr=3e-4, weight_decay=0.0)
@@ -231,6 +232,19 @@ class RunConfig:
         score = self.trainer.score_batch or self.trainer.minibatch_size
         _require("trainer", "score_batch", sequences % score == 0,
                  f"must divide the rollout's {sequences} sequences", self.trainer.score_batch)
+
+        shadow = self.correction.kind == "shadow_mask"
+        records = self.sampling.record_evictions is not False
+        _require("sampling", "record_evictions", records or not shadow,
+                 "cannot be false with correction.kind=shadow_mask (the learner replays the "
+                 "eviction record); leave it unset (auto) or true", self.sampling.record_evictions)
+        _require("loss", "distill_coef", shadow or self.loss.distill_coef == 0,
+                 f"needs correction.kind=shadow_mask (got {self.correction.kind!r}): the "
+                 "distillation term compares the replayed sparse policy with the dense one",
+                 self.loss.distill_coef)
+        _require("loss", "distill_kind", shadow or self.loss.distill_kind == "k3",
+                 f"needs correction.kind=shadow_mask (got {self.correction.kind!r})",
+                 self.loss.distill_kind)
 
         if self.data.source == "task" and self.model.path is None and self.compression.compresses:
             # The default model's tokenizer has one token per character: lengths are known.

@@ -144,7 +144,7 @@ def _prefill(graphdef, params, prompt, prompt_mask, key, *, sampling, compressio
         head_dim=cfg.head_dim,
         max_len=max_len,
         dtype=model.dtype,
-        record=sampling.record_evictions,
+        record=bool(sampling.record_evictions),
     )
     positions = jnp.where(prompt_mask > 0, jnp.cumsum(prompt_mask, axis=1) - 1, -1)
     window = min(compression.window, p)

@@ -25,6 +25,9 @@ class SamplingConfig:
         ``[L, N, Hkv, P + M]``) that lets ``score`` replay the sparse context exactly. Off,
         the record is an empty ``[L, N, Hkv, 0]`` array: a training run, which scores densely,
         saves that memory (about 2 GB for a 28-layer, 4-KV-head model at 1024 x 4.7k tokens).
+        None (the run default) leaves it to the run: on exactly when the learner replays the
+        record (``correction.kind: shadow_mask``, see ``trainer.resolve_sampling``); the
+        sampler itself treats None as off.
     """
 
     max_new_tokens: int = 256
@@ -36,7 +39,7 @@ class SamplingConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     prompt_bucket: int = 32
-    record_evictions: bool = True
+    record_evictions: bool | None = True
 
     def __post_init__(self):
         checks = {
@@ -48,6 +51,8 @@ class SamplingConfig:
             "pad_id": (self.pad_id >= 0, "must be >= 0"),
             "prompt_bucket": (self.prompt_bucket >= 1, "must be >= 1"),
         }
+        checks["record_evictions"] = (self.record_evictions in (True, False, None),
+                                      "must be true, false or null (auto)")
         for field, (ok, why) in checks.items():
             if not ok:
                 raise ValueError(f"SamplingConfig.{field}={getattr(self, field)!r} {why}")

@@ -45,6 +45,35 @@ def _chunk_stats(model, hidden, targets, with_entropy):
     return logp, entropy
 
 
+def _response_hidden(model, prompt, prompt_mask, response, eviction_record):
+    """Final hidden state ``[N, M, H]`` that predicts each response token (teacher forcing)."""
+    p, m = prompt.shape[1], response.shape[1]
+    tokens = jnp.concatenate([prompt, response], axis=1).astype(jnp.int32)
+    positions = sequence_positions(prompt_mask, m)
+    key_expiry = None
+    if eviction_record is not None:
+        key_expiry = visibility_from_record(eviction_record, positions)
+    out = model(tokens, positions, key_expiry=key_expiry, return_logits=False)
+    # Column P-1+j predicts response token j.
+    return out.hidden[:, p - 1 : p - 1 + m]
+
+
+def _map_chunks(fn, chunk_size: int, *arrays):
+    """``fn`` over chunks of ``chunk_size`` response columns (axis 1) under ``jax.checkpoint``;
+    each output of ``fn`` is ``[N, c]`` (or None) and comes back as ``[N, M]``."""
+    n, m = arrays[0].shape[:2]
+    chunk = min(chunk_size, m)
+    pad = -m % chunk
+    num_chunks = (m + pad) // chunk
+
+    def split(x):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(n, num_chunks, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    outs = jax.lax.map(lambda xs: jax.checkpoint(fn)(*xs), tuple(split(x) for x in arrays))
+    return tuple(None if x is None else x.swapaxes(0, 1).reshape(n, -1)[:, :m] for x in outs)
+
+
 def response_logprobs(
     model: nnx.Module,
     prompt: jax.Array,
@@ -72,32 +101,67 @@ def response_logprobs(
     Returns:
       ``ScoreOutput(logp [N, M], entropy [N, M] | None)``.
     """
-    n, p = prompt.shape
-    m = response.shape[1]
-    tokens = jnp.concatenate([prompt, response], axis=1).astype(jnp.int32)
-    positions = sequence_positions(prompt_mask, m)
-    key_expiry = None
-    if eviction_record is not None:
-        key_expiry = visibility_from_record(eviction_record, positions)
-    out = model(tokens, positions, key_expiry=key_expiry, return_logits=False)
-    # Column P-1+j predicts response token j.
-    hidden = out.hidden[:, p - 1 : p - 1 + m]
-    chunk = min(chunk_size, m)
-    pad = -m % chunk
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(response.astype(jnp.int32), ((0, 0), (0, pad)))
-    num_chunks = (m + pad) // chunk
-    hidden = hidden.reshape(n, num_chunks, chunk, -1).swapaxes(0, 1)
-    targets = targets.reshape(n, num_chunks, chunk).swapaxes(0, 1)
-    stats = jax.checkpoint(
-        functools.partial(_chunk_stats, model, with_entropy=with_entropy)
-    )
-    logp, entropy = jax.lax.map(lambda xs: stats(*xs), (hidden, targets))
+    hidden = _response_hidden(model, prompt, prompt_mask, response, eviction_record)
+    stats = functools.partial(_chunk_stats, model, with_entropy=with_entropy)
+    logp, entropy = _map_chunks(stats, chunk_size, hidden, response.astype(jnp.int32))
+    return ScoreOutput(logp, entropy)
 
-    def unchunk(x):
-        return x.swapaxes(0, 1).reshape(n, -1)[:, :m]
 
-    return ScoreOutput(unchunk(logp), unchunk(entropy) if with_entropy else None)
+class ShadowScores(NamedTuple):
+    """Sparse (replayed) and dense scores of the same tokens under the same params.
+
+    logp_sparse: ``[N, M]`` log-probs under the sampler's sparse context (differentiable).
+    logp_dense: ``[N, M]`` log-probs under the full context (stop-gradient: the teacher).
+    kl_full: ``[N, M]`` per-token forward KL over the vocabulary,
+      ``sum_x p_dense(x) (log p_dense(x) - log p_sparse(x))`` (gradient through the sparse
+      side only), or None when not asked for.
+    """
+
+    logp_sparse: jax.Array
+    logp_dense: jax.Array
+    kl_full: jax.Array | None
+
+
+def _shadow_chunk(student, teacher, h_sparse, h_dense, targets, with_kl):
+    """Sparse/dense log p(target) (and the vocabulary KL) for one chunk ``[N, c]``."""
+    ls = jax.nn.log_softmax(student.unembed(h_sparse).astype(jnp.float32), axis=-1)
+    ld = jax.nn.log_softmax(teacher.unembed(h_dense).astype(jnp.float32), axis=-1)
+    pick = lambda lp: jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]  # noqa: E731
+    kl = jnp.sum(jnp.exp(ld) * (ld - ls), axis=-1) if with_kl else None
+    return pick(ls), pick(ld), kl
+
+
+def shadow_logprobs(
+    model: nnx.Module,
+    prompt: jax.Array,
+    prompt_mask: jax.Array,
+    response: jax.Array,
+    eviction_record: jax.Array,
+    *,
+    chunk_size: int = 128,
+    with_kl: bool = False,
+) -> ShadowScores:
+    """Scores for shadow-mask training: the response under the recorded sparse context
+    (the learner's policy) and under the full context (the distillation teacher).
+
+    The teacher is the same model with its params behind ``stop_gradient``, so it costs one
+    extra forward and no backward. Both LM heads are applied chunk by chunk under
+    ``jax.checkpoint``: with ``with_kl`` at most two ``[N, chunk, V]`` float32 log-softmax
+    arrays exist at a time, never ``[N, M, V]``.
+
+    Args:
+      model, prompt, prompt_mask, response, chunk_size: as in :func:`response_logprobs`.
+      eviction_record: ``[L, N, Hkv, T]`` int32 from the sampler.
+      with_kl: also compute the full-vocabulary forward KL per token.
+    """
+    graphdef, state = nnx.split(model)
+    teacher = nnx.merge(graphdef, jax.lax.stop_gradient(state))
+    h_sparse = _response_hidden(model, prompt, prompt_mask, response, eviction_record)
+    h_dense = _response_hidden(teacher, prompt, prompt_mask, response, None)
+    fn = functools.partial(_shadow_chunk, model, teacher, with_kl=with_kl)
+    logp_sparse, logp_dense, kl = _map_chunks(fn, chunk_size, h_sparse, h_dense,
+                                              response.astype(jnp.int32))
+    return ShadowScores(logp_sparse, jax.lax.stop_gradient(logp_dense), kl)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "with_entropy"))

@@ -11,26 +11,32 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.loss_config import GRPOLossConfig
-from sparse_rl_jax.scoring import response_logprobs
+from sparse_rl_jax.scoring import response_logprobs, shadow_logprobs
 
 
 class Minibatch(NamedTuple):
     """The arrays one update needs; ``N`` sequences, ``P`` prompt and ``M`` response columns.
 
     prompt, prompt_mask: ``[N, P]``; response: ``[N, M]`` int32; loss: the ``LossBatch``
-    (``[N, M]`` / ``[N]`` arrays: old dense log-probs, advantages, masks, IS weights).
+    (``[N, M]`` / ``[N]`` arrays: old log-probs, advantages, masks, IS weights).
+    eviction_record: None, or (shadow-mask training) the sampler's record moved to a leading
+    sequence axis, ``[N, L, Hkv, P + M]`` int32, so that every leaf splits along axis 0. With
+    it the update scores the response under the recorded sparse context (the learner's
+    policy) and under the full context (the distillation teacher).
     """
 
     prompt: jax.Array
     prompt_mask: jax.Array
     response: jax.Array
     loss: LossBatch
+    eviction_record: jax.Array | None = None
 
 
 def update_step(
@@ -55,10 +61,18 @@ def update_step(
 
     def loss_fn(p):
         model = nnx.merge(graphdef, p)
-        logp = response_logprobs(
-            model, batch.prompt, batch.prompt_mask, batch.response, chunk_size=chunk_size
-        ).logp
-        return grpo_loss(logp, batch.loss, loss_cfg)
+        if batch.eviction_record is None:
+            logp = response_logprobs(
+                model, batch.prompt, batch.prompt_mask, batch.response, chunk_size=chunk_size
+            ).logp
+            return grpo_loss(logp, batch.loss, loss_cfg)
+        scores = shadow_logprobs(
+            model, batch.prompt, batch.prompt_mask, batch.response,
+            jnp.moveaxis(batch.eviction_record, 0, 1), chunk_size=chunk_size,
+            with_kl=loss_cfg.distill_kind == "full",
+        )
+        return grpo_loss(scores.logp_sparse, batch.loss, loss_cfg,
+                         logp_dense=scores.logp_dense, kl_full=scores.kl_full)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     metrics["grad_norm"] = optax.global_norm(grads)

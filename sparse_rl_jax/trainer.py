@@ -68,8 +68,12 @@ def policy_path(cfg: RunConfig, log: Callable[[str], None] = print) -> str:
 
 
 def resolve_sampling(cfg: RunConfig, tokenizer: models.Tokenizer):
-    """``cfg.sampling`` with the tokenizer's EOS and pad ids when the config names none."""
+    """``cfg.sampling`` with the tokenizer's EOS and pad ids when the config names none, and
+    ``record_evictions`` resolved when unset: on only for ``correction.kind: shadow_mask``."""
     sampling = cfg.sampling
+    if sampling.record_evictions is None:
+        sampling = dataclasses.replace(
+            sampling, record_evictions=cfg.correction.kind == "shadow_mask")
     if not sampling.eos_ids:
         sampling = dataclasses.replace(sampling, eos_ids=tuple(tokenizer.eos_ids),
                                        pad_id=tokenizer.pad_id)

@@ -26,11 +26,13 @@ loss_and_grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argn
 corrections_jit = jax.jit(compute_corrections, static_argnames="cfg")
 
 
-def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None):
-    """Float64 reference: per-token PPO-clip (+ KL) terms, then the aggregation by loops.
+def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_full=None):
+    """Float64 reference: per-token PPO-clip (+ KL, + distillation) terms, then the
+    aggregation by loops.
 
     mask: the kept tokens; valid: the loss mask before rejection (None: = mask), which sets
-    the denominator under `seq_denominator="all"`.
+    the denominator under `seq_denominator="all"`. dense / kl_full: the shadow-mask teacher's
+    log-probs and the per-token vocabulary KL (a constant here).
     """
     valid = mask if valid is None else valid
     b, t = new.shape
@@ -48,7 +50,12 @@ def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None):
             if ref is not None:
                 d = np.clip(new[i, j] - ref[i, j], -c, c)
                 kl = {"k1": d, "k2": d * d / 2, "k3": np.exp(-d) - 1 + d}[cfg.kl_kind]
-            terms.append(pg + cfg.kl_coef * kl)
+            distill = 0.0
+            if dense is not None:
+                d = np.clip(new[i, j] - dense[i, j], -c, c)
+                k3 = np.exp(-d) - 1 + d
+                distill = kl_full[i, j] if cfg.distill_kind == "full" else k3
+            terms.append(pg + cfg.kl_coef * kl + cfg.distill_coef * distill)
         per_seq_terms.append(terms)
     nonempty = [x for x in per_seq_terms if x]
     if not nonempty:
@@ -133,6 +140,68 @@ def test_value_and_grad_match_numpy(cfg):
     assert float(metrics["effective_sequences"]) == eff.any(1).sum()
     assert float(metrics["all_rejected"]) == 0.0
     assert 0.0 < float(metrics["clip_fraction"]) < 1.0  # the inputs do exercise both branches
+
+
+@pytest.mark.parametrize("kind", ["k3", "full"])
+@pytest.mark.parametrize("den", SEQ_DENOMINATORS)
+def test_shadow_distillation_value_and_grad_match_numpy(kind, den):
+    new, batch, (old, adv, eff, w), _, valid = random_batch(21)
+    rng = np.random.default_rng(4)
+    dense = (new + rng.normal(0, 0.4, new.shape)).astype(np.float32).astype(np.float64)
+    kl_full = rng.uniform(0, 0.5, new.shape).astype(np.float32).astype(np.float64)
+    cfg = GRPOLossConfig(distill_coef=0.3, distill_kind=kind, seq_denominator=den)
+
+    def f(x, kl):
+        return grpo_loss(x, batch, cfg, logp_dense=jnp.asarray(dense, jnp.float32), kl_full=kl)
+
+    (loss, metrics), (grad, grad_kl) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+        jnp.asarray(new, jnp.float32), jnp.asarray(kl_full, jnp.float32))
+    args = (old, adv, eff, w, cfg, None, valid, dense, kl_full)
+    np.testing.assert_allclose(float(loss), np_loss(new, *args), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np_grad(new, *args), rtol=1e-4, atol=1e-6)
+    # The vocabulary KL enters with weight distill_coef / denominator (zero for k3).
+    g_kl = np.zeros_like(new)
+    for idx in zip(*np.nonzero(eff)):
+        up, down = kl_full.copy(), kl_full.copy()
+        up[idx] += 1e-5
+        down[idx] -= 1e-5
+        g_kl[idx] = (np_loss(new, *args[:-1], up) - np_loss(new, *args[:-1], down)) / 2e-5
+    np.testing.assert_allclose(np.asarray(grad_kl), g_kl, rtol=1e-4, atol=1e-6)
+    k3 = np.exp(dense - new) - 1 + (new - dense)
+    np.testing.assert_allclose(float(metrics["distill_k3"]), k3[eff].mean(), rtol=1e-5)
+    no_distill = np_loss(new, old, adv, eff, w, GRPOLossConfig(seq_denominator=den), None, valid)
+    np.testing.assert_allclose(float(metrics["pg_loss"]), no_distill, rtol=1e-5, atol=1e-6)
+
+
+def test_distillation_is_zero_when_sparse_equals_dense():
+    new, batch, *_ = random_batch(2)
+    for kind in ("k3", "full"):
+        cfg = GRPOLossConfig(distill_coef=1.0, distill_kind=kind)
+        x = jnp.asarray(new, jnp.float32)
+        (loss, metrics), grad = jax.value_and_grad(grpo_loss, has_aux=True)(
+            x, batch, cfg, logp_dense=x, kl_full=jnp.zeros_like(x))
+        plain, plain_grad = jax.value_and_grad(lambda y: grpo_loss(y, batch, GRPOLossConfig())[0])(x)
+        assert float(metrics["distill_kl"]) == 0.0 and float(metrics["distill_k3"]) == 0.0
+        assert float(loss) == float(plain)
+        np.testing.assert_array_equal(np.asarray(grad), np.asarray(plain_grad))
+
+
+def test_ratio_spread_metrics():
+    new, batch, (old, _, eff, _), *_ = random_batch(7)
+    _, metrics = grpo_loss(jnp.asarray(new, jnp.float32), batch, GRPOLossConfig())
+    rho = np.exp(new - old)[eff]
+    np.testing.assert_allclose(float(metrics["ratio_std"]), rho.std(), rtol=1e-4)
+    np.testing.assert_allclose(float(metrics["log_ratio_abs_max"]),
+                               np.abs(new - old)[eff].max(), rtol=1e-5)
+
+
+def test_distillation_needs_the_teacher():
+    new, batch, *_ = random_batch(0)
+    x = jnp.asarray(new, jnp.float32)
+    with pytest.raises(ValueError, match="distill_coef > 0 needs logp_dense"):
+        grpo_loss(x, batch, GRPOLossConfig(distill_coef=0.1))
+    with pytest.raises(ValueError, match="distill_kind='full' needs kl_full"):
+        grpo_loss(x, batch, GRPOLossConfig(distill_kind="full"), logp_dense=x)
 
 
 def test_kl_metric_reported_even_when_coef_zero_and_loss_unchanged():
@@ -250,21 +319,27 @@ def arrays(elements, dtype):
     sparse=arrays(EXTREME, np.float32),
     new=arrays(EXTREME, np.float32),
     ref=arrays(EXTREME, np.float32),
+    dense=arrays(EXTREME, np.float32),
     mask=arrays(st.booleans(), bool),
     adv=st.lists(st.floats(-3, 3, width=32), min_size=B, max_size=B),
     kind=st.sampled_from(CORRECTION_KINDS),
     level=st.sampled_from(CORRECTION_LEVELS),
     agg=st.sampled_from(AGGREGATIONS),
     kl_kind=st.sampled_from(KL_KINDS),
+    distill_kind=st.sampled_from(["k3", "full"]),
 )
 def test_extreme_log_prob_gaps_stay_finite(
-    old, sparse, new, ref, mask, adv, kind, level, agg, kl_kind
+    old, sparse, new, ref, dense, mask, adv, kind, level, agg, kl_kind, distill_kind
 ):
+    """Also the shadow-mask distillation term, against an extreme teacher (a vocabulary KL
+    from float32 logits is finite, however large)."""
     corr = compute_corrections(old, sparse, mask, CorrectionConfig(kind=kind, level=level))
     batch = LossBatch.from_corrections(old, np.array(adv, np.float32), mask, corr, logp_ref=ref)
-    cfg = GRPOLossConfig(aggregation=agg, kl_kind=kl_kind, kl_coef=1e-4)
+    cfg = GRPOLossConfig(aggregation=agg, kl_kind=kl_kind, kl_coef=1e-4, distill_coef=0.5,
+                         distill_kind=distill_kind)
     value_and_grad = jax.value_and_grad(grpo_loss, has_aux=True)
-    (loss, metrics), grad = value_and_grad(jnp.asarray(new), batch, cfg)
+    (loss, metrics), grad = value_and_grad(jnp.asarray(new), batch, cfg, logp_dense=dense,
+                                           kl_full=np.minimum(np.abs(dense), 1e4))
     assert np.isfinite(float(loss))
     assert np.all(np.isfinite(np.asarray(grad)))
     for k, v in {**metrics, **corr.metrics}.items():

@@ -1,0 +1,200 @@
+"""Shadow-mask training: the learner scores with the sampler's eviction record (on-policy for
+the sparse policy) and distils toward the dense policy of the same params.
+
+Oracles: plain GRPO on the same batch (no compression), the sampler's own log-probs (ratio 1
+at the first update), and NumPy over the model's full logits (vocabulary KL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.config_io import ConfigError, load_config
+from sparse_rl_jax.corrections import compute_corrections
+from sparse_rl_jax.grpo_loss import LossBatch
+from sparse_rl_jax.kv_state import visibility_from_record
+from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
+from sparse_rl_jax.run_config import RunConfig
+from sparse_rl_jax.sampler import generate
+from sparse_rl_jax.sampling_config import SamplingConfig
+from sparse_rl_jax.scoring import score, sequence_positions, shadow_logprobs
+from sparse_rl_jax.train_step import Minibatch, update_step
+from sparse_rl_jax.trainer import resolve_sampling
+from tiny_hf import left_padded_batch, make_tiny_hf
+
+CHUNK = 7  # does not divide the response length: padded chunks are exercised
+SGD = optax.sgd(1.0)  # params_after - params_before = -grad
+# Two loss configs shared by the tests, so the jitted update compiles once per config.
+K3 = GRPOLossConfig(distill_coef=0.1)
+FULL = GRPOLossConfig(distill_coef=0.5, distill_kind="full")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_hf(tmp_path_factory.mktemp("shadow"), "qwen2", tokenizer=False, std=0.2,
+                        hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=64)
+    graphdef, params = nnx.split(models.load_pretrained(path, dtype=jnp.float32))
+    prompt, mask = left_padded_batch(np.random.default_rng(0), [11, 5, 8], width=11)
+    return graphdef, params, prompt, mask
+
+
+def _rollout(tiny, method):
+    graphdef, params, prompt, mask = tiny
+    sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4)
+    compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
+    return generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
+
+
+def _minibatch(rollout, logp_old, record, kind="shadow_mask"):
+    mask = rollout.response_mask
+    adv = jnp.asarray(np.random.default_rng(1).normal(0, 1, mask.shape[0]), jnp.float32)
+    corr = compute_corrections(logp_old, rollout.logp, mask, CorrectionConfig(kind=kind))
+    loss = LossBatch.from_corrections(logp_old, adv, mask, corr)
+    return Minibatch(rollout.prompt, rollout.prompt_mask, rollout.response, loss,
+                     None if record is None else jnp.moveaxis(record, 1, 0))
+
+
+_update = jax.jit(update_step, static_argnames=("graphdef", "loss_cfg", "optimizer",
+                                                 "chunk_size"))
+
+
+def _step(tiny, batch, cfg):
+    graphdef, params, _, _ = tiny
+    new, _, metrics = _update(graphdef, params, SGD.init(params), batch, loss_cfg=cfg,
+                              optimizer=SGD, chunk_size=CHUNK)
+    delta = jax.tree.map(lambda a, b: np.asarray(a - b), new, params)
+    return jax.device_get(metrics), delta
+
+
+def test_without_compression_shadow_mask_equals_plain_grpo(tiny):
+    rollout = _rollout(tiny, "none")
+    assert int(rollout.num_compressions) == 0
+    plain = _minibatch(rollout, rollout.logp, None, kind="none")
+    shadow = _minibatch(rollout, rollout.logp, rollout.eviction_record)
+    m_plain, d_plain = _step(tiny, plain, GRPOLossConfig())
+    m_shadow, d_shadow = _step(tiny, shadow, FULL)
+    # Sparse == dense here: both distillation measures vanish and the update is GRPO's.
+    assert abs(float(m_shadow["distill_kl"])) < 1e-6 and abs(float(m_shadow["distill_k3"])) < 1e-6
+    np.testing.assert_allclose(m_shadow["loss"], m_plain["loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m_shadow["grad_norm"], m_plain["grad_norm"], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(d_shadow), jax.tree.leaves(d_plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_ratio_is_one_at_the_first_update_and_distillation_measures_the_gap(tiny):
+    graphdef, params, _, _ = tiny
+    rollout = _rollout(tiny, "rkv")
+    assert int(rollout.num_compressions) >= 3
+    valid = np.asarray(rollout.response_mask, bool)
+    dense = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response).logp
+    assert np.max(np.abs(np.asarray(dense - rollout.logp))[valid]) > 1e-2  # a real mismatch
+    batch = _minibatch(rollout, rollout.logp, rollout.eviction_record)
+    metrics, delta = _step(tiny, batch, K3)
+    # On-policy for the sampler: the ratio is 1 up to the replay's float error.
+    assert float(metrics["log_ratio_abs_max"]) <= 1e-4
+    assert float(metrics["ratio_std"]) <= 1e-4 and float(metrics["clip_fraction"]) == 0.0
+    # The teacher is the dense policy of the same params: k3 at the sampled tokens.
+    d = np.asarray(rollout.logp - dense, np.float64)[valid]
+    np.testing.assert_allclose(metrics["distill_k3"], np.mean(np.exp(-d) - 1 + d), rtol=1e-3)
+    assert float(metrics["distill_kl"]) > 1e-3
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(delta))
+
+
+def test_gradients_finite_at_extreme_mismatch(tiny):
+    rollout = _rollout(tiny, "rkv")
+    old = np.asarray(rollout.logp).copy()
+    old[0, :3] = -np.inf  # the sampler claims impossible tokens
+    old[1, :] = 1e4
+    old[2, :] -= 50.0
+    batch = _minibatch(rollout, jnp.asarray(old), rollout.eviction_record)
+    for cfg in (K3, FULL):
+        metrics, delta = _step(tiny, batch, cfg)
+        assert all(np.isfinite(float(v)) for v in metrics.values())
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(delta))
+        assert float(metrics["log_ratio_abs_max"]) == 20.0  # clamped
+
+
+def _np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_vocabulary_kl_matches_numpy_over_full_logits_and_teacher_gets_no_gradient(tiny):
+    graphdef, params, _, _ = tiny
+    rollout = _rollout(tiny, "snapkv")
+    args = (rollout.prompt, rollout.prompt_mask, rollout.response, rollout.eviction_record)
+    out = jax.jit(lambda p: shadow_logprobs(nnx.merge(graphdef, p), *args, chunk_size=CHUNK,
+                                            with_kl=True))(params)
+    model = nnx.merge(graphdef, params)
+    p_len, m = rollout.prompt.shape[1], rollout.response.shape[1]
+    tokens = jnp.concatenate([rollout.prompt, rollout.response], axis=1)
+    positions = sequence_positions(rollout.prompt_mask, m)
+    expiry = visibility_from_record(rollout.eviction_record, positions)
+
+    def logits(key_expiry):
+        full = model(tokens, positions, key_expiry=key_expiry).logits
+        return np.asarray(full[:, p_len - 1 : p_len - 1 + m], np.float64)
+
+    ls, ld = _np_log_softmax(logits(expiry)), _np_log_softmax(logits(None))
+    valid = np.asarray(rollout.response_mask, bool)
+    kl = (np.exp(ld) * (ld - ls)).sum(-1)
+    np.testing.assert_allclose(np.asarray(out.kl_full)[valid], kl[valid], atol=2e-5)
+    assert kl[valid].max() > 1e-2  # compression changed the distributions
+    pick = lambda lp: np.take_along_axis(lp, np.asarray(rollout.response)[..., None], -1)[..., 0]  # noqa: E731
+    np.testing.assert_allclose(np.asarray(out.logp_sparse)[valid], pick(ls)[valid], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(out.logp_dense)[valid], pick(ld)[valid], atol=2e-5)
+
+    # Gradients: the chunked, rematerialised KL against the unchunked one from full logits.
+    # The teacher's log-probs are added with a large weight: any gradient through them
+    # would break the equality (the unchunked reference has none).
+    w = jnp.asarray(valid, jnp.float32)
+
+    def chunked(p):
+        out = shadow_logprobs(nnx.merge(graphdef, p), *args, chunk_size=CHUNK, with_kl=True)
+        return jnp.sum(w * (out.kl_full + 1e3 * out.logp_dense))
+
+    def unchunked(p):
+        mdl = nnx.merge(graphdef, p)
+        teacher = nnx.merge(graphdef, jax.lax.stop_gradient(p))
+        cut = lambda x: x[:, p_len - 1 : p_len - 1 + m]  # noqa: E731
+        s = jax.nn.log_softmax(cut(mdl(tokens, positions, key_expiry=expiry).logits), -1)
+        d = jax.nn.log_softmax(cut(teacher(tokens, positions).logits), -1)
+        return jnp.sum(w * jnp.sum(jnp.exp(d) * (d - s), -1)) + jax.lax.stop_gradient(
+            1e3 * jnp.sum(w * jnp.take_along_axis(d, rollout.response[..., None], -1)[..., 0]))
+
+    g_chunked = jax.jit(jax.grad(chunked))(params)
+    g_full = jax.jit(jax.grad(unchunked))(params)
+    for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_full)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_config_keeps_the_record_and_rejects_contradictions():
+    shadow = ["correction.kind=shadow_mask"]
+    cfg = load_config(RunConfig, None, shadow)
+    assert cfg.sampling.record_evictions is None  # auto
+    tok = types.SimpleNamespace(eos_ids=[2], pad_id=0)
+    assert resolve_sampling(cfg, tok).record_evictions is True
+    assert resolve_sampling(RunConfig(), tok).record_evictions is False
+    explicit = load_config(RunConfig, None, ["sampling.record_evictions=true"])
+    assert resolve_sampling(explicit, tok).record_evictions is True
+    with pytest.raises(ConfigError, match=r"sampling\.record_evictions=False cannot be false "
+                                          r"with correction\.kind=shadow_mask"):
+        load_config(RunConfig, None, [*shadow, "sampling.record_evictions=false"])
+    with pytest.raises(ConfigError, match=r"loss\.distill_coef=0\.1 needs "
+                                          r"correction\.kind=shadow_mask \(got 'sparse_rl'\)"):
+        load_config(RunConfig, None, ["loss.distill_coef=0.1"])
+    with pytest.raises(ConfigError, match=r"loss\.distill_kind='full' needs correction\.kind"):
+        load_config(RunConfig, None, ["loss.distill_kind=full"])
+    with pytest.raises(ConfigError, match=r"loss: GRPOLossConfig\.distill_kind must be one of"):
+        load_config(RunConfig, None, [*shadow, "loss.distill_kind=reverse"])
+    assert dataclasses.replace(cfg.loss, distill_coef=0.2).distill_coef == 0.2
