@@ -5,6 +5,8 @@ Arms, same seed, same warm-started policy, same data:
   dense                     full KV cache (the reference)
   naive <method> <budget>   compressed rollouts, no correction (pi_sparse treated as pi_dense)
   sparse-rl <method> <b.>   compressed rollouts with Sparse-RL's rejection + reweighting
+  shadow-mask <method> <b.> compressed rollouts, learner scored under the sampler's eviction
+                            record (on-policy for the sparse policy) + distillation to dense
 for every <method> (R-KV, SnapKV) and KV <budget> (a harsh and a moderate one by default; see
 ``experiments/regime_sweep.py`` for where compression starts to change the samples), and for
 every seed. Each final policy is evaluated under dense inference and under every sparse
@@ -37,19 +39,23 @@ from sparse_rl_jax.rewards import get_reward_fn  # noqa: E402
 from sparse_rl_jax.run_config import RunConfig  # noqa: E402
 from sparse_rl_jax.trainer import load_policy, policy_path, resolve_sampling, train  # noqa: E402
 
+DISTILL = 0.1  # shadow-mask arm's loss.distill_coef (the paper's value is not public)
 COMPARE_KEYS = ("reward_mean", "rejection_rate", "clip_fraction", "mismatch_k3",
                 "repetition_fraction", "kv_token_savings", "kv_peak_savings",
                 "response_length_mean", "token_mask_fraction")
 
 
 def arms(methods: list[str], budgets: list[int]) -> list[tuple[str, list[str]]]:
-    """(label, overrides) of every arm: dense once, then naive and Sparse-RL per budget."""
+    """(label, overrides) of every arm: dense once, then naive, Sparse-RL and shadow-mask per
+    budget and method."""
     out = [("dense", ["compression.method=none", "correction.kind=none"])]
     for budget in budgets:
         for method in methods:
             setting = [f"compression.method={method}", f"compression.budget={budget}"]
             out.append((f"naive {method} {budget}", [*setting, "correction.kind=none"]))
             out.append((f"sparse-rl {method} {budget}", [*setting, "correction.kind=sparse_rl"]))
+            out.append((f"shadow-mask {method} {budget}",
+                        [*setting, "correction.kind=shadow_mask", f"loss.distill_coef={DISTILL}"]))
     return out
 
 

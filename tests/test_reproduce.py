@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sparse_rl_jax.metrics_writer import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,14 +35,20 @@ def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     rows = json.loads((out / "results.json").read_text())
     # --quick keeps the first seed and budget only.
     assert [(r["arm"], r["seed"]) for r in rows] == [
-        ("dense", 0), ("naive rkv 14", 0), ("sparse-rl rkv 14", 0)]
-    dense, naive, corrected = rows
+        ("dense", 0), ("naive rkv 14", 0), ("sparse-rl rkv 14", 0), ("shadow-mask rkv 14", 0)]
+    dense, naive, corrected, shadow = rows
     assert dense["kv_token_savings"] == 0.0 and corrected["kv_token_savings"] > 0.0
     assert naive["rejection_rate"] == 0.0  # no correction: nothing is ever rejected
+    assert shadow["rejection_rate"] == 0.0 and shadow["kv_token_savings"] > 0.0
+    # One update per step in --quick (64 sequences, minibatch 64): on-policy for the sampler,
+    # so the ratio is 1 up to the replay's float error, while the distillation term sees the
+    # sparse-vs-dense gap.
+    for m in read_metrics(out / "seed0" / "shadow-mask_rkv_14"):
+        assert m["log_ratio_abs_max"] < 1e-3 and m["distill_kl"] > 0, m
     for row in rows:
         assert [e["mode"] for e in row["eval"]] == ["dense", "sparse (rkv 14)"]
     table = (out / "results.md").read_text()
-    assert "sparse-rl rkv 14" in table and "wall time" in table
+    assert "sparse-rl rkv 14" in table and "shadow-mask rkv 14" in table and "wall time" in table
     assert "| policy \\ inference | dense | sparse (rkv 14) |" in table
     summary = out / "plots" / "seed0" / "budget14" / "compare_summary.png"
     assert summary.stat().st_size > 10_000
