@@ -73,6 +73,10 @@ def aggregate(
     mode:
       seq_mean_token_mean: mean over each sequence's kept tokens, then over sequences.
       seq_mean_token_sum: sum over each sequence's kept tokens, then mean over sequences.
+      seq_mean_token_sum_norm (Dr.GRPO): sum over each sequence's kept tokens divided by the
+        constant `T` (the response width, `sampling.max_new_tokens` in training), then mean
+        over sequences, i.e. total / (sequences x T) as in TRL's `dr_grpo` (verl divides the
+        total by `T` only, without the sequence count).
       token_mean: sum over kept tokens / a token count.
     denominator: which sequences / tokens divide the sum.
       all (official): sequences with at least one `valid` token (a vetoed or fully rejected
@@ -89,6 +93,8 @@ def aggregate(
     per_seq = masked_sum(per_token, kept, axis=1)
     if mode == "seq_mean_token_mean":
         per_seq = per_seq / jnp.maximum(masked_count(kept, axis=1), 1.0)
+    elif mode == "seq_mean_token_sum_norm":
+        per_seq = per_seq / per_token.shape[1]
     return jnp.sum(per_seq) / jnp.maximum(masked_count(jnp.any(base, axis=1)), 1.0)
 
 
@@ -112,10 +118,22 @@ def grpo_loss(
     logp_dense: jax.Array | None = None,
     kl_full: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """GRPO loss (scalar) and metrics; differentiable w.r.t. `logp_new` `[B, T]` only.
+    """GRPO loss (scalar) and metrics; differentiable w.r.t. `logp_new` `[B, T]` (and, with
+    `entropy_coef`, `entropy`; with `distill_kind: full`, `kl_full`).
 
-    Per token: `w_t * max(-rho_t A, -clip(rho_t, 1 - eps_low, 1 + eps_high) A)` with
-    `rho_t = exp(clamp(logp_new - logp_old_dense))`, aggregated by `cfg.aggregation` over the
+    Per token: `w_t * L_t` with `rho_t = exp(clamp(logp_new - logp_old_dense))` and
+      ppo_clip: `L_t = max(-rho_t A, -clip(rho_t, 1 - eps_low, 1 + eps_high) A)`; with
+        `clip_c` (dual-clip) `L_t = min(L_t, -clip_c A)` where `A < 0`.
+      cispo: `L_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A log rho_t` (every token
+        keeps a gradient; same gradient as verl's `... * log_prob`, whose value differs by
+        a constant).
+      ratio_level sequence (GSPO-token): `rho_t` is replaced by `sg(s) * pi(o_t) / sg(pi(o_t))`
+        with `s = exp(mean over the sequence's kept tokens of log rho_t)`: its value is the
+        sequence ratio (so clipping is per sequence), its gradient `s * grad log pi(o_t)`.
+    Corrections compose the same way in every variant: the IS weight `w_t` multiplies `L_t`,
+    rejected tokens and sequences leave the effective mask (and, for the sequence ratio, the
+    mean that defines `s`); the KL, distillation and entropy terms use the same mask and
+    aggregation. The entropy bonus subtracts `entropy_coef * aggregate(entropy)`. Aggregated by `cfg.aggregation` over the
     effective mask `loss_mask * token_mask * seq_mask` and divided as `cfg.seq_denominator`
     says (see `aggregate`; default `all`: rejected sequences/tokens stay in the denominator,
     as in the official code), plus `kl_coef * KL(pi_theta || pi_ref)`
@@ -137,8 +155,9 @@ def grpo_loss(
     logp_dense: optional `[B, T]` dense log-probs of the current policy (the teacher).
     kl_full: optional `[B, T]` differentiable per-token vocabulary KL (needed for `full`).
     metrics (float32 scalars, token means over effective tokens unless stated):
-      loss, pg_loss, kl_loss (with a reference), clip_fraction (tokens where the clipped branch
-      is strictly larger), ppo_kl (mean of logp_old - logp_new), ratio_mean, ratio_std and
+      loss, pg_loss, kl_loss (with a reference), entropy_loss (with entropy_coef),
+      clip_fraction (tokens where the clipped branch is strictly larger; cispo: where the
+      weight is clipped), ppo_kl (mean of logp_old - logp_new), ratio_mean, ratio_std and
       log_ratio_abs_max (spread of the PPO ratio), advantage_mean, entropy (if given),
       distill_kl (with `logp_dense`: the aggregated KL of `distill_kind`, the sparse-vs-dense
       gap of the current policy) and distill_k3 (token mean of the k3 estimate),
@@ -159,6 +178,9 @@ def grpo_loss(
         check_shape("logp_dense", logp_dense, (b, t))
     if kl_full is not None:
         check_shape("kl_full", kl_full, (b, t))
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("GRPOLossConfig.entropy_coef > 0 needs the per-token entropy "
+                         "(score with with_entropy=True)")
     if cfg.distill_coef > 0 and logp_dense is None:
         raise ValueError("GRPOLossConfig.distill_coef > 0 needs logp_dense (shadow_mask training)")
     if cfg.distill_kind == "full" and logp_dense is not None and kl_full is None:
@@ -173,17 +195,28 @@ def grpo_loss(
     weights = jnp.where(mask, sg(batch.is_weights).astype(jnp.float32), 0.0)
 
     log_rho = safe_log_ratio(logp_new, sg(batch.logp_old_dense), mask, clamp)
+    if cfg.ratio_level == "sequence":  # GSPO-token: value s_i, gradient s_i * grad log pi_t
+        log_s = jnp.clip(masked_mean(log_rho, mask, axis=1), -clamp, clamp)
+        log_rho = jnp.where(mask, sg(log_s)[:, None] + log_rho - sg(log_rho), 0.0)
     rho = jnp.exp(log_rho)
+    clipped_rho = jnp.clip(rho, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     unclipped = -rho * adv
-    clipped = -jnp.clip(rho, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
-    pg_per_token = weights * jnp.maximum(unclipped, clipped)
+    clipped = -clipped_rho * adv
+    if cfg.policy_loss == "cispo":
+        policy = -sg(clipped_rho) * adv * log_rho
+    else:
+        policy = jnp.maximum(unclipped, clipped)
+        if cfg.clip_c is not None:  # dual-clip: bound the loss of negative advantages
+            policy = jnp.where(adv < 0, jnp.minimum(policy, -cfg.clip_c * adv), policy)
+    pg_per_token = weights * policy
     pg_loss = aggregate(pg_per_token, mask, valid, cfg.aggregation, cfg.seq_denominator)
     loss = pg_loss
 
     n_tokens = masked_count(mask)
     metrics = {
         "pg_loss": pg_loss,
-        "clip_fraction": masked_mean(clipped > unclipped, mask),
+        "clip_fraction": masked_mean(
+            clipped_rho != rho if cfg.policy_loss == "cispo" else clipped > unclipped, mask),
         "ppo_kl": masked_mean(-log_rho, mask),
         "ratio_mean": masked_mean(rho, mask),
         "ratio_std": jnp.sqrt(masked_mean(jnp.square(rho - masked_mean(rho, mask)), mask)),
@@ -212,6 +245,11 @@ def grpo_loss(
             loss = loss + cfg.distill_coef * distill
     if entropy is not None:
         metrics["entropy"] = masked_mean(sg(entropy).astype(jnp.float32), mask)
+        if cfg.entropy_coef > 0:
+            ent = jnp.where(mask, entropy.astype(jnp.float32), 0.0)
+            ent_loss = aggregate(ent, mask, valid, cfg.aggregation, cfg.seq_denominator)
+            metrics["entropy_loss"] = ent_loss
+            loss = loss - cfg.entropy_coef * ent_loss
     metrics["loss"] = loss
     metrics = {k: sg(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
     return loss, metrics

@@ -13,7 +13,10 @@ from typing import Any
 
 CORRECTION_KINDS = ("none", "tis", "mis", "sparse_rl", "shadow_mask")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
-AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum")
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum",
+                "seq_mean_token_sum_norm")
+RATIO_LEVELS = ("token", "sequence")
+POLICY_LOSSES = ("ppo_clip", "cispo")
 KL_KINDS = ("k1", "k2", "k3")
 SEQ_DENOMINATORS = ("all", "kept")
 DISTILL_KINDS = ("k3", "full")
@@ -112,8 +115,19 @@ class GRPOLossConfig:
     """The PPO-clipped GRPO objective.
 
     eps_low, eps_high: ratio clip band `[1 - eps_low, 1 + eps_high]` (DAPO-style eps_high 0.28
-      allowed); eps_low in (0, 1), eps_high > 0.
-    aggregation: `seq_mean_token_mean` (official default), `token_mean`, `seq_mean_token_sum`.
+      allowed); eps_high > 0, eps_low in (0, 1) (cispo: any eps_low > 0; >= 1 means no lower
+      bound, verl's CISPO example uses 10). Both are offsets from 1, never absolute caps
+      (TRL's CISPO `epsilon_high` is an absolute cap: its 5.0 is our eps_high 4.0).
+    policy_loss: `ppo_clip` (PPO's clipped surrogate) or `cispo` (MiniMax-M1: clipped,
+      stop-gradient IS weight times `A log pi`; clipped tokens still get a gradient).
+    ratio_level: `token` (PPO/GRPO) or `sequence` (GSPO, in verl's GSPO-token form; use small
+      eps, e.g. eps_low 3e-4, eps_high 4e-4 as in the paper).
+    clip_c: dual-clip constant (> 1, e.g. 3.0) bounding the loss of negative-advantage tokens
+      at `-clip_c A`; None disables it; ppo_clip only.
+    entropy_coef: entropy bonus, `loss -= entropy_coef * aggregate(entropy)` (0 = off).
+    aggregation: `seq_mean_token_mean` (official default), `token_mean`, `seq_mean_token_sum`,
+      `seq_mean_token_sum_norm` (Dr.GRPO: token sums / the response width, mean over
+      sequences).
     seq_denominator: what the aggregation divides by. `all` (official default): every sequence
       of the minibatch with a loss-mask token (`seq_mean_*`), or every loss-mask token
       (`token_mean`), rejected or not, so rejection removes terms but never scales the rest
@@ -131,6 +145,10 @@ class GRPOLossConfig:
 
     eps_low: float = 0.2
     eps_high: float = 0.2
+    policy_loss: str = "ppo_clip"
+    ratio_level: str = "token"
+    clip_c: float | None = None
+    entropy_coef: float = 0.0
     aggregation: str = "seq_mean_token_mean"
     seq_denominator: str = "all"
     kl_coef: float = 0.0
@@ -143,8 +161,21 @@ class GRPOLossConfig:
 
     def __post_init__(self) -> None:
         name = "GRPOLossConfig"
-        if not 0.0 < _number(name, "eps_low", self.eps_low) < 1.0:
+        _choice(name, "policy_loss", self.policy_loss, POLICY_LOSSES)
+        _choice(name, "ratio_level", self.ratio_level, RATIO_LEVELS)
+        if self.policy_loss == "cispo":
+            _positive(name, "eps_low", self.eps_low)
+        elif not 0.0 < _number(name, "eps_low", self.eps_low) < 1.0:
             raise ValueError(f"{name}.eps_low must be in (0, 1), got {self.eps_low!r}")
+        if self.clip_c is not None:
+            if _number(name, "clip_c", self.clip_c) <= 1.0:
+                raise ValueError(f"{name}.clip_c must be None or > 1, got {self.clip_c!r}")
+            if self.policy_loss != "ppo_clip":
+                raise ValueError(
+                    f"{name}.clip_c (dual-clip) applies to policy_loss='ppo_clip' only, got "
+                    f"policy_loss={self.policy_loss!r}")
+        if _number(name, "entropy_coef", self.entropy_coef) < 0:
+            raise ValueError(f"{name}.entropy_coef must be >= 0, got {self.entropy_coef!r}")
         _positive(name, "eps_high", self.eps_high)
         _choice(name, "aggregation", self.aggregation, AGGREGATIONS)
         _choice(name, "seq_denominator", self.seq_denominator, SEQ_DENOMINATORS)

@@ -37,12 +37,21 @@ def sequence_positions(prompt_mask: jax.Array, response_len: int) -> jax.Array:
     return jnp.concatenate([prompt_pos, response_pos], axis=1).astype(jnp.int32)
 
 
-def _chunk_stats(model, hidden, targets, with_entropy):
-    """log p(target) (and entropy) for one chunk: hidden ``[N, c, H]``, targets ``[N, c]``."""
-    logprobs = jax.nn.log_softmax(model.unembed(hidden).astype(jnp.float32), axis=-1)
+def _log_softmax(model, hidden):
+    """Float32 log-probabilities ``[N, c, V]`` of one chunk of hidden states ``[N, c, H]``."""
+    return jax.nn.log_softmax(model.unembed(hidden).astype(jnp.float32), axis=-1)
+
+
+def _pick_stats(logprobs, targets, with_entropy):
+    """log p(target) ``[N, c]`` (and the entropy) from log-probabilities ``[N, c, V]``."""
     logp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logprobs) * logprobs, axis=-1) if with_entropy else None
     return logp, entropy
+
+
+def _chunk_stats(model, hidden, targets, with_entropy):
+    """log p(target) (and entropy) for one chunk: hidden ``[N, c, H]``, targets ``[N, c]``."""
+    return _pick_stats(_log_softmax(model, hidden), targets, with_entropy)
 
 
 def _response_hidden(model, prompt, prompt_mask, response, eviction_record):
@@ -115,20 +124,22 @@ class ShadowScores(NamedTuple):
     kl_full: ``[N, M]`` per-token forward KL over the vocabulary,
       ``sum_x p_dense(x) (log p_dense(x) - log p_sparse(x))`` (gradient through the sparse
       side only), or None when not asked for.
+    entropy: ``[N, M]`` entropy of the sparse policy (differentiable), or None.
     """
 
     logp_sparse: jax.Array
     logp_dense: jax.Array
     kl_full: jax.Array | None
+    entropy: jax.Array | None = None
 
 
-def _shadow_chunk(student, teacher, h_sparse, h_dense, targets, with_kl):
-    """Sparse/dense log p(target) (and the vocabulary KL) for one chunk ``[N, c]``."""
-    ls = jax.nn.log_softmax(student.unembed(h_sparse).astype(jnp.float32), axis=-1)
-    ld = jax.nn.log_softmax(teacher.unembed(h_dense).astype(jnp.float32), axis=-1)
-    pick = lambda lp: jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]  # noqa: E731
+def _shadow_chunk(student, teacher, h_sparse, h_dense, targets, with_kl, with_entropy):
+    """Sparse/dense log p(target) (and the vocabulary KL, the sparse entropy) for one chunk."""
+    ls, ld = _log_softmax(student, h_sparse), _log_softmax(teacher, h_dense)
+    logp_sparse, entropy = _pick_stats(ls, targets, with_entropy)
+    logp_dense, _ = _pick_stats(ld, targets, False)
     kl = jnp.sum(jnp.exp(ld) * (ld - ls), axis=-1) if with_kl else None
-    return pick(ls), pick(ld), kl
+    return logp_sparse, logp_dense, kl, entropy
 
 
 def shadow_logprobs(
@@ -140,6 +151,7 @@ def shadow_logprobs(
     *,
     chunk_size: int = 128,
     with_kl: bool = False,
+    with_entropy: bool = False,
 ) -> ShadowScores:
     """Scores for shadow-mask training: the response under the recorded sparse context
     (the learner's policy) and under the full context (the distillation teacher).
@@ -153,15 +165,17 @@ def shadow_logprobs(
       model, prompt, prompt_mask, response, chunk_size: as in :func:`response_logprobs`.
       eviction_record: ``[L, N, Hkv, T]`` int32 from the sampler.
       with_kl: also compute the full-vocabulary forward KL per token.
+      with_entropy: also return the sparse policy's per-token entropy.
     """
     graphdef, state = nnx.split(model)
     teacher = nnx.merge(graphdef, jax.lax.stop_gradient(state))
     h_sparse = _response_hidden(model, prompt, prompt_mask, response, eviction_record)
     h_dense = _response_hidden(teacher, prompt, prompt_mask, response, None)
-    fn = functools.partial(_shadow_chunk, model, teacher, with_kl=with_kl)
-    logp_sparse, logp_dense, kl = _map_chunks(fn, chunk_size, h_sparse, h_dense,
-                                              response.astype(jnp.int32))
-    return ShadowScores(logp_sparse, jax.lax.stop_gradient(logp_dense), kl)
+    fn = functools.partial(_shadow_chunk, model, teacher, with_kl=with_kl,
+                           with_entropy=with_entropy)
+    logp_sparse, logp_dense, kl, entropy = _map_chunks(fn, chunk_size, h_sparse, h_dense,
+                                                       response.astype(jnp.int32))
+    return ShadowScores(logp_sparse, jax.lax.stop_gradient(logp_dense), kl, entropy)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "with_entropy"))

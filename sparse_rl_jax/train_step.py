@@ -59,19 +59,22 @@ def update_step(
       ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` included).
     """
 
+    with_entropy = loss_cfg.entropy_coef > 0
+
     def loss_fn(p):
         model = nnx.merge(graphdef, p)
         if batch.eviction_record is None:
-            logp = response_logprobs(
-                model, batch.prompt, batch.prompt_mask, batch.response, chunk_size=chunk_size
-            ).logp
-            return grpo_loss(logp, batch.loss, loss_cfg)
+            out = response_logprobs(
+                model, batch.prompt, batch.prompt_mask, batch.response, chunk_size=chunk_size,
+                with_entropy=with_entropy,
+            )
+            return grpo_loss(out.logp, batch.loss, loss_cfg, entropy=out.entropy)
         scores = shadow_logprobs(
             model, batch.prompt, batch.prompt_mask, batch.response,
             jnp.moveaxis(batch.eviction_record, 0, 1), chunk_size=chunk_size,
-            with_kl=loss_cfg.distill_kind == "full",
+            with_kl=loss_cfg.distill_kind == "full", with_entropy=with_entropy,
         )
-        return grpo_loss(scores.logp_sparse, batch.loss, loss_cfg,
+        return grpo_loss(scores.logp_sparse, batch.loss, loss_cfg, entropy=scores.entropy,
                          logp_dense=scores.logp_dense, kl_full=scores.kl_full)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

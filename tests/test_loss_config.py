@@ -13,7 +13,7 @@ from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
         (
             {"kind": "icepop"},
             r"CorrectionConfig\.kind must be one of "
-            r"\('none', 'tis', 'mis', 'sparse_rl'\), got 'icepop'",
+            r"\('none', 'tis', 'mis', 'sparse_rl', 'shadow_mask'\), got 'icepop'",
         ),
         (
             {"level": "tokens"},
@@ -46,9 +46,22 @@ def test_correction_config_errors_name_the_field(kwargs, pattern):
         (
             {"aggregation": "mean"},
             r"GRPOLossConfig\.aggregation must be one of "
-            r"\('seq_mean_token_mean', 'token_mean', 'seq_mean_token_sum'\)",
+            r"\('seq_mean_token_mean', 'token_mean', 'seq_mean_token_sum', "
+            r"'seq_mean_token_sum_norm'\)",
         ),
         ({"kl_coef": -1e-4}, r"GRPOLossConfig\.kl_coef must be >= 0"),
+        ({"policy_loss": "grpo"}, r"GRPOLossConfig\.policy_loss must be one of "
+                                  r"\('ppo_clip', 'cispo'\), got 'grpo'"),
+        ({"ratio_level": "seq"}, r"GRPOLossConfig\.ratio_level must be one of "
+                                 r"\('token', 'sequence'\)"),
+        ({"clip_c": 1.0}, r"GRPOLossConfig\.clip_c must be None or > 1, got 1\.0"),
+        ({"clip_c": 3.0, "policy_loss": "cispo"},
+         r"GRPOLossConfig\.clip_c \(dual-clip\) applies to policy_loss='ppo_clip' only"),
+        ({"eps_low": 10.0}, r"GRPOLossConfig\.eps_low must be in \(0, 1\), got 10\.0"),
+        ({"eps_low": 0.0, "policy_loss": "cispo"}, r"GRPOLossConfig\.eps_low must be > 0"),
+        ({"entropy_coef": -0.01}, r"GRPOLossConfig\.entropy_coef must be >= 0"),
+        ({"distill_coef": -1.0}, r"GRPOLossConfig\.distill_coef must be >= 0"),
+        ({"distill_kind": "reverse"}, r"GRPOLossConfig\.distill_kind must be one of"),
         (
             {"seq_denominator": "global"},
             r"GRPOLossConfig\.seq_denominator must be one of \('all', 'kept'\), got 'global'",

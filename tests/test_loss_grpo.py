@@ -26,26 +26,44 @@ loss_and_grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argn
 corrections_jit = jax.jit(compute_corrections, static_argnames="cfg")
 
 
-def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_full=None):
-    """Float64 reference: per-token PPO-clip (+ KL, + distillation) terms, then the
+def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_full=None,
+            entropy=None, base=None):
+    """Float64 reference: per-token policy (+ KL, + distillation, - entropy) terms, then the
     aggregation by loops.
 
     mask: the kept tokens; valid: the loss mask before rejection (None: = mask), which sets
     the denominator under `seq_denominator="all"`. dense / kl_full: the shadow-mask teacher's
-    log-probs and the per-token vocabulary KL (a constant here).
+    log-probs and the per-token vocabulary KL (a constant here). entropy: per-token entropy.
+    base: where the stop-gradient parts (CISPO's clipped weight, GSPO-token's sequence
+    ratio) are evaluated; None = `new` (the value). `np_grad` holds it at the unperturbed
+    point, which makes central differences give the stop-gradient forms' gradients.
     """
     valid = mask if valid is None else valid
+    base = new if base is None else base
     b, t = new.shape
     c = cfg.log_ratio_clamp
+    lr = np.clip(new - old, -c, c)
+    lr_base = np.clip(base - old, -c, c)
+    if cfg.ratio_level == "sequence":
+        log_s = [np.clip(lr_base[i][mask[i]].mean(), -c, c) if mask[i].any() else 0.0
+                 for i in range(b)]
+        lr = np.array(log_s)[:, None] + lr - lr_base
+        lr_base = np.broadcast_to(np.array(log_s)[:, None], (b, t))
     per_seq_terms = []
     for i in range(b):
         terms = []
         for j in range(t):
             if not mask[i, j]:
                 continue
-            rho = np.exp(np.clip(new[i, j] - old[i, j], -c, c))
-            a = adv[i]
-            pg = w[i, j] * max(-rho * a, -min(max(rho, 1 - cfg.eps_low), 1 + cfg.eps_high) * a)
+            rho, a = np.exp(lr[i, j]), adv[i]
+            lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+            if cfg.policy_loss == "cispo":
+                pol = -min(max(np.exp(lr_base[i, j]), lo), hi) * a * lr[i, j]
+            else:
+                pol = max(-rho * a, -min(max(rho, lo), hi) * a)
+                if cfg.clip_c is not None and a < 0:
+                    pol = min(pol, -cfg.clip_c * a)
+            pg = w[i, j] * pol
             kl = 0.0
             if ref is not None:
                 d = np.clip(new[i, j] - ref[i, j], -c, c)
@@ -55,7 +73,8 @@ def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_fu
                 d = np.clip(new[i, j] - dense[i, j], -c, c)
                 k3 = np.exp(-d) - 1 + d
                 distill = kl_full[i, j] if cfg.distill_kind == "full" else k3
-            terms.append(pg + cfg.kl_coef * kl + cfg.distill_coef * distill)
+            bonus = cfg.entropy_coef * entropy[i, j] if entropy is not None else 0.0
+            terms.append(pg + cfg.kl_coef * kl + cfg.distill_coef * distill - bonus)
         per_seq_terms.append(terms)
     nonempty = [x for x in per_seq_terms if x]
     if not nonempty:
@@ -68,10 +87,14 @@ def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_fu
         return sum(v for x in nonempty for v in x) / n_tok
     if cfg.aggregation == "seq_mean_token_mean":
         return sum(sum(x) / len(x) for x in nonempty) / n_seq
+    if cfg.aggregation == "seq_mean_token_sum_norm":
+        return sum(sum(x) for x in nonempty) / t / n_seq
     return sum(sum(x) for x in nonempty) / n_seq
 
 
 def np_grad(new, *args, h=1e-5, **kwargs):
+    """Central differences of `np_loss` in `new`, stop-gradient parts held at `new`."""
+    kwargs.setdefault("base", new.copy())
     g = np.zeros_like(new)
     for idx in np.ndindex(new.shape):
         up, down = new.copy(), new.copy()
@@ -202,6 +225,68 @@ def test_distillation_needs_the_teacher():
         grpo_loss(x, batch, GRPOLossConfig(distill_coef=0.1))
     with pytest.raises(ValueError, match="distill_kind='full' needs kl_full"):
         grpo_loss(x, batch, GRPOLossConfig(distill_kind="full"), logp_dense=x)
+
+
+# The issue 19 loss variants, each on the batch with IS weights, rejected tokens, a rejected
+# sequence and an empty row (so every variant composes with the corrections).
+VARIANTS = {
+    "dual_clip": GRPOLossConfig(clip_c=1.2),
+    "cispo": GRPOLossConfig(policy_loss="cispo"),
+    "cispo_no_lower": GRPOLossConfig(policy_loss="cispo", eps_low=10.0, eps_high=0.2),
+    "gspo": GRPOLossConfig(ratio_level="sequence"),
+    "gspo_paper_eps": GRPOLossConfig(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4),
+    "gspo_cispo": GRPOLossConfig(ratio_level="sequence", policy_loss="cispo"),
+    "gspo_dual_clip_token_mean": GRPOLossConfig(ratio_level="sequence", clip_c=1.1,
+                                                aggregation="token_mean"),
+    "dr_grpo_all": GRPOLossConfig(aggregation="seq_mean_token_sum_norm"),
+    "dr_grpo_kept": GRPOLossConfig(aggregation="seq_mean_token_sum_norm", seq_denominator="kept"),
+    "entropy": GRPOLossConfig(entropy_coef=0.05),
+    "entropy_cispo_token_mean": GRPOLossConfig(entropy_coef=0.05, policy_loss="cispo",
+                                               aggregation="token_mean"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_loss_variants_value_and_grad_match_numpy(name):
+    cfg = VARIANTS[name]
+    new, batch, (old, adv, eff, w), _, valid = random_batch(13)
+    ent = np.random.default_rng(8).uniform(0, 3, new.shape).astype(np.float32).astype(np.float64)
+
+    def f(x, h):
+        return grpo_loss(x, batch, cfg, entropy=h)
+
+    (loss, metrics), (grad, grad_ent) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+        jnp.asarray(new, jnp.float32), jnp.asarray(ent, jnp.float32))
+    args = (old, adv, eff, w, cfg, None, valid)
+    expected = np_loss(new, *args, entropy=ent)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np_grad(new, *args, entropy=ent),
+                               rtol=1e-4, atol=1e-6)
+    assert np.all(np.asarray(grad)[~eff] == 0)
+    g_ent = np.zeros_like(ent)
+    for idx in zip(*np.nonzero(eff)):
+        up, down = ent.copy(), ent.copy()
+        up[idx] += 1e-5
+        down[idx] -= 1e-5
+        g_ent[idx] = (np_loss(new, *args, entropy=up) - np_loss(new, *args, entropy=down)) / 2e-5
+    np.testing.assert_allclose(np.asarray(grad_ent), g_ent, rtol=1e-4, atol=1e-7)
+    assert (np.abs(g_ent).max() > 0) == (cfg.entropy_coef > 0)
+    if cfg.entropy_coef > 0:
+        assert float(metrics["entropy_loss"]) > 0
+    # Each variant changes the default loss's value on this batch (the branch is exercised).
+    plain = np_loss(new, old, adv, eff, w, GRPOLossConfig(seq_denominator=cfg.seq_denominator),
+                    None, valid)
+    assert abs(expected - plain) > 1e-4
+
+
+def test_gspo_ratio_is_the_sequence_ratio_and_clips_per_sequence():
+    new, batch, (old, adv, eff, w), _, valid = random_batch(17)
+    cfg = GRPOLossConfig(ratio_level="sequence", eps_low=3e-4, eps_high=4e-4)
+    _, metrics = grpo_loss(jnp.asarray(new, jnp.float32), batch, cfg)
+    s = np.array([np.exp((new - old)[i][eff[i]].mean()) for i in range(len(eff)) if eff[i].any()])
+    counts = eff.sum(1)[eff.any(1)]
+    np.testing.assert_allclose(float(metrics["ratio_mean"]), (s * counts).sum() / counts.sum(),
+                               rtol=1e-5)
 
 
 def test_kl_metric_reported_even_when_coef_zero_and_loss_unchanged():
