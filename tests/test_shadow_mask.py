@@ -20,7 +20,7 @@ import models
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.config_io import ConfigError, load_config
 from sparse_rl_jax.corrections import compute_corrections
-from sparse_rl_jax.grpo_loss import LossBatch
+from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.kv_state import visibility_from_record
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.run_config import RunConfig
@@ -198,3 +198,30 @@ def test_config_keeps_the_record_and_rejects_contradictions():
     with pytest.raises(ConfigError, match=r"loss: GRPOLossConfig\.distill_kind must be one of"):
         load_config(RunConfig, None, [*shadow, "loss.distill_kind=reverse"])
     assert dataclasses.replace(cfg.loss, distill_coef=0.2).distill_coef == 0.2
+
+
+def test_entropy_bonus_gradient_through_the_chunked_scorer(tiny):
+    """update_step with entropy_coef: the chunked scorer's entropy and its gradient against
+    the same loss built from the model's full logits."""
+    graphdef, params, _, _ = tiny
+    rollout = _rollout(tiny, "rkv")
+    batch = _minibatch(rollout, rollout.logp, None, kind="none")
+    cfg = GRPOLossConfig(entropy_coef=0.5)
+    metrics, delta = _step(tiny, batch, cfg)
+    p_len, m = rollout.prompt.shape[1], rollout.response.shape[1]
+    tokens = jnp.concatenate([rollout.prompt, rollout.response], axis=1)
+    positions = sequence_positions(rollout.prompt_mask, m)
+
+    def reference(p):
+        full = nnx.merge(graphdef, p)(tokens, positions).logits[:, p_len - 1 : p_len - 1 + m]
+        lp = jax.nn.log_softmax(full, -1)
+        logp = jnp.take_along_axis(lp, rollout.response[..., None], -1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(lp) * lp, -1)
+        return grpo_loss(logp, batch.loss, cfg, entropy=entropy)
+
+    (loss, ref_metrics), grads = jax.jit(jax.value_and_grad(reference, has_aux=True))(params)
+    assert float(ref_metrics["entropy_loss"]) > 0
+    np.testing.assert_allclose(metrics["loss"], float(loss), rtol=1e-5)
+    np.testing.assert_allclose(metrics["entropy_loss"], ref_metrics["entropy_loss"], rtol=1e-5)
+    for a, g in zip(jax.tree.leaves(delta), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, -np.asarray(g), rtol=1e-4, atol=1e-6)
