@@ -160,7 +160,7 @@ def grpo_loss(
       weight is clipped), ppo_kl (mean of logp_old - logp_new), ratio_mean, ratio_std and
       log_ratio_abs_max (spread of the PPO ratio), advantage_mean, entropy (if given),
       distill_kl (with `logp_dense`: the aggregated KL of `distill_kind`, the sparse-vs-dense
-      gap of the current policy) and distill_k3 (token mean of the k3 estimate),
+      gap of the current policy), distill_k3 (token mean of the k3 estimate) and distill_coef,
       effective_tokens / effective_sequences (counts), all_rejected (0/1).
     """
     b, t = logp_new.shape
@@ -241,6 +241,7 @@ def grpo_loss(
         distill = aggregate(per_token, mask, valid, cfg.aggregation, cfg.seq_denominator)
         metrics["distill_kl"] = distill
         metrics["distill_k3"] = masked_mean(distill_k3, mask)
+        metrics["distill_coef"] = jnp.asarray(cfg.distill_coef, jnp.float32)
         if cfg.distill_coef > 0:
             loss = loss + cfg.distill_coef * distill
     if entropy is not None:

@@ -125,7 +125,10 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
     advantages = group_advantages(jnp.asarray(rewards), cfg.loss.group_size, cfg.loss.adv_eps)
     behaviour = rollout.logp if shadow else logp_old
     loss_batch = LossBatch.from_corrections(behaviour, advantages, mask, corrections, logp_ref)
-    record = jnp.moveaxis(rollout.eviction_record, 1, 0) if shadow else None
+    record = None
+    if shadow:  # sequence axis first, so minibatches slice it like every other leaf
+        record = jnp.moveaxis(rollout.eviction_record, 1, 0)
+        rollout = rollout._replace(eviction_record=None)  # one copy of the record, not two
     full = Minibatch(rollout.prompt, rollout.prompt_mask, rollout.response, loss_batch, record)
 
     start = time.perf_counter()
