@@ -63,8 +63,8 @@ def compute_corrections(
     logp_sparse: log pi_sparse(o_t) recorded by the sparse sampler.
     loss_mask: nonzero/True on response tokens that enter the loss.
 
-    Per kind (with `r` the ratio of `cfg.level`): `none` and `shadow_mask` weight 1; `tis` weight `min(r, is_upper)`;
-    `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`; `sparse_rl` weight
+    Per kind (with `r` the ratio of `cfg.level`): `none` and `shadow_mask` weight 1; `tis`
+    weight `min(r, is_upper)`; `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`; `sparse_rl` weight
     `min(r, is_upper)`, reject `r` outside `[rs_lower, rs_upper]`, veto sequences with any valid
     token `r_t < veto_threshold`. Rejection is per token at the token level and per sequence
     otherwise. With `cfg.normalize` the weights are divided by their mean over all loss-mask

@@ -133,13 +133,13 @@ def grpo_loss(
     Corrections compose the same way in every variant: the IS weight `w_t` multiplies `L_t`,
     rejected tokens and sequences leave the effective mask (and, for the sequence ratio, the
     mean that defines `s`); the KL, distillation and entropy terms use the same mask and
-    aggregation. The entropy bonus subtracts `entropy_coef * aggregate(entropy)`. Aggregated by `cfg.aggregation` over the
-    effective mask `loss_mask * token_mask * seq_mask` and divided as `cfg.seq_denominator`
-    says (see `aggregate`; default `all`: rejected sequences/tokens stay in the denominator,
-    as in the official code), plus `kl_coef * KL(pi_theta || pi_ref)`
-    aggregated the same way when `logp_ref` is given and `kl_coef > 0`. When no token is valid
-    (e.g. every sequence rejected) the loss is exactly 0 with zero gradient and
-    `metrics["all_rejected"] == 1`. `cfg` is static under jit.
+    aggregation. The policy term is aggregated by `cfg.aggregation` over the effective mask
+    `loss_mask * token_mask * seq_mask` and divided as `cfg.seq_denominator` says (see
+    `aggregate`; default `all`: rejected sequences/tokens stay in the denominator, as in the
+    official code); plus `kl_coef * KL(pi_theta || pi_ref)` when `logp_ref` is given and
+    `kl_coef > 0`; minus the entropy bonus `entropy_coef * aggregate(entropy)`. When no
+    token is valid (e.g. every sequence rejected) the loss is exactly 0 with zero gradient
+    and `metrics["all_rejected"] == 1`. `cfg` is static under jit.
 
     Shadow-mask training (`correction.kind: shadow_mask`) passes `logp_new` = the sparse
     (eviction-record replay) log-probs under the params being trained and
@@ -151,7 +151,8 @@ def grpo_loss(
     KL(pi_dense || pi_sparse) over the vocabulary (`scoring.shadow_logprobs`). The teacher
     side is stop-gradient; the KL is aggregated like the policy term.
 
-    entropy: optional `[B, T]` per-token entropy of the current policy, reported only.
+    entropy: optional `[B, T]` per-token entropy of the current policy: reported, and with
+      `entropy_coef > 0` the (differentiable) bonus.
     logp_dense: optional `[B, T]` dense log-probs of the current policy (the teacher).
     kl_full: optional `[B, T]` differentiable per-token vocabulary KL (needed for `full`).
     metrics (float32 scalars, token means over effective tokens unless stated):

@@ -203,7 +203,8 @@ def test_distillation_is_zero_when_sparse_equals_dense():
         x = jnp.asarray(new, jnp.float32)
         (loss, metrics), grad = jax.value_and_grad(grpo_loss, has_aux=True)(
             x, batch, cfg, logp_dense=x, kl_full=jnp.zeros_like(x))
-        plain, plain_grad = jax.value_and_grad(lambda y: grpo_loss(y, batch, GRPOLossConfig())[0])(x)
+        plain, plain_grad = jax.value_and_grad(
+            lambda y: grpo_loss(y, batch, GRPOLossConfig())[0])(x)
         assert float(metrics["distill_kl"]) == 0.0 and float(metrics["distill_k3"]) == 0.0
         assert float(loss) == float(plain)
         np.testing.assert_array_equal(np.asarray(grad), np.asarray(plain_grad))

@@ -150,7 +150,8 @@ def test_vocabulary_kl_matches_numpy_over_full_logits_and_teacher_gets_no_gradie
     kl = (np.exp(ld) * (ld - ls)).sum(-1)
     np.testing.assert_allclose(np.asarray(out.kl_full)[valid], kl[valid], atol=2e-5)
     assert kl[valid].max() > 1e-2  # compression changed the distributions
-    pick = lambda lp: np.take_along_axis(lp, np.asarray(rollout.response)[..., None], -1)[..., 0]  # noqa: E731
+    targets = np.asarray(rollout.response)[..., None]
+    pick = lambda lp: np.take_along_axis(lp, targets, -1)[..., 0]  # noqa: E731
     np.testing.assert_allclose(np.asarray(out.logp_sparse)[valid], pick(ls)[valid], atol=2e-5)
     np.testing.assert_allclose(np.asarray(out.logp_dense)[valid], pick(ld)[valid], atol=2e-5)
 
