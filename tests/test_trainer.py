@@ -214,6 +214,15 @@ def test_sharded_update_equals_single_device():
     ("sampling.num_samples=4", "sampling.num_samples"),
     ("compression.budget=2", "budget"),
     ("mesh.tensor=0", "mesh.tensor"),
+    ("advantage.estimator=ppo", "advantage.estimator"),
+    ("advantage.scale=token", "advantage.scale"),
+    ("advantage.eps=0", "advantage.eps"),
+    ("data.max_collect_rounds=0", "data.max_collect_rounds"),
+    ("overlong.buffer_len=40", "overlong.buffer_len"),
+    ("overlong.buffer_len=-1", "overlong.buffer_len"),
+    ("overlong.penalty=-1", "overlong.penalty"),
+    ("eval.every_steps=-1", "eval.every_steps"),
+    ("loss.adv_eps=1e-4", "loss.adv_eps"),
 ])
 def test_bad_config_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
