@@ -11,7 +11,7 @@ The functional API in one namespace::
 ``sparse_rl_jax.trainer.train(cfg)`` runs the whole loop (``python run.py``).
 """
 
-from sparse_rl_jax.advantages import group_advantages
+from sparse_rl_jax.advantages import AdvantageConfig, compute_advantages, group_advantages
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.corrections import Corrections, compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
@@ -21,7 +21,7 @@ from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import ScoreOutput, response_logprobs, score
 
 __all__ = [
-    "CompressionConfig", "CorrectionConfig", "Corrections", "GRPOLossConfig", "LossBatch",
+    "AdvantageConfig", "compute_advantages", "CompressionConfig", "CorrectionConfig", "Corrections", "GRPOLossConfig", "LossBatch",
     "Rollout", "SamplingConfig", "ScoreOutput", "compute_corrections", "generate",
     "grpo_loss", "group_advantages", "response_logprobs", "score",
 ]

@@ -82,6 +82,39 @@ def _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn, sampl
             float(savings))
 
 
+def _modes(compression: CompressionConfig | Sequence[CompressionConfig]
+           ) -> list[CompressionConfig]:
+    """Dense first, then each compressing setting of ``compression`` in order."""
+    sparse = [compression] if isinstance(compression, CompressionConfig) else list(compression)
+    return [CompressionConfig(method="none")] + [c for c in sparse if c.compresses]
+
+
+def _greedy(sampling: SamplingConfig) -> SamplingConfig:
+    return dataclasses.replace(sampling, greedy=True, num_samples=1)
+
+
+def pass_at_1_metrics(graphdef, params, tokenizer, prompts: Sequence[str],
+                      answers: Sequence[str], reward_fn: Callable, sampling: SamplingConfig,
+                      compression: CompressionConfig, *, batch_size: int) -> dict[str, float]:
+    """Greedy pass@1 of the current policy, dense and (if ``compression`` compresses) sparse:
+    the evaluation run during training (``eval.every_steps``), through the same sampler.
+
+    Returns ``eval/dense_pass_at_1`` and ``eval/dense_length`` (mean response tokens), and
+    when compressing also ``eval/sparse_pass_at_1``, ``eval/sparse_length`` and
+    ``eval/sparse_gap`` = dense minus sparse pass@1 (what compression costs the policy).
+    """
+    out = {}
+    for comp in _modes(compression):
+        name = "dense" if not comp.compresses else "sparse"
+        p1, length, _ = _mean_reward(graphdef, params, tokenizer, list(prompts), list(answers),
+                                     reward_fn, _greedy(sampling), comp, jax.random.key(0),
+                                     batch_size)
+        out[f"eval/{name}_pass_at_1"], out[f"eval/{name}_length"] = p1, length
+    if "eval/sparse_pass_at_1" in out:
+        out["eval/sparse_gap"] = out["eval/dense_pass_at_1"] - out["eval/sparse_pass_at_1"]
+    return out
+
+
 def evaluate(
     graphdef,
     params,
@@ -112,9 +145,8 @@ def evaluate(
       seed: sampling seed.
     """
     prompts, answers = list(prompts), list(answers)
-    sparse = [compression] if isinstance(compression, CompressionConfig) else list(compression)
-    modes = [CompressionConfig(method="none")] + [c for c in sparse if c.compresses]
-    greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
+    modes = _modes(compression)
+    greedy = _greedy(sampling)
     sampled = dataclasses.replace(sampling, greedy=False, num_samples=samples,
                                   temperature=temperature, top_p=1.0, top_k=0)
     key = jax.random.key(seed)

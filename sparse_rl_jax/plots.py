@@ -27,6 +27,8 @@ DEFAULT_PLOT_KEYS: tuple[str, ...] = (
     "clip_fraction",
     "mismatch_k3",
     "kv_token_savings",
+    "eval/dense_pass_at_1",
+    "eval/sparse_pass_at_1",
 )
 TITLES: dict[str, str] = {
     "reward_mean": "Reward (mean)",
@@ -35,6 +37,8 @@ TITLES: dict[str, str] = {
     "clip_fraction": "PPO clip fraction",
     "mismatch_k3": "Mismatch KL (k3 of dense/sparse ratio)",
     "kv_token_savings": "KV token savings",
+    "eval/dense_pass_at_1": "Eval pass@1, dense (greedy)",
+    "eval/sparse_pass_at_1": "Eval pass@1, sparse (greedy)",
 }
 
 Records = Sequence[Mapping[str, Any]]

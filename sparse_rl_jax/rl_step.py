@@ -2,8 +2,8 @@
 
 The array work is jitted (sampler, scorer, update); the host does what needs Python anyway:
 tokenising prompts, decoding responses and calling the reward function. Every random choice
-derives from ``(trainer.seed, step)``, so a step is reproducible on its own (what resuming
-from a checkpoint relies on).
+derives from ``(trainer.seed, step)`` and the data cursor (``collect``), so a step is
+reproducible on its own (what resuming from a checkpoint relies on).
 """
 
 from __future__ import annotations
@@ -18,21 +18,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sparse_rl_jax.advantages import group_advantages
-from sparse_rl_jax.corrections import compute_corrections
+from sparse_rl_jax.advantages import compute_advantages
+from sparse_rl_jax.collect import collect, jitted_corrections, score_all, timed
 from sparse_rl_jax.grpo_loss import LossBatch
 from sparse_rl_jax.prompt_source import PromptSource
-from sparse_rl_jax.rewards import compute_rewards
-from sparse_rl_jax.rollout_metrics import rollout_metrics
 from sparse_rl_jax.run_config import RunConfig
-from sparse_rl_jax.sampler import Rollout, generate
 from sparse_rl_jax.sampling_config import SamplingConfig
-from sparse_rl_jax.scoring import score
 from sparse_rl_jax.train_step import Minibatch
 
 BATCH_AXES = ("data", "fsdp")
-_corrections = jax.jit(compute_corrections, static_argnames="cfg")
-_rollout_metrics = jax.jit(rollout_metrics)
 
 
 def batch_sharding(mesh) -> NamedSharding:
@@ -67,72 +61,40 @@ class StepContext:
     ref_params: Any = None
 
 
-def _score_all(ctx: StepContext, params, rollout: Rollout, size: int,
-               replay: bool = False) -> jax.Array:
-    """Teacher-forced log-probs ``[N, M]`` of the rollout, ``size`` sequences a call: dense,
-    or with ``replay`` under the rollout's recorded sparse context."""
-    parts = []
-    for start in range(0, rollout.response.shape[0], size):
-        rows = slice(start, start + size)
-        record = rollout.eviction_record[:, rows] if replay else None
-        parts.append(score(ctx.graphdef, params, rollout.prompt[rows], rollout.prompt_mask[rows],
-                           rollout.response[rows], record,
-                           chunk_size=ctx.cfg.trainer.logp_chunk).logp)
-    return jnp.concatenate(parts, axis=0)
-
-
-def _timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args, **kwargs))
-    return out, time.perf_counter() - start
-
-
-def rl_step(ctx: StepContext, params, opt_state, step: int):
-    """Runs RL step ``step`` (0-based); returns ``(params, opt_state, metrics)``.
+def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None = None):
+    """Runs RL step ``step`` (0-based) from data cursor ``position`` (prompt batches; None =
+    ``step``, right without dynamic sampling); returns ``(params, opt_state, metrics)``.
 
     ``params`` and ``opt_state`` are donated to the optimizer updates: use the returned ones.
     Metrics are Python floats: rollout statistics, correction statistics (rejection rate,
     token mask fraction, mismatch KL), update statistics averaged over the minibatches, and
-    the seconds spent in each phase.
+    the seconds spent in each phase, and ``collect_rounds`` (how far the cursor advanced; see
+    ``collect.collect``).
     """
     cfg = ctx.cfg
-    key = jax.random.fold_in(jax.random.key(cfg.trainer.seed), step)
-    batch = ctx.source.batch(step)
-    prompt, prompt_mask = ctx.tokenizer.encode(
-        batch.prompts, add_special_tokens=cfg.data.add_special_tokens)
-
-    rollout, t_rollout = _timed(generate, ctx.graphdef, params, prompt, prompt_mask, key,
-                                ctx.sampling, cfg.compression)
-    start = time.perf_counter()
-    completions = ctx.tokenizer.decode(rollout.response, rollout.response_mask)
-    answers = np.repeat(np.asarray(batch.answers, dtype=object), ctx.sampling.num_samples)
-    rewards = compute_rewards(ctx.reward_fn, completions, list(answers))
-    t_reward = time.perf_counter() - start
-
-    size = cfg.trainer.score_batch or cfg.trainer.minibatch_size
-    # Shadow-mask training: the learner's policy is the replayed sparse one, so the PPO ratio
-    # is against the sampler's own log-probs (equal to the replay) and the reference is scored
-    # under the same record; the dense scores still feed the mismatch metrics.
-    shadow = cfg.correction.kind == "shadow_mask"
-    logp_old, t_score = _timed(_score_all, ctx, params, rollout, size)
+    position = step if position is None else position
+    batch, metrics, clock = collect(ctx, params, position)
+    t_rollout, t_reward, t_score = clock["rollout"], clock["reward"], clock["score"]
+    # Shadow-mask training (``batch.record`` is set): the learner's policy is the replayed
+    # sparse one, so the PPO ratio is against the sampler's own log-probs (equal to the replay)
+    # and the reference is scored under the same record; the dense scores still feed the
+    # mismatch metrics.
     logp_ref = None
     if ctx.ref_params is not None:
-        logp_ref, t_ref = _timed(_score_all, ctx, ctx.ref_params, rollout, size, shadow)
+        logp_ref, t_ref = timed(score_all, ctx, ctx.ref_params, batch.prompt,
+                                batch.prompt_mask, batch.response, batch.record)
         t_score += t_ref
 
-    mask = rollout.response_mask
-    corrections = _corrections(logp_old, rollout.logp, mask, cfg=cfg.correction)
-    advantages = group_advantages(jnp.asarray(rewards), cfg.loss.group_size, cfg.loss.adv_eps)
-    behaviour = rollout.logp if shadow else logp_old
+    mask = batch.loss_mask
+    corrections = jitted_corrections(batch.logp_old, batch.logp_sparse, mask, cfg=cfg.correction)
+    advantages = compute_advantages(jnp.asarray(batch.rewards), cfg.loss.group_size,
+                                    cfg.advantage, mask, batch.valid)
+    behaviour = batch.logp_old if batch.record is None else batch.logp_sparse
     loss_batch = LossBatch.from_corrections(behaviour, advantages, mask, corrections, logp_ref)
-    record = None
-    if shadow:  # sequence axis first, so minibatches slice it like every other leaf
-        record = jnp.moveaxis(rollout.eviction_record, 1, 0)
-        rollout = rollout._replace(eviction_record=None)  # one copy of the record, not two
-    full = Minibatch(rollout.prompt, rollout.prompt_mask, rollout.response, loss_batch, record)
+    full = Minibatch(batch.prompt, batch.prompt_mask, batch.response, loss_batch, batch.record)
 
     start = time.perf_counter()
-    order = np.random.default_rng([cfg.trainer.seed, step]).permutation(rollout.response.shape[0])
+    order = np.random.default_rng([cfg.trainer.seed, step]).permutation(batch.response.shape[0])
     sharding = batch_sharding(ctx.mesh)
     update_metrics = []
     for rows in np.split(order, len(order) // cfg.trainer.minibatch_size):
@@ -142,13 +104,6 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
     update_metrics = jax.device_get(update_metrics)
     t_update = time.perf_counter() - start
 
-    metrics = _rollout_metrics(
-        jnp.asarray(rewards), rollout.response, mask, ~rollout.finished,
-        rollout.kv_mean, rollout.dense_kv_mean)
-    metrics["kv_peak_tokens"] = jnp.max(rollout.kv_peak)
-    metrics["dense_kv_peak_tokens"] = jnp.max(rollout.dense_kv_peak)
-    metrics["kv_peak_savings"] = 1.0 - jnp.sum(rollout.kv_peak) / jnp.sum(rollout.dense_kv_peak)
-    metrics["compressions"] = rollout.num_compressions
     metrics.update(corrections.metrics)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     for name in update_metrics[0]:
@@ -159,6 +114,7 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
         time_rollout=t_rollout, time_reward=t_reward, time_score=t_score, time_update=t_update,
         time_step=total, rollout_share=t_rollout / total, score_share=t_score / total,
         update_share=t_update / total,
-        tokens_per_second=float(np.sum(np.asarray(mask))) / total,
+        tokens_per_second=metrics["response_length_mean"] * metrics["prompts_consumed"]
+        * ctx.sampling.num_samples / total,
     )
     return params, opt_state, metrics

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from sparse_rl_jax.advantages import AdvantageConfig
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.datasets import DatasetConfig
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.optim import OptimConfig
+from sparse_rl_jax.overlong import OverlongConfig
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.task import TaskConfig
 
@@ -94,6 +96,14 @@ class DataSection:
       shuffle_seed: seed of the deterministic, resumable prompt order.
       add_special_tokens: let the tokenizer add BOS etc. when encoding prompts (off for
         prompts already in chat format).
+      dynamic_sampling: DAPO's dynamic sampling (verl ``algorithm.filter_groups``): drop
+        groups whose (task) rewards are all equal, and groups left with fewer than 2
+        sequences in the loss (correction rejection, ``overlong.mask_truncated``); roll out
+        further batches of ``trainer.prompts_per_step`` prompts until the update batch holds
+        ``prompts_per_step`` groups or ``max_collect_rounds`` rounds were used.
+      max_collect_rounds: rollout rounds per RL step at most under dynamic sampling (verl
+        ``max_num_gen_batches``); an update batch still short then is padded with groups
+        masked out of the loss.
     """
 
     source: Literal["task", "jsonl"] = "task"
@@ -102,8 +112,11 @@ class DataSection:
     reward: str = "task_exact"
     shuffle_seed: int = 0
     add_special_tokens: bool = False
+    dynamic_sampling: bool = False
+    max_collect_rounds: int = 4
 
     def __post_init__(self):
+        _require_counts("data", self, ("max_collect_rounds",))
         _require("data", "source", self.source in ("task", "jsonl"),
                  "must be 'task' or 'jsonl'", self.source)
         _require("data", "jsonl", self.source != "jsonl" or self.jsonl is not None,
@@ -173,6 +186,10 @@ class EvalConfig:
       task_seed: seed of the held-out task problems (differs from training's).
       jsonl: evaluate on this file instead of the shipped task.
       batch_size: prompts per generation call.
+      every_steps: during training, greedy pass@1 (dense, and sparse when the run
+        compresses) on this eval set every this many RL steps, logged under ``eval/``;
+        0 (default) = never.
+      before_train: also evaluate once before the first RL step (logged at step 0).
     """
 
     num_prompts: int = 64
@@ -181,9 +198,13 @@ class EvalConfig:
     task_seed: int = 12345
     jsonl: DatasetConfig | None = None
     batch_size: int = 64
+    every_steps: int = 0
+    before_train: bool = False
 
     def __post_init__(self):
         _require_counts("eval", self, ("num_prompts", "samples", "batch_size"))
+        _require("eval", "every_steps", isinstance(self.every_steps, int)
+                 and self.every_steps >= 0, "must be an int >= 0 (0 = never)", self.every_steps)
         _require("eval", "temperature", self.temperature > 0, "must be > 0", self.temperature)
 
 
@@ -215,6 +236,8 @@ class RunConfig:
     sampling: SamplingConfig = DEFAULT_SAMPLING
     compression: CompressionConfig = DEFAULT_COMPRESSION
     correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
     loss: GRPOLossConfig = DEFAULT_LOSS
     optim: OptimConfig = DEFAULT_OPTIM
     trainer: TrainerConfig = DEFAULT_TRAINER
@@ -225,6 +248,11 @@ class RunConfig:
         _require("sampling", "num_samples", self.sampling.num_samples == self.loss.group_size,
                  f"must equal loss.group_size={self.loss.group_size} (the GRPO group)",
                  self.sampling.num_samples)
+        _require("loss", "adv_eps", self.loss.adv_eps == GRPOLossConfig().adv_eps,
+                 "is no longer read: set advantage.eps instead", self.loss.adv_eps)
+        _require("overlong", "buffer_len", self.overlong.buffer_len < self.sampling.max_new_tokens,
+                 f"must be < sampling.max_new_tokens={self.sampling.max_new_tokens}",
+                 self.overlong.buffer_len)
         sequences = self.trainer.prompts_per_step * self.sampling.num_samples
         _require("trainer", "minibatch_size", sequences % self.trainer.minibatch_size == 0,
                  f"must divide the rollout's {sequences} sequences (trainer.prompts_per_step x "

@@ -22,6 +22,7 @@ from flax import nnx
 import models
 from sparse_rl_jax.checkpoint import Checkpointer
 from sparse_rl_jax.config_io import save_config, to_dict
+from sparse_rl_jax.evaluation import eval_set, pass_at_1_metrics
 from sparse_rl_jax.metrics_writer import MetricsWriter, read_metrics
 from sparse_rl_jax.optim import make_optimizer
 from sparse_rl_jax.plots import plot_metrics
@@ -91,6 +92,21 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _in_training_eval(cfg: RunConfig, ctx: StepContext) -> Callable[..., dict] | None:
+    """``params -> eval/ metrics`` on the configured eval set, or None when ``eval`` asks
+    for no evaluation during training."""
+    if not (cfg.eval.every_steps or cfg.eval.before_train):
+        return None
+    prompts, answers = eval_set(cfg)
+
+    def evaluate_now(params) -> dict:
+        return pass_at_1_metrics(ctx.graphdef, params, ctx.tokenizer, prompts, answers,
+                                 ctx.reward_fn, ctx.sampling, cfg.compression,
+                                 batch_size=cfg.eval.batch_size)
+
+    return evaluate_now
+
+
 def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     """Trains ``cfg``'s policy with GRPO on sparse rollouts; returns the last step's metrics.
 
@@ -127,7 +143,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     config_hash = _config_hash(cfg)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
                         save_every=cfg.trainer.checkpoint_every)
-    start = 0
+    start = position = 0
     if ckpt.latest_step() is not None:
         meta = ckpt.read_meta()
         if meta.get("config_hash") != config_hash:
@@ -137,18 +153,26 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             )
         state, meta = ckpt.restore(_abstract({"params": params, "opt_state": opt_state}))
         params, opt_state, start = state["params"], state["opt_state"], meta["step"]
+        position = meta.get("data_position", start)
         log(f"resumed from step {start} in {run_dir}")
     writer = MetricsWriter(run_dir, resume_step=start if start else None)
+    evaluate_now = _in_training_eval(cfg, ctx)
+    if evaluate_now is not None and cfg.eval.before_train and start == 0:
+        writer.log(0, evaluate_now(params))
     metrics: dict = {}
     with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
         for step in range(start, cfg.trainer.steps):
-            params, opt_state, metrics = rl_step(ctx, params, opt_state, step)
+            params, opt_state, metrics = rl_step(ctx, params, opt_state, step, position)
+            position += int(metrics["collect_rounds"])
             done = step + 1
+            if evaluate_now is not None and cfg.eval.every_steps and (
+                    done % cfg.eval.every_steps == 0):
+                metrics.update(evaluate_now(params))
             writer.log(done, metrics)
             progress.update(done, metrics)
             ckpt.save(done, {"params": params, "opt_state": opt_state},
                       {"step": done, "config_hash": config_hash,
-                       "data_position": done, "seed": cfg.trainer.seed},
+                       "data_position": position, "seed": cfg.trainer.seed},
                       force=done == cfg.trainer.steps)
     ckpt.close()
     writer.close()

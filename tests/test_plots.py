@@ -40,12 +40,24 @@ def _color_pixels(image: np.ndarray, color: str) -> int:
 
 def test_plot_metrics_writes_each_panel_and_summary(tmp_path):
     paths = plot_metrics(_records(40, 0), tmp_path)
-    assert [p.name for p in paths] == [f"{k}.png" for k in DEFAULT_PLOT_KEYS] + ["summary.png"]
+    assert [p.name for p in paths] == [f"{k.replace('/', '_')}.png" for k in DEFAULT_PLOT_KEYS
+                                       ] + ["summary.png"]
     for path in paths:
         _check_png(path)
     summary = imread(tmp_path / "summary.png")
     single = imread(tmp_path / "reward_mean.png")
     assert summary.shape[1] > single.shape[1]  # a grid, wider than one panel
+
+
+def test_eval_metrics_logged_every_few_steps_get_their_summary_panels(tmp_path):
+    records = _records(30, 1, keys=("reward_mean",))
+    for record in records[::10]:  # eval.every_steps = 10
+        record["eval/dense_pass_at_1"], record["eval/sparse_pass_at_1"] = 0.5, 0.25
+    paths = plot_metrics(records, tmp_path, smooth=3)
+    assert [p.name for p in paths] == ["reward_mean.png", "eval_dense_pass_at_1.png",
+                                       "eval_sparse_pass_at_1.png", "summary.png"]
+    summary = _check_png(tmp_path / "summary.png")
+    assert summary.shape[1] > imread(tmp_path / "reward_mean.png").shape[1] * 2  # 3 panels
 
 
 def test_plot_metrics_tolerates_missing_and_non_finite_values(tmp_path):
@@ -74,7 +86,8 @@ def test_plot_comparison_overlays_runs(tmp_path):
         [("dense", dense), ("naive sparse", naive), ("Sparse-RL", sparse)], tmp_path, smooth=5
     )
     names = [p.name for p in paths]
-    assert names == [f"compare_{k}.png" for k in DEFAULT_PLOT_KEYS] + ["compare_summary.png"]
+    assert names == [f"compare_{k.replace('/', '_')}.png" for k in DEFAULT_PLOT_KEYS] + [
+        "compare_summary.png"]
     for path in paths:
         _check_png(path)
     # Each run is drawn in its own colour: all three in the reward panel; the dense run has no

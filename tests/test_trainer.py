@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from safetensors.numpy import load_file
 
 from sparse_rl_jax.config_io import ConfigError, load_config
 from sparse_rl_jax.metrics_writer import read_metrics
+from sparse_rl_jax.rewards import available_reward_fns, register_reward_fn
 from sparse_rl_jax.run_config import RunConfig, WarmStartConfig
 from sparse_rl_jax.task import TaskConfig
 from sparse_rl_jax.warm_start import build_default_model
@@ -126,6 +128,72 @@ def test_eval_prints_dense_and_sparse_pass_at_1(run_env, uninterrupted):
     assert all(0.0 <= r["pass_at_1"] <= 1.0 for r in rows)
 
 
+DAPO_STEPS = 3
+
+
+def crc_parity(completions, answers):
+    """A deterministic reward that differs between samples (the tiny policy's task reward
+    is 0 everywhere): dynamic sampling then has groups to keep and to drop."""
+    return np.array([float(zlib.crc32(c.encode()) % 2) for c in completions], np.float32)
+
+
+def _dapo_config(config, run_dir, *overrides):
+    """The shipped DAPO example on the tiny policy (one prompt length: one compiled shape),
+    with a reward that varies per sample."""
+    if "crc_parity" not in available_reward_fns():
+        register_reward_fn("crc_parity", lambda: crc_parity)
+    return load_config(RunConfig, [ROOT / "configs" / "family" / "dapo.yaml", config], [
+        "data.reward=crc_parity", "data.task.n_min=4", "eval.every_steps=2",
+        f"trainer.steps={DAPO_STEPS}", "trainer.plots=false", f"run_dir={run_dir}",
+        *overrides])
+
+
+def test_dapo_example_resumes_identically_and_logs_eval(run_env):
+    """Dynamic sampling + overlong + eval during training; a run stopped after 1 step and
+    restarted continues to the same metrics and weights (the data cursor is checkpointed:
+    with dynamic sampling step s no longer reads prompt batch s)."""
+    from sparse_rl_jax.trainer import train
+
+    root, config, _ = run_env
+    reference = root / "dapo_a"
+    train(_dapo_config(config, reference), log=lambda _: None)
+    records = read_metrics(reference / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(DAPO_STEPS + 1))  # step 0: before_train
+    assert [r["step"] for r in records if "eval/sparse_gap" in r] == [0, 2]
+    for r in records:
+        if "eval/sparse_gap" in r:
+            assert 0 <= r["eval/dense_pass_at_1"] <= 1 and 0 <= r["eval/sparse_pass_at_1"] <= 1
+            assert r["eval/sparse_gap"] == r["eval/dense_pass_at_1"] - r["eval/sparse_pass_at_1"]
+    steps = records[1:]
+    rounds = [r["collect_rounds"] for r in steps]
+    assert all(1 <= n <= 3 for n in rounds) and max(rounds) > 1  # it did sample more prompts
+    assert [r["prompts_consumed"] for r in steps] == [4 * n for n in rounds]
+    assert all(r["groups_kept"] <= 4 and r["overlong_penalty_mean"] <= 0 for r in steps)
+
+    run_dir = root / "dapo_b"
+    train(_dapo_config(config, run_dir, "trainer.steps=1", "trainer.export_final=false"),
+          log=lambda _: None)
+    messages = []
+    train(_dapo_config(config, run_dir), log=messages.append)
+    assert any("resumed from step 1" in m for m in messages)
+    assert _comparable(read_metrics(run_dir / "metrics.jsonl")) == _comparable(records)
+    resumed = load_file(run_dir / "final" / "model.safetensors")
+    expected = load_file(reference / "final" / "model.safetensors")
+    for name in expected:
+        np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["dr_grpo", "dapo"])
+def test_family_examples_load_and_validate(name):
+    cfg = load_config(RunConfig, ROOT / "configs" / "family" / f"{name}.yaml")
+    if name == "dr_grpo":
+        assert (cfg.advantage.estimator, cfg.advantage.scale) == ("grpo", "none")
+    else:
+        assert cfg.data.dynamic_sampling and cfg.overlong.buffer_len > 0
+        assert cfg.loss.eps_high == 0.28 and cfg.loss.aggregation == "token_mean"
+    assert cfg.model.path is None  # the embedded default
+
+
 def test_sharded_update_equals_single_device():
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "sharded_update.py")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -146,6 +214,15 @@ def test_sharded_update_equals_single_device():
     ("sampling.num_samples=4", "sampling.num_samples"),
     ("compression.budget=2", "budget"),
     ("mesh.tensor=0", "mesh.tensor"),
+    ("advantage.estimator=ppo", "advantage.estimator"),
+    ("advantage.scale=token", "advantage.scale"),
+    ("advantage.eps=0", "advantage.eps"),
+    ("data.max_collect_rounds=0", "data.max_collect_rounds"),
+    ("overlong.buffer_len=40", "overlong.buffer_len"),
+    ("overlong.buffer_len=-1", "overlong.buffer_len"),
+    ("overlong.penalty=-1", "overlong.penalty"),
+    ("eval.every_steps=-1", "eval.every_steps"),
+    ("loss.adv_eps=1e-4", "loss.adv_eps"),
 ])
 def test_bad_config_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -1,0 +1,117 @@
+"""collect(): dynamic sampling (DAPO) fills the update batch from kept groups with static
+shapes, deterministically; overlong shaping and truncation masking reach the batch."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import models
+from flax import nnx
+from sparse_rl_jax.collect import collect, group_filter
+from sparse_rl_jax.config_io import load_config
+from sparse_rl_jax.overlong import OverlongConfig, overlong_penalty
+from sparse_rl_jax.prompt_source import PromptSource
+from sparse_rl_jax.rl_step import StepContext
+from sparse_rl_jax.run_config import RunConfig, WarmStartConfig
+from sparse_rl_jax.task import TaskConfig
+from sparse_rl_jax.trainer import resolve_sampling
+from sparse_rl_jax.warm_start import build_default_model
+
+PROMPTS, G = 4, 2
+
+
+def hash_reward(completions, answers):
+    """A deterministic reward that differs between samples: 1 for half the texts."""
+    return np.array([float(zlib.crc32(c.encode()) % 2) for c in completions], np.float32)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    path = build_default_model(
+        tmp_path_factory.mktemp("collect") / "policy",
+        WarmStartConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                        intermediate_size=64, steps=3, batch_size=4),
+        TaskConfig(n_min=2, n_max=4), log=lambda _: None)
+    tokenizer = models.Tokenizer(path)
+    graphdef, params = nnx.split(models.load_pretrained(path))
+    return path, tokenizer, graphdef, params
+
+
+def _ctx(policy, *overrides):
+    path, tokenizer, graphdef, _ = policy
+    cfg = load_config(RunConfig, None, [
+        f"model.path={path}", "data.task.n_min=2", "data.task.n_max=4",
+        "sampling.max_new_tokens=12", f"sampling.num_samples={G}", "sampling.prompt_bucket=8",
+        "compression.method=rkv", "compression.budget=16", "compression.buffer=4",
+        "compression.window=2", f"loss.group_size={G}", f"trainer.prompts_per_step={PROMPTS}",
+        "trainer.minibatch_size=4", "trainer.logp_chunk=8", *overrides])
+    return StepContext(cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
+                       tokenizer=tokenizer, source=PromptSource(cfg.data, PROMPTS, tokenizer.hf),
+                       reward_fn=hash_reward, update=None, mesh=None)
+
+
+def test_group_filter_drops_equal_rewards_and_groups_short_of_two_sequences():
+    rewards = np.array([1, 1, 0, 1, 0, 1, 0.5, 0.5, 0, 1], np.float32)
+    in_loss = np.array([1, 1, 1, 1, 1, 0, 1, 1, 1, 1], bool)
+    np.testing.assert_array_equal(group_filter(rewards, in_loss, 2),
+                                  [False, True, False, False, True])
+
+
+def test_dynamic_sampling_fills_the_batch_with_kept_groups(policy):
+    params = policy[3]
+    ctx = _ctx(policy, "data.dynamic_sampling=true", "data.max_collect_rounds=8")
+    batch, metrics, _ = collect(ctx, params, position=5)
+    rounds = int(metrics["collect_rounds"])
+    assert rounds >= 2  # half the groups of a round are dropped on average
+    assert metrics["prompts_consumed"] == rounds * PROMPTS
+    assert metrics["groups_kept"] == PROMPTS and batch.valid.all()
+    groups = batch.rewards.reshape(PROMPTS, G)
+    assert np.all(groups.min(1) < groups.max(1))  # no all-equal group made it in
+    assert batch.response.shape == (PROMPTS * G, 12) and batch.prompt.shape[0] == PROMPTS * G
+
+    # The kept groups are the first kept groups of rounds position, position + 1, ... in order.
+    rows = []
+    for r in range(rounds):
+        single, _, _ = collect(_ctx(policy), params, position=5 + r)
+        for k in np.flatnonzero(group_filter(single.rewards, np.ones(PROMPTS * G, bool), G)):
+            rows.append(single.response[k * G:(k + 1) * G])
+    np.testing.assert_array_equal(np.asarray(batch.response),
+                                  np.concatenate(rows)[: PROMPTS * G])
+
+
+def test_round_limit_pads_with_masked_groups(policy):
+    ctx = _ctx(policy, "data.dynamic_sampling=true", "data.max_collect_rounds=1")
+    batch, metrics, _ = collect(ctx, policy[3], position=0)
+    kept = int(metrics["groups_kept"])
+    assert metrics["collect_rounds"] == 1 and kept < PROMPTS  # seed-dependent, checked here
+    valid = batch.valid.reshape(PROMPTS, G)
+    assert valid[:kept].all() and not valid[kept:].any()
+    mask = np.asarray(batch.loss_mask)
+    assert mask[batch.valid].any(axis=1).all() and not mask[~batch.valid].any()
+
+
+def test_overlong_penalty_values():
+    cfg = OverlongConfig(buffer_len=4, penalty=2.0)
+    got = overlong_penalty(np.array([1, 8, 9, 10, 12]), max_len=12, cfg=cfg)
+    # 0 up to 12 - 4 = 8 tokens, then -(L - 8) / 4 * 2, reaching -2 at the cap
+    np.testing.assert_allclose(got, [0.0, 0.0, -0.5, -1.0, -2.0])
+    assert np.all(overlong_penalty(np.array([12]), 12, OverlongConfig()) == 0.0)
+
+
+def test_overlong_shaping_and_truncation_mask_reach_the_batch(policy):
+    ctx = _ctx(policy, "overlong.buffer_len=4", "overlong.penalty=0.5",
+               "overlong.mask_truncated=true")
+    batch, metrics, _ = collect(ctx, policy[3], position=2)
+    plain, _, _ = collect(_ctx(policy), policy[3], position=2)
+    lengths = np.asarray(plain.loss_mask).sum(1)
+    want = plain.rewards + np.minimum(-(lengths - 8) / 4 * 0.5, 0.0)
+    np.testing.assert_allclose(batch.rewards, want, rtol=1e-6)
+    truncated = lengths == 12  # the tiny policy rarely emits EOS: most rows are truncated
+    assert truncated.any()
+    mask = np.asarray(batch.loss_mask)
+    assert not mask[truncated].any() and (mask[~truncated] == np.asarray(
+        plain.loss_mask)[~truncated]).all()
+    assert metrics["overlong_penalty_mean"] == pytest.approx(float(np.mean(want - plain.rewards)))
