@@ -3,7 +3,9 @@
 A pure function of ``(params, opt_state, minibatch)``; the caller jits it with shardings (the
 params' own, the batch split over the ``data``/``fsdp`` mesh axes). A minibatch in which every
 token is rejected leaves params and optimizer state untouched (no Adam moment drift), and the
-metrics say so (``all_rejected == 1``).
+metrics say so (``all_rejected == 1``). Likewise an update whose loss or gradient is not
+finite is skipped inside the jitted step (``nonfinite_update == 1``), so a NaN never reaches
+the params, the optimizer state or a checkpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -46,7 +49,8 @@ def update_step(
     """Loss, gradients and one optimizer update.
 
     Returns:
-      ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` included).
+      ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` and
+      ``nonfinite_update``, 1.0 when the update was skipped for a non-finite loss/gradient).
     """
 
     def loss_fn(p):
@@ -56,8 +60,10 @@ def update_step(
         ).logp
         return grpo_loss(logp, batch.loss, loss_cfg)
 
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     metrics["grad_norm"] = optax.global_norm(grads)
+    nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]))
+    metrics["nonfinite_update"] = nonfinite.astype(jnp.float32)
 
     def apply(operand):
         p, s = operand
@@ -65,7 +71,8 @@ def update_step(
         return optax.apply_updates(p, updates), s
 
     params, opt_state = jax.lax.cond(
-        metrics["all_rejected"] > 0, lambda operand: operand, apply, (params, opt_state)
+        (metrics["all_rejected"] > 0) | nonfinite, lambda operand: operand, apply,
+        (params, opt_state)
     )
     return params, opt_state, metrics
 
