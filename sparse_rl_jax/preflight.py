@@ -23,12 +23,18 @@ def load_checked_policy(path: str, cfg, mesh) -> tuple[models.Tokenizer, models.
     """``(tokenizer, model)`` of the HF checkpoint at ``path``, validated together.
 
     The tokenizer's files are named when missing; every id it can produce (vocabulary,
-    special ids) must fit the model's embedding; ``load_pretrained`` validates config,
+    special ids) and the configured ``sampling.eos_ids`` / ``pad_id`` must fit the model's
+    embedding; ``load_pretrained`` validates config,
     tensor names, shapes, dtypes and finiteness.
     """
     tokenizer = models.Tokenizer(path)
     model = models.load_pretrained(path, dtype=DTYPES[cfg.model.dtype], mesh=mesh)
-    tokenizer.check_fits(model.config.vocab_size)
+    vocab = model.config.vocab_size
+    tokenizer.check_fits(vocab)
+    for field, ids in (("eos_ids", cfg.sampling.eos_ids), ("pad_id", (cfg.sampling.pad_id,))):
+        if any(i >= vocab for i in ids):
+            raise ValueError(f"sampling.{field}={getattr(cfg.sampling, field)!r}: ids must be "
+                             f"below the model's vocab_size={vocab}")
     return tokenizer, model
 
 

@@ -112,6 +112,9 @@ def test_non_utf8_config_file_is_a_config_error(tmp_path, capsys):
     (["mesh.data=2"], f"not fit the {jax.device_count()} device(s)", "config error"),
     (["data.reward=bogus"], "reward fn 'bogus' is not registered", "error"),
     (["--distributed"], "--distributed: cannot initialize (no coordinator found", "error"),
+    (["sampling.eos_ids=[2, 128]"], "sampling.eos_ids=(2, 128): ids must be below the "
+                                    "model's vocab_size=128", "error"),
+    (["sampling.pad_id=999"], "sampling.pad_id=999", "error"),
 ])
 def test_run_level_config_errors_before_any_state(tiny, tmp_path, capsys, extra, expected,
                                                   prefix):
@@ -426,6 +429,7 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tm
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, previous)
+    assert "(disk full?)" in str(err.value) and "committed checkpoints: [1]" in str(err.value)
     with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
         assert ckpt.all_steps() == [1]  # the half-written step 2 is not taken for one
         state, meta = ckpt.restore_newest_good(big, log=lambda _: None)
