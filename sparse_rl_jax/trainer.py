@@ -199,6 +199,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
 
 
 def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log) -> dict:
+    """The loop of :func:`train` once the run directory is owned (``owner``: the lead
+    process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
     run_dir = Path(cfg.run_dir)
     tokenizer, model, source = prepared
     graphdef, params = nnx.split(model)
