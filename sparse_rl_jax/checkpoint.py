@@ -88,6 +88,15 @@ def _flat_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
     return {_path_name(path): tuple(np.shape(leaf)) for path, leaf in leaves}
 
 
+def _nonfinite_leaves(tree: PyTree) -> list[str]:
+    """Names of the floating-point leaves of ``tree`` that hold a NaN or an infinity."""
+    flags = jax.tree.map(
+        lambda x: bool(jax.numpy.all(jax.numpy.isfinite(x)))
+        if jax.numpy.issubdtype(getattr(x, "dtype", np.int32), np.inexact) else True, tree)
+    return [_path_name(path) for path, ok in jax.tree_util.tree_flatten_with_path(flags)[0]
+            if not ok]
+
+
 def _check_json(meta: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(meta, Mapping):
         raise TypeError(f"checkpoint meta must be a dict, got {type(meta).__name__}")
@@ -310,7 +319,8 @@ class Checkpointer:
     ) -> tuple[PyTree, dict[str, Any]]:
         """:meth:`restore` of the newest step that restores, skipping corrupt newer ones.
 
-        Each skipped step is logged with why and moved to ``<directory>.corrupt/<step>``
+        A step is corrupt when it cannot be read or matched to ``abstract_state``, or when a
+        floating-point leaf holds NaN or inf (a flipped bit). Each skipped step is logged with why and moved to ``<directory>.corrupt/<step>``
         (kept for inspection, out of the step listing, so the run can save that step again).
 
         Raises:
@@ -321,6 +331,10 @@ class Checkpointer:
         for step in reversed(self.all_steps()):
             try:
                 restored = self.restore(abstract_state, step=step)
+                bad = _nonfinite_leaves(restored[0])
+                if bad:
+                    raise CheckpointError(f"checkpoint step {step} in {self.directory}: "
+                                          f"leaves {bad} hold NaN or inf")
             except CheckpointError as err:
                 reasons.append(str(err))
                 log(f"warning: skipping checkpoint step {step}: {err}")

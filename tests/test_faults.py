@@ -387,13 +387,16 @@ def _state(value):
     return {"w": jnp.full((64, 64), value, jnp.float32), "b": jnp.arange(8, dtype=jnp.int32)}
 
 
-def test_corrupt_latest_checkpoint_falls_back_and_says_why(tmp_path):
+@pytest.mark.parametrize("corruption", ["garbage_files", "nan_weights"])
+def test_corrupt_latest_checkpoint_falls_back_and_says_why(tmp_path, corruption):
     with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
         for step in (1, 2, 3):
-            ckpt.save(step, _state(float(step)), {"step": step})
-    for file in (tmp_path / "ckpt" / "3" / "state").rglob("*"):
-        if file.is_file():
-            file.write_bytes(b"garbage")
+            value = np.nan if corruption == "nan_weights" and step == 3 else float(step)
+            ckpt.save(step, _state(value), {"step": step})
+    if corruption == "garbage_files":
+        for file in (tmp_path / "ckpt" / "3" / "state").rglob("*"):
+            if file.is_file():
+                file.write_bytes(b"garbage")
     logs = []
     with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
         state, meta = ckpt.restore_newest_good(_state(0.0), log=logs.append)
@@ -401,6 +404,8 @@ def test_corrupt_latest_checkpoint_falls_back_and_says_why(tmp_path):
         assert ckpt.all_steps() == [1, 2]
         ckpt.save(3, _state(30.0), {"step": 3})  # the run can save step 3 again
     assert len(logs) == 1 and logs[0].startswith("warning: skipping checkpoint step 3: ")
+    if corruption == "nan_weights":
+        assert "leaves ['w'] hold NaN or inf" in logs[0]
     assert (tmp_path / "ckpt.corrupt" / "3").is_dir()  # kept for inspection
     with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
         assert float(ckpt.restore(_state(0.0))[0]["w"][0, 0]) == 30.0
