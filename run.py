@@ -78,18 +78,20 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    if args.distributed:  # before anything else touches the JAX backend
+        try:
+            jax.distributed.initialize()
+        except (ValueError, RuntimeError) as e:
+            err = RuntimeError(
+                f"--distributed: cannot initialize (no coordinator found; set "
+                f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID or run under "
+                f"a cluster launcher): {e}")
+            err.__cause__ = e
+            return _fail("error", err, args.debug)
     from sparse_rl_jax.checkpoint import CheckpointError
     from sparse_rl_jax.run_dir import RunDirError
     from sparse_rl_jax.trainer import NonFiniteError
 
-    if args.distributed:
-        try:
-            jax.distributed.initialize()
-        except (ValueError, RuntimeError) as e:
-            return _fail("error", RuntimeError(
-                f"--distributed: cannot initialize (no coordinator found; set "
-                f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID or run under "
-                f"a cluster launcher): {e}"), args.debug)
     try:
         if args.command == "train":
             from sparse_rl_jax.trainer import train

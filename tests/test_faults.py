@@ -493,3 +493,11 @@ def test_nonfinite_streak_stops_the_run_naming_the_step():
     assert (guard.skipped, guard.in_a_row) == (3, 2)
     with pytest.raises(NonFiniteError, match=r"step 5: .* 3 RL steps in a row \(steps 3..5"):
         guard.record(5, True)
+
+
+def test_debug_shows_the_traceback(tiny, tmp_path, capsys):
+    _, model, data = tiny
+    assert run.main(_args(model, data, tmp_path / "run") + ["--debug", "data.reward=bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.strip().splitlines()[-1].startswith("error: reward fn 'bogus'")
