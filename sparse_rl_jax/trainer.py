@@ -30,7 +30,7 @@ from sparse_rl_jax.config_io import ConfigError, save_config, to_dict
 from sparse_rl_jax.metrics_writer import MetricsWriter, read_metrics
 from sparse_rl_jax.optim import make_optimizer
 from sparse_rl_jax.plots import plot_metrics
-from sparse_rl_jax.preflight import (DTYPES, checked_prompt_source, default_task_tokenizer,
+from sparse_rl_jax.preflight import (checked_prompt_source, default_task_tokenizer,
                                      load_checked_policy)
 from sparse_rl_jax.progress import TrainProgress
 from sparse_rl_jax.rewards import get_reward_fn
@@ -281,9 +281,8 @@ def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[st
         path = target
     else:
         path = Path(policy_path(cfg, log))
-    tokenizer = models.Tokenizer(path)
     mesh = make_run_mesh(cfg)
-    model = models.load_pretrained(path, dtype=DTYPES[cfg.model.dtype], mesh=mesh)
+    tokenizer, model = load_checked_policy(str(path), cfg, mesh)
     graphdef, params = nnx.split(model)
     if path != target:
         ckpt_dir = target / "checkpoints"

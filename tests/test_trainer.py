@@ -78,6 +78,9 @@ def test_run_py_train_writes_metrics_plots_checkpoint_and_export(uninterrupted):
     for key in ("reward_mean", "rejection_rate", "kv_token_savings", "clip_fraction",
                 "mismatch_k3", "loss", "rollout_share"):
         assert all(np.isfinite(r[key]) for r in records), key
+    assert all(r["skipped_nonfinite_steps"] == 0 for r in records)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["last_good_step"] == STEPS and not (run_dir / "run.lock").exists()
     assert (run_dir / "plots" / "summary.png").stat().st_size > 10_000
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "final" / "config.json").is_file()
