@@ -9,12 +9,16 @@
 
 Overrides are dotted ``key=value`` pairs (values parsed as YAML). ``--distributed`` calls
 ``jax.distributed.initialize()`` first (multi-host GPU / TPU pods).
+
+Bad input (config, model, tokenizer, data, run directory) prints one ``config error:`` or
+``error:`` line and exits with 2, before anything is written; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 COMMANDS = ("train", "eval", "config")
@@ -34,10 +38,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="eval: an HF checkpoint dir or a run dir (default: run_dir)")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() (multi-host)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error instead of one line")
     argv = list(argv)
     if not argv or argv[0] not in COMMANDS:
         argv.insert(0, "train")  # the command is optional: train by default
     return parser.parse_intermixed_args(argv)
+
+
+def _fail(prefix: str, err: BaseException, debug: bool) -> int:
+    """Prints ``prefix: err`` on one line (the traceback too with ``--debug``); returns 2."""
+    if debug:
+        traceback.print_exception(err)
+    first, *rest = str(err).strip().splitlines() or [type(err).__name__]
+    print(f"{prefix}: {' '.join([first, '; '.join(line.strip() for line in rest)]).strip()}",
+          file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(RunConfig, config_path, args.overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _fail("config error", e, args.debug)
     if args.command == "config":
         import yaml
 
@@ -63,8 +78,20 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    if args.distributed:
-        jax.distributed.initialize()
+    if args.distributed:  # before anything else touches the JAX backend
+        try:
+            jax.distributed.initialize()
+        except (ValueError, RuntimeError) as e:
+            err = RuntimeError(
+                f"--distributed: cannot initialize (no coordinator found; set "
+                f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID or run under "
+                f"a cluster launcher): {e}")
+            err.__cause__ = e
+            return _fail("error", err, args.debug)
+    from sparse_rl_jax.checkpoint import CheckpointError
+    from sparse_rl_jax.run_dir import RunDirError
+    from sparse_rl_jax.trainer import NonFiniteError
+
     try:
         if args.command == "train":
             from sparse_rl_jax.trainer import train
@@ -75,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             from sparse_rl_jax.evaluation import run_eval
 
             run_eval(cfg, args.checkpoint)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:
+        return _fail("config error", e, args.debug)
+    except (ValueError, OSError, RunDirError, CheckpointError, NonFiniteError) as e:
+        return _fail("error", e, args.debug)
     return 0
 
 

@@ -57,9 +57,12 @@ def read_config(path: str | Path) -> ModelConfig:
     if not config_file.is_file():
         raise FileNotFoundError(f"config.json not found in checkpoint directory {path}")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except json.JSONDecodeError as e:
+        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         raise ValueError(f"{config_file}: invalid JSON: {e}") from e
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{config_file}: must hold a JSON object")
+    model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{config_file}: model_type: unsupported {model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -69,8 +72,15 @@ def read_config(path: str | Path) -> ModelConfig:
 def _checkpoint_files(path: Path) -> list[Path]:
     index = path / _INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = set(weight_map.values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON/UTF-8 included
+            raise ValueError(f"{index}: not a valid safetensors index (a JSON object with a "
+                             f"'weight_map' of tensor -> file): {e!r}") from e
+        if not all(isinstance(name, str) for name in names):
+            raise ValueError(f"{index}: 'weight_map' values must be file names")
+        files = [path / name for name in sorted(names)]
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(f"{index} lists shard {file.name}, which does not exist")
@@ -117,8 +127,10 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
 
     Raises:
       FileNotFoundError: missing directory, config.json or safetensors files.
-      ValueError: unsupported model_type/feature, missing tensor, wrong shape or dtype. All
-        checks run before any tensor data is read; no partial model is returned.
+      ValueError: invalid config.json / index JSON, unsupported model_type/feature, missing
+        tensor, wrong shape or dtype (all checked before any tensor data is read), or a
+        tensor holding NaN/inf (checked once after loading). No partial model is returned.
+        Only safetensors are read: pickle ``*.bin`` files and ``auto_map`` code are ignored.
     """
     path = Path(path)
     config = read_config(path)
@@ -149,7 +161,22 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
             return jax.make_array_from_callback(leaf.shape, sharding, read, dtype=leaf.dtype)
 
         state = jax.tree_util.tree_map_with_path(place, state, param_shardings(state, mesh))
+    _check_finite(state, path)
     return nnx.merge(graphdef, state)
+
+
+@jax.jit
+def _all_finite(state):
+    return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), state)
+
+
+def _check_finite(state: Any, path: Path) -> None:
+    """ValueError naming every loaded tensor that holds a NaN or an infinity (one pass)."""
+    flags = jax.device_get(_all_finite(state))
+    bad = [hf_name(path_str(key_path))[0]
+           for key_path, ok in jax.tree_util.tree_flatten_with_path(flags)[0] if not ok]
+    if bad:
+        raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(bad)} hold NaN or inf values")
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

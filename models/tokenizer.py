@@ -11,6 +11,17 @@ import numpy as np
 
 # Checkpoints that declare these classes ship their whole tokenizer in tokenizer.json.
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+# A directory needs one of these file sets to hold a tokenizer.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"),
+                   ("vocab.txt",))
+
+
+def _check_tokenizer_files(path: Path) -> None:
+    """FileNotFoundError naming the files a tokenizer needs when ``path`` has none of them."""
+    if any(all((path / name).is_file() for name in names) for names in TOKENIZER_FILES):
+        return
+    wanted = " or ".join(" + ".join(names) for names in TOKENIZER_FILES)
+    raise FileNotFoundError(f"no tokenizer in {path}: expected {wanted}")
 
 
 def _load_hf_tokenizer(path: Path):
@@ -41,6 +52,7 @@ class Tokenizer:
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
+        _check_tokenizer_files(path)
         self.hf = _load_hf_tokenizer(path)
         eos = [self.hf.eos_token_id]
         generation_config = path / "generation_config.json"
@@ -55,6 +67,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (including added tokens)."""
         return len(self.hf)
+
+    def check_fits(self, vocab_size: int) -> None:
+        """ValueError naming both numbers when an id this tokenizer can produce (its
+        vocabulary, added tokens, EOS / pad / special ids) is outside an embedding of
+        ``vocab_size`` rows, where the gather would silently clamp it."""
+        special = [i for i in (*self.hf.all_special_ids, *self.eos_ids, self.pad_id)
+                   if i is not None]
+        largest = max([self.vocab_size - 1, *special])
+        if largest >= vocab_size:
+            raise ValueError(
+                f"tokenizer {self.hf.name_or_path}: ids up to {largest} (vocabulary of "
+                f"{self.vocab_size}, special ids {sorted(set(special))}) do not fit the model's "
+                f"embedding of {vocab_size} rows")
 
     def encode(
         self,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -86,6 +86,15 @@ def _to_abstract(leaf: Any) -> Any:
 def _flat_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {_path_name(path): tuple(np.shape(leaf)) for path, leaf in leaves}
+
+
+def _nonfinite_leaves(tree: PyTree) -> list[str]:
+    """Names of the floating-point leaves of ``tree`` that hold a NaN or an infinity."""
+    flags = jax.tree.map(
+        lambda x: bool(jax.numpy.all(jax.numpy.isfinite(x)))
+        if jax.numpy.issubdtype(getattr(x, "dtype", np.int32), np.inexact) else True, tree)
+    return [_path_name(path) for path, ok in jax.tree_util.tree_flatten_with_path(flags)[0]
+            if not ok]
 
 
 def _check_json(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -227,17 +236,31 @@ class Checkpointer:
         raw_state = jax.tree.map(
             lambda leaf: jax.random.key_data(leaf) if _is_prng_key(leaf) else leaf, state
         )
-        return self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    _STATE: ocp.args.StandardSave(raw_state),
-                    _META: ocp.args.JsonSave(meta),
-                    _PRNG: ocp.args.JsonSave(impls),
-                }
-            ),
-            force=True,
-        )
+        try:
+            return self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        _STATE: ocp.args.StandardSave(raw_state),
+                        _META: ocp.args.JsonSave(meta),
+                        _PRNG: ocp.args.JsonSave(impls),
+                    }
+                ),
+                force=True,
+            )
+        except Exception as err:  # an earlier async write or this one failed (disk, perms)
+            raise self._save_error(err) from err
+
+    def _save_error(self, err: BaseException) -> CheckpointError:
+        """A save failure as a CheckpointError; orbax keeps the unfinished write in a
+        temporary directory, so committed checkpoints stay intact and restorable."""
+        steps = sorted(self._manager.all_steps())
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        full = any(s in str(err) for s in ("RESOURCE_EXHAUSTED", "No space", "too large",
+                                           "ENOSPC", "EFBIG"))
+        return CheckpointError(
+            f"saving a checkpoint in {self.directory} failed{' (disk full?)' if full else ''}: "
+            f"{reason}; committed checkpoints: {steps}")
 
     # -- restore -------------------------------------------------------------------------
 
@@ -290,6 +313,49 @@ class Checkpointer:
             restored[_STATE],
         )
         return state, dict(restored[_META])
+
+    def restore_newest_good(
+        self, abstract_state: PyTree, log: Callable[[str], None] = print
+    ) -> tuple[PyTree, dict[str, Any]]:
+        """:meth:`restore` of the newest step that restores, skipping corrupt newer ones.
+
+        A step is corrupt when it cannot be read or matched to ``abstract_state``, or when a
+        floating-point leaf holds NaN or inf (a flipped bit). Each skipped step is logged with why and moved to ``<directory>.corrupt/<step>``
+        (kept for inspection, out of the step listing, so the run can save that step again).
+
+        Raises:
+          CheckpointError: no step restores (the message lists every step's reason).
+        """
+        self._manager.wait_until_finished()
+        reasons = []
+        for step in reversed(self.all_steps()):
+            try:
+                restored = self.restore(abstract_state, step=step)
+                bad = _nonfinite_leaves(restored[0])
+                if bad:
+                    raise CheckpointError(f"checkpoint step {step} in {self.directory}: "
+                                          f"leaves {bad} hold NaN or inf")
+            except CheckpointError as err:
+                reasons.append(str(err))
+                log(f"warning: skipping checkpoint step {step}: {err}")
+                continue
+            for bad in self.all_steps():
+                if bad > step:
+                    self._set_aside(bad)
+            return restored
+        raise CheckpointError(f"no checkpoint in {self.directory} restores: " +
+                              "; ".join(reasons))
+
+    def _set_aside(self, step: int) -> None:
+        aside = f"{self.directory}.corrupt"
+        os.makedirs(aside, exist_ok=True)
+        target = os.path.join(aside, str(step))
+        suffix = 0
+        while os.path.exists(target):
+            suffix += 1
+            target = os.path.join(aside, f"{step}.{suffix}")
+        os.replace(os.path.join(self.directory, str(step)), target)
+        self._manager.reload()
 
     @staticmethod
     def _raw_target(abstract_state: PyTree, impls: Mapping[str, str], where: str) -> PyTree:
@@ -347,12 +413,21 @@ class Checkpointer:
     # -- lifecycle -----------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Block until the last save is committed (and old steps are deleted)."""
-        self._manager.wait_until_finished()
+        """Block until the last save is committed (and old steps are deleted).
+
+        Raises CheckpointError when that background write failed (e.g. the disk filled).
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._save_error(err) from err
 
     def close(self) -> None:
-        """Wait for pending work and release orbax resources."""
-        self._manager.close()
+        """Wait for pending work and release orbax resources (CheckpointError as in wait)."""
+        try:
+            self._manager.close()
+        except Exception as err:
+            raise self._save_error(err) from err
 
     def __enter__(self) -> Checkpointer:
         return self

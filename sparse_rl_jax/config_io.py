@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -74,18 +75,42 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{path}: expected true/false, got {value!r}")
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if tp is float:
+        return _finite_float(value, path)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp is str and isinstance(value, str):
         return value
     raise ConfigError(f"{path}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _finite_float(value: Any, path: str) -> float:
+    """A finite float from a YAML number (or a string like "2e-4", which YAML 1.1 reads as
+    text); inf and nan are refused, since no float setting means anything with them."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None:
+        raise ConfigError(f"{path}: expected float, got {value!r}")
+    if not math.isfinite(number):
+        raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+    return number
+
+
+def _parse_override(item: str, raw: str) -> Any:
+    """The YAML value of one ``key=value`` override (plain YAML only: no tags)."""
+    if not raw.strip():
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        reason = str(e).splitlines()[0]
+        raise ConfigError(f"override {item!r}: value is not plain YAML ({reason})") from e
 
 
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
@@ -161,7 +186,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = _parse_override(item, raw)
     return data
 
 
@@ -174,14 +199,18 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at top level")
     bases = data.pop("base", [])
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(f"config file {path}: 'base' must be a file path or a list of file "
+                          f"paths, got {bases!r}")
     merged: dict[str, Any] = {}
-    for base in [bases] if isinstance(bases, str) else bases:
+    for base in bases:
         merged = _merge(merged, read_yaml(path.parent / base, _chain + (path,)))
     return _merge(merged, data)
 

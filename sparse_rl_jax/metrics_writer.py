@@ -6,7 +6,8 @@ Layout under ``run_dir``::
     tb/             TensorBoard event files (tensorboardX), one scalar tag per metric name
 
 Resuming from a checkpoint at step ``s`` (``resume_step=s``) drops the JSONL records with
-``step > s`` (they belong to steps that will be re-run) and tells TensorBoard to purge events
+``step > s`` (they belong to steps that will be re-run) and any torn or malformed line (with
+a warning; the good lines are kept) and tells TensorBoard to purge events
 from step ``s + 1`` on, so both outputs read like one uninterrupted run. Only one process of a
 multi-host job should own a MetricsWriter.
 """
@@ -14,11 +15,14 @@ multi-host job should own a MetricsWriter.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -40,24 +44,35 @@ def to_float(name: str, value: Any) -> float:
     return float(array)
 
 
-def _parse_lines(path: str) -> list[dict[str, Any]]:
-    """Records of a metrics JSONL file; a torn final line (no newline) is dropped."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    lines = text.split("\n")
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
+def _parse_lines(path: str, strict: bool = True) -> list[dict[str, Any]]:
+    """Records of a metrics JSONL file; a torn final line (no newline) is dropped.
+
+    ``strict`` raises ValueError (file:line) for any other malformed line or a step that
+    does not increase; otherwise such lines are skipped with one warning naming them.
+    """
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records, bad = [], []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
+            record = json.loads(raw.decode("utf-8"))
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("metrics record must be an object with int 'step'")
+            if records and record["step"] <= records[-1]["step"]:
+                raise ValueError(f"step {record['step']} is not after {records[-1]['step']}")
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError included
             if number == len(lines):  # last chunk with no trailing newline: a write cut short
                 break
-            raise ValueError(f"{path}:{number}: malformed metrics record: {err}") from err
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ValueError(f"{path}:{number}: metrics record must be an object with int 'step'")
+            if strict:
+                raise ValueError(f"{path}:{number}: malformed metrics record: {err}") from err
+            bad.append(number)
+            continue
         records.append(record)
+    if bad:
+        log.warning("%s: skipped %d malformed line(s) (lines %s); kept %d good records",
+                    path, len(bad), bad[:10], len(records))
     return records
 
 
@@ -79,8 +94,9 @@ class MetricsWriter:
     Args:
       run_dir: the run directory (created if missing).
       resume_step: None starts a fresh log (an existing metrics.jsonl is emptied and earlier
-        TensorBoard events are purged); an int keeps only records with ``step <= resume_step``
-        and purges TensorBoard events from ``resume_step + 1`` on.
+        TensorBoard events are purged); an int keeps only the well-formed records with
+        ``step <= resume_step`` (malformed lines are dropped with a warning) and purges
+        TensorBoard events from ``resume_step + 1`` on.
       tensorboard: also write TensorBoard event files.
     """
 
@@ -99,7 +115,8 @@ class MetricsWriter:
         self.path = os.path.join(self.run_dir, METRICS_FILE)
         kept: list[dict[str, Any]] = []
         if resume_step is not None and os.path.exists(self.path):
-            kept = [r for r in _parse_lines(self.path) if r["step"] <= resume_step]
+            kept = [r for r in _parse_lines(self.path, strict=False)
+                    if r["step"] <= resume_step]
         os.makedirs(self.run_dir, exist_ok=True)
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:

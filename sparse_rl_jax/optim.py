@@ -47,8 +47,9 @@ class OptimConfig:
             "warmup_steps": (self.warmup_steps >= 0, "must be >= 0"),
             "schedule": (self.schedule in ("constant", "cosine"), "must be constant or cosine"),
             "decay_steps": (
-                self.schedule != "cosine" or self.decay_steps > self.warmup_steps,
-                "must exceed warmup_steps for the cosine schedule",
+                self.decay_steps >= 0
+                and (self.schedule != "cosine" or self.decay_steps > self.warmup_steps),
+                "must be >= 0 and exceed warmup_steps for the cosine schedule",
             ),
             "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
         }

@@ -22,7 +22,13 @@ from sparse_rl_jax.task import TaskConfig
 
 def _require(section: str, field: str, ok: bool, why: str, value) -> None:
     if not ok:
-        raise ValueError(f"{section}.{field}={value!r} {why}")
+        name = f"{section}.{field}" if section else field
+        raise ValueError(f"{name}={value!r} {why}")
+
+
+def _require_seed(section: str, value, field: str = "seed") -> None:
+    """A seed must be an int >= 0 (numpy's generators refuse negative ones)."""
+    _require(section, field, isinstance(value, int) and value >= 0, "must be an int >= 0", value)
 
 
 def _require_counts(section: str, config, fields: tuple[str, ...]) -> None:
@@ -82,6 +88,7 @@ class WarmStartConfig:
         _require("warm_start", "hidden_size", self.hidden_size % self.num_heads == 0,
                  f"must be a multiple of num_heads={self.num_heads}", self.hidden_size)
         _require("warm_start", "lr", self.lr > 0, "must be > 0", self.lr)
+        _require_seed("warm_start", self.seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +128,9 @@ class DataSection:
                  "must be 'task' or 'jsonl'", self.source)
         _require("data", "jsonl", self.source != "jsonl" or self.jsonl is not None,
                  "must be set (path, fields) when data.source is 'jsonl'", self.jsonl)
+        _require_seed("data", self.shuffle_seed, "shuffle_seed")
+        _require("data", "reward", isinstance(self.reward, str) and bool(self.reward),
+                 "must name a registered reward fn", self.reward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +166,9 @@ class TrainerConfig:
       keep_checkpoints: how many checkpoints to keep.
       export_final: write the final policy as an HF checkpoint to ``run_dir/final``.
       plots: write PNG plots of the metrics to ``run_dir/plots`` at the end.
+      max_nonfinite_steps: an RL step whose loss or gradient is not finite skips that update
+        (params and optimizer state unchanged; counted in ``skipped_nonfinite_steps``); this
+        many such steps in a row stop the run with an error naming the step.
     """
 
     steps: int = 100
@@ -168,10 +181,13 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     export_final: bool = True
     plots: bool = True
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
         _require_counts("trainer", self, ("steps", "prompts_per_step", "minibatch_size",
-                                          "logp_chunk", "checkpoint_every", "keep_checkpoints"))
+                                          "logp_chunk", "checkpoint_every", "keep_checkpoints",
+                                          "max_nonfinite_steps"))
+        _require_seed("trainer", self.seed)
         _require("trainer", "score_batch", self.score_batch >= 0, "must be >= 0", self.score_batch)
 
 
@@ -206,6 +222,7 @@ class EvalConfig:
         _require("eval", "every_steps", isinstance(self.every_steps, int)
                  and self.every_steps >= 0, "must be an int >= 0 (0 = never)", self.every_steps)
         _require("eval", "temperature", self.temperature > 0, "must be > 0", self.temperature)
+        _require_seed("eval", self.task_seed, "task_seed")
 
 
 # The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
@@ -245,6 +262,9 @@ class RunConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def __post_init__(self):
+        _require("", "run_dir", isinstance(self.run_dir, str) and bool(self.run_dir.strip()),
+                 "must be a directory path (empty would train into the current directory)",
+                 self.run_dir)
         _require("sampling", "num_samples", self.sampling.num_samples == self.loss.group_size,
                  f"must equal loss.group_size={self.loss.group_size} (the GRPO group)",
                  self.sampling.num_samples)

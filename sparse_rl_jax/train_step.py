@@ -3,7 +3,9 @@
 A pure function of ``(params, opt_state, minibatch)``; the caller jits it with shardings (the
 params' own, the batch split over the ``data``/``fsdp`` mesh axes). A minibatch in which every
 token is rejected leaves params and optimizer state untouched (no Adam moment drift), and the
-metrics say so (``all_rejected == 1``).
+metrics say so (``all_rejected == 1``). Likewise an update whose loss or gradient is not
+finite is skipped inside the jitted step (``nonfinite_update == 1``), so a NaN never reaches
+the params, the optimizer state or a checkpoint.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def update_step(
     "global batch" is ``trainer.minibatch_size``, not the whole rollout.
 
     Returns:
-      ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` included).
+      ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` and
+      ``nonfinite_update``, 1.0 when the update was skipped for a non-finite loss/gradient).
     """
 
     with_entropy = loss_cfg.entropy_coef > 0
@@ -77,8 +80,10 @@ def update_step(
         return grpo_loss(scores.logp_sparse, batch.loss, loss_cfg, entropy=scores.entropy,
                          logp_dense=scores.logp_dense, kl_full=scores.kl_full)
 
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     metrics["grad_norm"] = optax.global_norm(grads)
+    nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]))
+    metrics["nonfinite_update"] = nonfinite.astype(jnp.float32)
 
     def apply(operand):
         p, s = operand
@@ -86,7 +91,8 @@ def update_step(
         return optax.apply_updates(p, updates), s
 
     params, opt_state = jax.lax.cond(
-        metrics["all_rejected"] > 0, lambda operand: operand, apply, (params, opt_state)
+        (metrics["all_rejected"] > 0) | nonfinite, lambda operand: operand, apply,
+        (params, opt_state)
     )
     return params, opt_state, metrics
 

@@ -1,10 +1,15 @@
 """The RL training loop: load the policy, run RL steps, log, checkpoint, resume, export.
 
 ``train(cfg)`` is what ``python run.py train`` calls. A run directory holds the resolved
-config, ``metrics.jsonl`` + TensorBoard events, orbax checkpoints, plots and (at the end) the
-policy exported as an HF checkpoint. Starting ``train`` on a directory that has checkpoints
-resumes from the latest one; since every step is a pure function of ``(seed, step)``, a
-resumed run continues exactly as an uninterrupted one would have.
+config, a manifest (config hash, code version, last good step), ``metrics.jsonl`` +
+TensorBoard events, orbax checkpoints, plots and (at the end) the policy exported as an HF
+checkpoint. Starting ``train`` on a directory that has checkpoints resumes from the newest
+one that restores; since every step is a pure function of ``(seed, step)``, a resumed run
+continues exactly as an uninterrupted one would have.
+
+Everything that can be checked is checked before the run directory is written: inputs, mesh,
+reward, the policy and tokenizer (with an explicit ``model.path``), every prompt's length,
+and whether an existing directory holds this run (manifest) and is free (lock).
 """
 
 from __future__ import annotations
@@ -20,26 +25,62 @@ import jax.numpy as jnp
 from flax import nnx
 
 import models
-from sparse_rl_jax.checkpoint import Checkpointer
-from sparse_rl_jax.config_io import save_config, to_dict
+from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.config_io import ConfigError, save_config, to_dict
 from sparse_rl_jax.evaluation import eval_set, pass_at_1_metrics
 from sparse_rl_jax.metrics_writer import MetricsWriter, read_metrics
 from sparse_rl_jax.optim import make_optimizer
 from sparse_rl_jax.plots import plot_metrics
+from sparse_rl_jax.preflight import (checked_prompt_source, default_task_tokenizer,
+                                     load_checked_policy)
 from sparse_rl_jax.progress import TrainProgress
-from sparse_rl_jax.prompt_source import PromptSource
 from sparse_rl_jax.rewards import get_reward_fn
 from sparse_rl_jax.rl_step import StepContext, batch_sharding, rl_step
 from sparse_rl_jax.run_config import RunConfig
+from sparse_rl_jax.run_dir import check_resumable, open_run_dir
 from sparse_rl_jax.train_step import init_optimizer, jit_update_step
-from sparse_rl_jax.warm_start import build_default_model
+from sparse_rl_jax.warm_start import build_default_model, tiny_model_config
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+class NonFiniteError(RuntimeError):
+    """Too many RL steps in a row had a non-finite loss or gradient."""
+
+
+@dataclasses.dataclass
+class NonFiniteGuard:
+    """Counts RL steps whose update was skipped for a non-finite loss or gradient.
+
+    Attributes:
+      limit: this many such steps in a row raise :class:`NonFiniteError`.
+      skipped: such steps so far (the ``skipped_nonfinite_steps`` metric; checkpointed).
+      in_a_row: the current streak.
+    """
+
+    limit: int
+    skipped: int = 0
+    in_a_row: int = 0
+
+    def record(self, step: int, nonfinite: bool) -> None:
+        """Counts RL step ``step`` (1-based); raises NonFiniteError naming it at the limit."""
+        self.in_a_row = self.in_a_row + 1 if nonfinite else 0
+        self.skipped += bool(nonfinite)
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(
+                f"step {step}: the loss or gradients were not finite in {self.in_a_row} RL "
+                f"steps in a row (steps {step - self.in_a_row + 1}..{step}; "
+                f"trainer.max_nonfinite_steps={self.limit}); those updates were skipped and no "
+                "checkpoint holds them. Lower optim.lr or check the data and model")
 
 
 def make_run_mesh(cfg: RunConfig):
-    """The run's device mesh; a size that does not fit the devices names the field."""
-    mesh = models.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    """The run's device mesh; sizes that do not fit the devices are a ConfigError naming the
+    mesh fields and the device count."""
+    try:
+        mesh = models.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    except ValueError as e:
+        raise ConfigError(
+            f"mesh (data={cfg.mesh.data}, fsdp={cfg.mesh.fsdp}, tensor={cfg.mesh.tensor}) does "
+            f"not fit the {jax.device_count()} device(s): {e}") from e
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.trainer.minibatch_size % batch_devices:
         raise ValueError(
@@ -81,11 +122,28 @@ def resolve_sampling(cfg: RunConfig, tokenizer: models.Tokenizer):
     return sampling
 
 
-def _config_hash(cfg: RunConfig) -> str:
-    """Hash of the settings a resumed run must share with the run it continues."""
-    relevant = {k: v for k, v in to_dict(cfg).items() if k not in ("trainer", "eval")}
-    relevant["seed"] = cfg.trainer.seed
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of what determines the run (model, data, method, optimizer, seeds, batch shape),
+    which a resumed run must share with the run it continues. Where the run lives
+    (``run_dir``), how long it runs, checkpointing, plots and eval are left out, so a moved
+    or copied run directory resumes and a finished run can be extended."""
+    relevant = {k: v for k, v in to_dict(cfg).items() if k not in ("run_dir", "trainer", "eval")}
+    relevant["trainer"] = {k: getattr(cfg.trainer, k)
+                           for k in ("seed", "prompts_per_step", "minibatch_size")}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _checkpoint_hash(ckpt_dir: Path) -> str | None:
+    """The config hash stored with the newest readable checkpoint (None without any)."""
+    if not ckpt_dir.is_dir():
+        return None
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+        for step in reversed(ckpt.all_steps()):
+            try:
+                return ckpt.read_meta(step).get("config_hash")
+            except CheckpointError:
+                continue
+    return None
 
 
 def _abstract(tree):
@@ -107,22 +165,64 @@ def _in_training_eval(cfg: RunConfig, ctx: StepContext) -> Callable[..., dict] |
     return evaluate_now
 
 
+def _prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
+    """``(tokenizer, model, prompt source)`` with everything checked; the default model is
+    built (in the run directory, so after :func:`_preflight_default`) when ``model.path`` is
+    None."""
+    tokenizer, model = load_checked_policy(policy_path(cfg, log), cfg, mesh)
+    source = checked_prompt_source(cfg, tokenizer, model.config.max_position_embeddings)
+    return tokenizer, model, source
+
+
+def _preflight_default(cfg: RunConfig) -> None:
+    """Reads the data and checks every prompt against the default model's tokenizer and
+    context before the default model is built (``model.path`` None)."""
+    tokenizer = default_task_tokenizer()
+    context = tiny_model_config(cfg.warm_start, tokenizer.vocab_size, tokenizer.eos_ids[0],
+                                tokenizer.pad_id).max_position_embeddings
+    checked_prompt_source(cfg, tokenizer, context)
+
+
 def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     """Trains ``cfg``'s policy with GRPO on sparse rollouts; returns the last step's metrics.
 
-    Resumes from the latest checkpoint in ``cfg.run_dir/checkpoints`` if there is one (its
-    config hash must match), otherwise starts fresh.
+    Resumes from the newest checkpoint in ``cfg.run_dir/checkpoints`` that restores (its
+    manifest's config hash must match), otherwise starts fresh. Nothing in the run directory
+    is written before every input is checked, the directory is known to hold this run (or
+    none) and this process holds its lock.
+
+    Raises:
+      ConfigError, ValueError, FileNotFoundError: bad config, model, tokenizer or data.
+      RunDirError: unusable run directory, another live run on it, or a different config.
+      CheckpointError: no checkpoint restores, or a save failed (e.g. disk full).
+      NonFiniteError: ``trainer.max_nonfinite_steps`` non-finite steps in a row.
     """
     run_dir = Path(cfg.run_dir)
     check_inputs(cfg)  # missing files and mesh errors surface before anything is written
     mesh = make_run_mesh(cfg)
     reward_fn = get_reward_fn(cfg.data.reward)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    chash = config_hash(cfg)
+    lead = jax.process_index() == 0
+    manifest = check_resumable(run_dir, chash, lambda: _checkpoint_hash(run_dir / "checkpoints"))
+    prepared = _prepare(cfg, mesh, log) if cfg.model.path is not None else None
+    if prepared is None:
+        _preflight_default(cfg)
+    owner = open_run_dir(run_dir, chash, manifest) if lead else None
+    try:
+        if lead:
+            owner.write_manifest(manifest.get("last_good_step") if manifest else None)
+            save_config(cfg, run_dir / "config.yaml")
+        return _train(cfg, prepared or _prepare(cfg, mesh, log), mesh, reward_fn, owner, log)
+    finally:
+        if owner is not None:
+            owner.close()
 
-    path = policy_path(cfg, log)
-    tokenizer = models.Tokenizer(path)
-    model = models.load_pretrained(path, dtype=DTYPES[cfg.model.dtype], mesh=mesh)
+
+def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log) -> dict:
+    """The loop of :func:`train` once the run directory is owned (``owner``: the lead
+    process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
+    run_dir = Path(cfg.run_dir)
+    tokenizer, model, source = prepared
     graphdef, params = nnx.split(model)
     del model
     ref_params = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef > 0 else None
@@ -135,31 +235,31 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     )
     ctx = StepContext(
         cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
-        tokenizer=tokenizer, source=PromptSource(cfg.data, cfg.trainer.prompts_per_step,
-                                                 tokenizer.hf),
-        reward_fn=reward_fn, update=update, mesh=mesh, ref_params=ref_params,
+        tokenizer=tokenizer, source=source, reward_fn=reward_fn, update=update, mesh=mesh,
+        ref_params=ref_params,
     )
 
-    config_hash = _config_hash(cfg)
+    chash = config_hash(cfg)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
                         save_every=cfg.trainer.checkpoint_every)
     start = position = 0
+    guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
     if ckpt.latest_step() is not None:
-        meta = ckpt.read_meta()
-        if meta.get("config_hash") != config_hash:
-            raise ValueError(
-                f"{run_dir}: its checkpoints come from a different config (hash "
-                f"{meta.get('config_hash')} != {config_hash}); use a new run_dir"
-            )
-        state, meta = ckpt.restore(_abstract({"params": params, "opt_state": opt_state}))
+        state, meta = ckpt.restore_newest_good(
+            _abstract({"params": params, "opt_state": opt_state}), log)
         params, opt_state, start = state["params"], state["opt_state"], meta["step"]
         position = meta.get("data_position", start)
+        guard.skipped = meta.get("skipped_nonfinite_steps", 0)
+        recorded = owner.manifest.get("last_good_step") if owner and owner.manifest else None
+        if recorded is not None and recorded > start:
+            log(f"warning: the manifest records step {recorded} as saved; resuming from {start}")
         log(f"resumed from step {start} in {run_dir}")
     writer = MetricsWriter(run_dir, resume_step=start if start else None)
     evaluate_now = _in_training_eval(cfg, ctx)
     if evaluate_now is not None and cfg.eval.before_train and start == 0:
         writer.log(0, evaluate_now(params))
     metrics: dict = {}
+    pending = None
     with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
         for step in range(start, cfg.trainer.steps):
             params, opt_state, metrics = rl_step(ctx, params, opt_state, step, position)
@@ -168,13 +268,22 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
             if evaluate_now is not None and cfg.eval.every_steps and (
                     done % cfg.eval.every_steps == 0):
                 metrics.update(evaluate_now(params))
+            nonfinite = metrics.get("nonfinite_update", 0) > 0
+            metrics["skipped_nonfinite_steps"] = guard.skipped + nonfinite
             writer.log(done, metrics)
             progress.update(done, metrics)
-            ckpt.save(done, {"params": params, "opt_state": opt_state},
-                      {"step": done, "config_hash": config_hash,
-                       "data_position": position, "seed": cfg.trainer.seed},
-                      force=done == cfg.trainer.steps)
+            guard.record(done, nonfinite)
+            saved = ckpt.save(done, {"params": params, "opt_state": opt_state},
+                              {"step": done, "config_hash": chash, "data_position": position,
+                               "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped},
+                              force=done == cfg.trainer.steps)
+            if saved:  # orbax commits one save before starting the next
+                if owner is not None and pending is not None:
+                    owner.write_manifest(pending)
+                pending = done
     ckpt.close()
+    if owner is not None and pending is not None:
+        owner.write_manifest(pending)
     writer.close()
     if cfg.trainer.plots:
         records = read_metrics(run_dir / "metrics.jsonl")
@@ -200,9 +309,8 @@ def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[st
         path = target
     else:
         path = Path(policy_path(cfg, log))
-    tokenizer = models.Tokenizer(path)
     mesh = make_run_mesh(cfg)
-    model = models.load_pretrained(path, dtype=DTYPES[cfg.model.dtype], mesh=mesh)
+    tokenizer, model = load_checked_policy(str(path), cfg, mesh)
     graphdef, params = nnx.split(model)
     if path != target:
         ckpt_dir = target / "checkpoints"

@@ -144,12 +144,22 @@ def test_bad_metrics_fail_before_writing(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "a": 1.0}\nnot json\n{"step": 3, "a": 1.0}\n')
-    before = path.read_text()
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: malformed"):
-        MetricsWriter(tmp_path, resume_step=2, tensorboard=False)
-    assert path.read_text() == before
+        read_metrics(path)  # reading is strict
     with pytest.raises(ValueError, match="resume_step"):
         MetricsWriter(tmp_path, resume_step=-2, tensorboard=False)
+
+
+@pytest.mark.parametrize("middle", [b"not json", b'{"step": 2, "a": 1', b"\xff\xfe bytes",
+                                    b'{"step": 1, "a": 9.0}', b"[1, 2]"])
+def test_resume_skips_malformed_lines_and_keeps_the_good_ones(tmp_path, middle, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "a": 1.0}\n' + middle + b'\n{"step": 2, "a": 2.0}\n'
+                     b'{"step": 3, "a": 3.0}\n{"step": 4, "a"')
+    with MetricsWriter(tmp_path, resume_step=3, tensorboard=False) as writer:
+        writer.log(4, {"a": 4.0})
+    assert read_metrics(path) == [{"step": s, "a": float(s)} for s in (1, 2, 3, 4)]
+    assert "skipped 1 malformed line(s) (lines [2])" in caplog.text
 
 
 def test_progress_plain_lines_when_not_a_tty():

@@ -1,5 +1,5 @@
-"""The RL trainer end to end: run.py in a subprocess, SIGKILL + resume equals an
-uninterrupted run, a sharded update equals a single-device one, config errors."""
+"""The RL trainer end to end: run.py in a subprocess, SIGKILL (during training or during a
+checkpoint save, then a moved run directory) + resume equals an uninterrupted run, a sharded update equals a single-device one, config errors."""
 
 from __future__ import annotations
 
@@ -80,6 +80,9 @@ def test_run_py_train_writes_metrics_plots_checkpoint_and_export(uninterrupted):
     for key in ("reward_mean", "rejection_rate", "kv_token_savings", "clip_fraction",
                 "mismatch_k3", "loss", "rollout_share"):
         assert all(np.isfinite(r[key]) for r in records), key
+    assert all(r["skipped_nonfinite_steps"] == 0 for r in records)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["last_good_step"] == STEPS and not (run_dir / "run.lock").exists()
     assert (run_dir / "plots" / "summary.png").stat().st_size > 10_000
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "final" / "config.json").is_file()
@@ -113,6 +116,38 @@ def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
     resumed = load_file(run_dir / "final" / "model.safetensors")
     expected = load_file(reference / "final" / "model.safetensors")
     assert resumed.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
+
+
+def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninterrupted):
+    """Killed while committing checkpoint 3 (its files written, not renamed); the run
+    directory is then moved: the same command on the new path resumes from step 2 (the
+    torn step 3 is not taken for a checkpoint, the dead run's lock is taken over) and ends
+    with the metrics and weights of the uninterrupted run."""
+    root, config, env = run_env
+    reference, _ = uninterrupted
+    first, moved = root / "c", root / "c_moved"
+    killed = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "kill_during_save.py"), "train",
+         "--config", str(config), f"run_dir={first}"],
+        env=dict(env, KILL_AT_STEP="3"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    steps = sorted(p.name for p in (first / "checkpoints").iterdir())
+    assert "3" not in steps and any(name.startswith("3.orbax-checkpoint-tmp") for name in steps)
+    assert json.loads((first / "run.lock").read_text())["pid"] > 0  # left by the dead run
+    assert json.loads((first / "manifest.json").read_text())["last_good_step"] in (1, 2)
+    first.rename(moved)
+
+    out = _run_py(["train", "--config", str(config), f"run_dir={moved}"], env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resumed from step 2 in {moved}" in out.stdout
+    assert not (moved / "run.lock").exists()
+    assert json.loads((moved / "manifest.json").read_text())["last_good_step"] == STEPS
+    assert _comparable(read_metrics(moved / "metrics.jsonl")) == _comparable(
+        read_metrics(reference / "metrics.jsonl"))
+    resumed = load_file(moved / "final" / "model.safetensors")
+    expected = load_file(reference / "final" / "model.safetensors")
     for name in expected:
         np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
 
