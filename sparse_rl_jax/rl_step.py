@@ -22,7 +22,7 @@ from sparse_rl_jax.advantages import group_advantages
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch
 from sparse_rl_jax.prompt_source import PromptSource
-from sparse_rl_jax.rewards import compute_rewards
+from sparse_rl_jax.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.rollout_metrics import rollout_metrics
 from sparse_rl_jax.run_config import RunConfig
 from sparse_rl_jax.sampler import Rollout, generate
@@ -101,8 +101,8 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
                                 ctx.sampling, cfg.compression)
     start = time.perf_counter()
     completions = ctx.tokenizer.decode(rollout.response, rollout.response_mask)
-    answers = np.repeat(np.asarray(batch.answers, dtype=object), ctx.sampling.num_samples)
-    rewards = compute_rewards(ctx.reward_fn, completions, list(answers))
+    answers = repeat_answers(batch.answers, ctx.sampling.num_samples)
+    rewards = compute_rewards(ctx.reward_fn, completions, answers)
     t_reward = time.perf_counter() - start
 
     size = cfg.trainer.score_batch or cfg.trainer.minibatch_size
