@@ -50,10 +50,11 @@ def make_run_mesh(cfg: RunConfig):
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fails (naming the field) if a file the run reads is missing, before anything is written."""
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+    if (cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file()
+            and models.find_gguf(cfg.model.path) is None):
         raise FileNotFoundError(
-            f"model.path={cfg.model.path!r} is not an HF checkpoint directory (no config.json); "
-            "nothing is downloaded: point it at a local copy")
+            f"model.path={cfg.model.path!r} is not an HF checkpoint directory (no config.json) "
+            "nor a GGUF file; nothing is downloaded: point it at a local copy")
     for field, dataset in (("data.jsonl", cfg.data.jsonl), ("eval.jsonl", cfg.eval.jsonl)):
         if dataset is not None and not Path(dataset.path).is_file():
             raise FileNotFoundError(f"{field}.path={dataset.path!r} does not exist")
@@ -62,7 +63,7 @@ def check_inputs(cfg: RunConfig) -> None:
 def policy_path(cfg: RunConfig, log: Callable[[str], None] = print) -> str:
     """The HF checkpoint directory of the initial policy (building the default if needed)."""
     if cfg.model.path is not None:
-        return cfg.model.path
+        return str(models.checkpoint_dir(cfg.model.path))  # a GGUF file is converted once
     return build_default_model(Path(cfg.run_dir) / "warm_start", cfg.warm_start, cfg.data.task,
                                log=log)
 
