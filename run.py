@@ -15,6 +15,7 @@ Overrides are dotted ``key=value`` pairs (values parsed as YAML). ``--distribute
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # runs never need torch: transformers' "PyTorch was not found" advice is noise here
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from sparse_rl_jax.config_io import ConfigError, load_config, to_dict
     from sparse_rl_jax.run_config import RunConfig
 

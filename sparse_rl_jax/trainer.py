@@ -151,7 +151,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
     writer.close()
     if cfg.trainer.plots:
         records = read_metrics(run_dir / "metrics.jsonl")
-        plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10))
+        plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10),
+                     title=str(run_dir))
     if cfg.trainer.export_final:
         export = export_policy(graphdef, params, tokenizer, run_dir / "final")
         log(f"final policy exported to {export}")
