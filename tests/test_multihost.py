@@ -37,7 +37,7 @@ def test_two_process_update_equals_single_device(tmp_path):
     assert (int(a["processes"]), int(a["devices"])) == (2, 4)
     assert (int(b["processes"]), int(b["devices"])) == (1, 2)
     assert abs(float(a["loss"]) - float(b["loss"])) < 1e-6
-    names = [k for k in b.files if k.startswith("p")]
+    names = [k for k in b.files if k.startswith("param_")]
     assert names and all(a[k].shape == b[k].shape for k in names)
     moved = max(float(np.abs(b[k]).max()) for k in names)
     assert moved > 0

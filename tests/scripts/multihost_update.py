@@ -24,7 +24,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 if not args.single:
@@ -79,9 +78,10 @@ step = jit_update_step(graphdef, loss_cfg=GRPOLossConfig(group_size=2), optimize
                        param_shardings=shardings, opt_shardings=opt_shardings,
                        batch_sharding=sharding, chunk_size=4)
 new_params, _, metrics = step(params, opt_state, batch)
-leaves = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
-          for x in jax.tree.leaves(new_params)]
+replicated = jax.sharding.NamedSharding(mesh, jax.P())
+gather = jax.jit(lambda t: t, out_shardings=replicated)  # every process gets every value
+leaves = [np.asarray(gather(x).addressable_data(0)) for x in jax.tree.leaves(new_params)]
 loss = float(np.asarray(metrics["loss"].addressable_data(0)))  # replicated: every process has it
 if jax.process_index() == 0:
     np.savez(args.out, loss=loss, devices=jax.device_count(), processes=jax.process_count(),
-             **{f"p{i}": leaf for i, leaf in enumerate(leaves)})
+             **{f"param_{i}": leaf for i, leaf in enumerate(leaves)})
