@@ -6,6 +6,7 @@
   python run.py --config configs/paper/qwen2.5-1.5b_rkv.yaml --config configs/mesh/tpu_pod.yaml
   python run.py eval --checkpoint runs/default    # dense vs sparse pass@1 / avg@k
   python run.py config --config configs/X.yaml    # print the resolved config
+  python run.py doctor [model.path=DIR_OR_GGUF]  # platform, devices, versions, memory, model
 
 Overrides are dotted ``key=value`` pairs (values parsed as YAML). ``--distributed`` calls
 ``jax.distributed.initialize()`` first (multi-host GPU / TPU pods).
@@ -17,11 +18,12 @@ Bad input (config, model, tokenizer, data, run directory) prints one ``config er
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
 
-COMMANDS = ("train", "eval", "config")
+COMMANDS = ("train", "eval", "config", "doctor")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,6 +43,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error instead of one line")
     argv = list(argv)
+    if argv and argv[0] not in COMMANDS and "=" not in argv[0] and not argv[0].startswith("-"):
+        parser.error(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (or "
+                     "key=value overrides, which train)")
     if not argv or argv[0] not in COMMANDS:
         argv.insert(0, "train")  # the command is optional: train by default
     return parser.parse_intermixed_args(argv)
@@ -59,6 +64,8 @@ def _fail(prefix: str, err: BaseException, debug: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # runs never need torch: transformers' "PyTorch was not found" advice is noise here
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from sparse_rl_jax.config_io import ConfigError, load_config, to_dict
     from sparse_rl_jax.run_config import RunConfig
 
@@ -92,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_rl_jax.run_dir import RunDirError
     from sparse_rl_jax.trainer import NonFiniteError
 
+    if args.command == "doctor":
+        from sparse_rl_jax.doctor import report
+
+        return 0 if report(cfg) else 1
     try:
         if args.command == "train":
             from sparse_rl_jax.trainer import train

@@ -3,10 +3,15 @@
 Nothing RL-specific lives here; ``models`` never imports ``sparse_rl_jax``.
 """
 
-from models.attention import attention, visibility
+from models.versions import check_jax_flax
+
+check_jax_flax()  # before anything imports flax: a bad pair fails with both versions named
+
+from models.attention import attention, visibility  # noqa: E402
 from models.cache import KVCache, init_cache
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from models.decoder import Decoder, DecoderOutput
+from models.gguf import checkpoint_dir, convert_gguf, find_gguf, smollm2_gguf
 from models.loading import hf_name, load_pretrained, read_config, save_pretrained
 from models.partitioning import (MESH_AXES, PARTITION_RULES, make_mesh, param_shardings,
                                  partition_spec)
@@ -14,7 +19,8 @@ from models.tokenizer import Tokenizer
 
 __all__ = [
     "MESH_AXES", "PARTITION_RULES", "SUPPORTED_MODEL_TYPES", "Decoder", "DecoderOutput", "KVCache",
-    "ModelConfig", "RopeScaling", "Tokenizer", "attention", "hf_name", "init_cache",
+    "ModelConfig", "RopeScaling", "Tokenizer", "attention", "checkpoint_dir", "convert_gguf",
+    "find_gguf", "hf_name", "init_cache", "smollm2_gguf",
     "load_pretrained", "make_mesh", "param_shardings", "partition_spec", "read_config",
     "save_pretrained", "visibility",
 ]

@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from models.decoder import Decoder
+from models.gguf import checkpoint_dir
 from models.partitioning import make_mesh, param_shardings, path_str
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,11 @@ def hf_name(path: str) -> tuple[str, bool]:
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    """ModelConfig from ``path/config.json`` (via ``transformers.AutoConfig``, local only)."""
+    """ModelConfig from ``path/config.json`` (via ``transformers.AutoConfig``, local only);
+    a GGUF ``path`` is converted first (``models.gguf.checkpoint_dir``)."""
     import transformers
 
-    path = Path(path)
+    path = checkpoint_dir(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     config_file = path / "config.json"
@@ -120,7 +122,8 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
 
     Args:
       path: directory with ``config.json`` and ``*.safetensors`` (optionally sharded with
-        ``model.safetensors.index.json``). Never downloads.
+        ``model.safetensors.index.json``), or a GGUF file / a directory holding one
+        (converted once, see ``models.gguf``). Never downloads.
       dtype: param and compute dtype.
       mesh: a ('data', 'fsdp', 'tensor') mesh; params are placed with
         :func:`models.partitioning.param_shardings`. Default: the first device.
@@ -132,7 +135,7 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
         tensor holding NaN/inf (checked once after loading). No partial model is returned.
         Only safetensors are read: pickle ``*.bin`` files and ``auto_map`` code are ignored.
     """
-    path = Path(path)
+    path = checkpoint_dir(path)
     config = read_config(path)
     files = _checkpoint_files(path)
     abstract = nnx.eval_shape(

@@ -8,6 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
+from models.gguf import checkpoint_dir
+
 
 # Checkpoints that declare these classes ship their whole tokenizer in tokenizer.json.
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
@@ -39,7 +41,7 @@ def _load_hf_tokenizer(path: Path):
 
 
 class Tokenizer:
-    """The tokenizer of a local HF checkpoint directory (never downloads).
+    """The tokenizer of a local HF checkpoint directory or GGUF file (never downloads).
 
     Attributes:
       hf: the underlying ``transformers`` tokenizer.
@@ -49,7 +51,7 @@ class Tokenizer:
     """
 
     def __init__(self, path: str | Path):
-        path = Path(path)
+        path = checkpoint_dir(path)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path}")
         _check_tokenizer_files(path)

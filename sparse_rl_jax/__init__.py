@@ -11,6 +11,7 @@ The functional API in one namespace::
 ``sparse_rl_jax.trainer.train(cfg)`` runs the whole loop (``python run.py``).
 """
 
+import models.versions  # noqa: F401  (first: importing models checks the jax/flax pair)
 from sparse_rl_jax.advantages import AdvantageConfig, compute_advantages, group_advantages
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.corrections import Corrections, compute_corrections

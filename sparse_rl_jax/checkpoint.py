@@ -19,6 +19,7 @@ background; :meth:`Checkpointer.wait` blocks until the last save is committed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -110,6 +111,11 @@ def _check_json(meta: Mapping[str, Any]) -> dict[str, Any]:
     return dict(meta)
 
 
+def _drop_read_only_notice(record: logging.LogRecord) -> bool:
+    """Logging filter: False for orbax's "Given directory is read only" notice."""
+    return not str(record.msg).startswith("Given directory is read only")
+
+
 class Checkpointer:
     """Saves and restores ``(state pytree, meta dict)`` pairs under one directory.
 
@@ -155,9 +161,14 @@ class Checkpointer:
             save_interval_steps=0 if read_only else 1,  # orbax warns unless 0 when read_only
             create=not read_only,
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, handler_registry=registry
-        )
+        absl_log = logging.getLogger("absl")
+        absl_log.addFilter(_drop_read_only_notice)  # orbax warns on every read-only open
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, handler_registry=registry
+            )
+        finally:
+            absl_log.removeFilter(_drop_read_only_notice)
 
     # -- queries -------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import numpy as np
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.kv_state import NEVER
 from sparse_rl_jax.overlong import overlong_penalty
-from sparse_rl_jax.rewards import compute_rewards
+from sparse_rl_jax.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.rollout_metrics import rollout_metrics
 from sparse_rl_jax.sampler import Rollout, generate
 from sparse_rl_jax.scoring import score
@@ -115,8 +115,8 @@ def _round(ctx, params, position: int, clock: dict) -> _Round:
     clock["rollout"] += seconds
     start = time.perf_counter()
     completions = ctx.tokenizer.decode(rollout.response, rollout.response_mask)
-    answers = np.repeat(np.asarray(batch.answers, dtype=object), ctx.sampling.num_samples)
-    rewards = np.asarray(compute_rewards(ctx.reward_fn, completions, list(answers)), np.float32)
+    answers = repeat_answers(batch.answers, ctx.sampling.num_samples)
+    rewards = np.asarray(compute_rewards(ctx.reward_fn, completions, answers), np.float32)
     clock["reward"] += time.perf_counter() - start
     logp_old, seconds = timed(score_all, ctx, params, rollout.prompt, rollout.prompt_mask,
                               rollout.response)

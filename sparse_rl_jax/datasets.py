@@ -2,19 +2,25 @@
 
 One ``DatasetConfig`` describes one file. Settings for the public sets (see the data README):
 
-=====================  ============  ============  =============  ========
-set                    prompt_field  answer_field  answer_format  template
-=====================  ============  ============  =============  ========
-SimpleRL-Zoo (Qwen)    prompt        label         plain          raw
-SimpleRL-Zoo (msgs)    prompt        label         plain          chat
-GSM8K                  question      answer        gsm8k_hash     boxed/chat
-MATH500, AIME24        problem       answer        plain          boxed/chat
-AMC23 (float answer)   question      answer        plain          boxed/chat
-Gaokao2023en           question      answer        plain          boxed/chat
-=====================  ============  ============  =============  ========
+=======================  ============  ============  =================  ==========
+set                      prompt_field  answer_field  answer_format      template
+=======================  ============  ============  =================  ==========
+SimpleRL-Zoo (Qwen)      prompt        label         plain              raw
+SimpleRL-Zoo (msgs)      prompt        label         plain              chat
+GSM8K                    question      answer        gsm8k_hash         boxed/chat
+MATH500, AIME24          problem       answer        plain              boxed/chat
+AMC23 (float answer)     question      answer        plain              boxed/chat
+Gaokao2023en             question      answer        plain              boxed/chat
+MATH (no answer field)   problem       solution      boxed_in_solution  boxed/chat
+OlympiadBench (list)     question      final_answer  plain              boxed/chat
+=======================  ============  ============  =================  ==========
 
 Answers are kept as the file states them (``27.0``, ``$\\frac{\\pi}{3}$``); the math reward
-parses them. A malformed record raises ``RecordError`` naming the file and line, or, with
+parses them. A list answer becomes a tuple of strings, any of which is correct
+(``rewards.math_verify`` and ``task_exact`` accept either form). ``boxed_in_solution`` takes
+the content of the solution's last ``\\boxed{...}`` (nested braces balanced); it matches
+MATH500's ``answer`` field on all 500 rows, but not AIME24's AoPS solutions (use its
+``answer`` field). A malformed record raises ``RecordError`` naming the file and line, or, with
 ``on_error="skip"``, is counted in ``LoadedDataset.skipped`` and logged.
 """
 
@@ -31,11 +37,12 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from sparse_rl_jax.prompts import BOXED_INSTRUCTION, TEMPLATES, check_chat_tokenizer, render_prompt
+from sparse_rl_jax.rewards import Answer, last_boxed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ANSWER_FORMATS = ("plain", "gsm8k_hash")
+ANSWER_FORMATS = ("plain", "gsm8k_hash", "boxed_in_solution")
 ON_ERROR = ("raise", "skip")
 
 
@@ -46,9 +53,10 @@ class DatasetConfig:
     Attributes:
       path: the JSONL file (one JSON object a line; blank lines are ignored).
       prompt_field: the field holding the question / prompt string or chat messages.
-      answer_field: the field holding the gold answer (string or number).
-      answer_format: "plain" (the value itself) or "gsm8k_hash" (the text after the last
-        ``####`` of a GSM8K solution).
+      answer_field: the field holding the gold answer (string, number, or a list of them).
+      answer_format: "plain" (the value itself), "gsm8k_hash" (the text after the last
+        ``####`` of a GSM8K solution) or "boxed_in_solution" (the content of the last
+        ``\\boxed{...}`` of a solution text).
       template: "raw", "boxed" or "chat" (see ``sparse_rl_jax.prompts``).
       instruction: appended to a string question by the boxed and chat templates.
       system_prompt: system message the chat template puts before a string question.
@@ -60,7 +68,7 @@ class DatasetConfig:
     path: str
     prompt_field: str = "prompt"
     answer_field: str = "answer"
-    answer_format: Literal["plain", "gsm8k_hash"] = "plain"
+    answer_format: Literal["plain", "gsm8k_hash", "boxed_in_solution"] = "plain"
     template: Literal["raw", "boxed", "chat"] = "raw"
     instruction: str = BOXED_INSTRUCTION
     system_prompt: str | None = None
@@ -100,10 +108,13 @@ class DatasetConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One prompt with its gold answer; ``meta`` holds provenance (path, line) and extras."""
+    """One prompt with its gold answer; ``meta`` holds provenance (path, line) and extras.
+
+    ``answer`` is a string, or a tuple of strings any of which is correct (a list answer).
+    """
 
     prompt: str
-    answer: str
+    answer: Answer
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -149,24 +160,46 @@ class LoadedDataset(Sequence[Example]):
         return self.examples[index]
 
 
-def extract_answer(value: Any, answer_format: str) -> str:
-    """The gold answer string of a record's answer ``value``.
+def extract_answer(value: Any, answer_format: str) -> Answer:
+    """The gold answer of a record's answer ``value``: a string, or a tuple for a list.
 
     "plain": a string as is, a number as ``str(number)`` (AMC's 27.0 stays "27.0"; the
     math reward treats it as 27). "gsm8k_hash": the stripped text after the last ``####``.
+    "boxed_in_solution": the content of the last ``\\boxed{...}`` of a solution text. A
+    non-empty list gives the tuple of its elements, each read as above (any is correct).
 
     Raises:
-      ValueError: wrong type, no ``####``, or an empty answer.
+      ValueError: wrong type, no ``####`` / box, an empty answer or an empty list.
     """
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format={answer_format!r} must be one of {ANSWER_FORMATS}")
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("answer is an empty list")
+        try:
+            return tuple(_extract_one(v, answer_format) for v in value)
+        except ValueError as e:
+            raise ValueError(f"list element: {e}") from e
+    return _extract_one(value, answer_format)
+
+
+def _extract_one(value: Any, answer_format: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"answer must be a string or a number, got {type(value).__name__}")
+        raise ValueError(
+            f"answer must be a string, a number or a list of them, got {type(value).__name__}"
+        )
     text = value if isinstance(value, str) else str(value)
     if answer_format == "gsm8k_hash":
         if not isinstance(value, str) or "####" not in value:
             raise ValueError("answer has no '####' (answer_format='gsm8k_hash')")
         text = value.rsplit("####", 1)[1]
+    elif answer_format == "boxed_in_solution":
+        boxed = last_boxed(text) if isinstance(value, str) else None
+        if boxed is None:
+            raise ValueError(
+                "solution has no closed \\boxed{...} (answer_format='boxed_in_solution')"
+            )
+        text = boxed
     text = text.strip()
     if not text:
         raise ValueError("answer is empty")

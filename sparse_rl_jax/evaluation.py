@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from sparse_rl_jax.compression import CompressionConfig
-from sparse_rl_jax.rewards import compute_rewards
+from sparse_rl_jax.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.sampler import Rollout, generate
 from sparse_rl_jax.sampling_config import SamplingConfig
 
@@ -60,8 +60,7 @@ def rollout_rewards(graphdef, params, tokenizer, prompts: Sequence[str], answers
     ids, mask = tokenizer.encode(list(prompts), add_special_tokens=False)
     rollout = generate(graphdef, params, ids, mask, key, sampling, compression)
     texts = tokenizer.decode(rollout.response, rollout.response_mask)
-    gold = np.repeat(np.asarray(answers, dtype=object), sampling.num_samples)
-    return rollout, compute_rewards(reward_fn, texts, list(gold))
+    return rollout, compute_rewards(reward_fn, texts, repeat_answers(answers, sampling.num_samples))
 
 
 def _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,

@@ -3,7 +3,9 @@
 Layout under ``run_dir``::
 
     metrics.jsonl   one JSON object per logged step: {"step": s, "<name>": float, ...}
-    tb/             TensorBoard event files (tensorboardX), one scalar tag per metric name
+    tb/             TensorBoard event files (tensorboardX), one scalar per metric, tagged
+                    "<group>/<name>" (``tb_tag``: rollout/, loss/, kv/, correction/, eval/,
+                    time/) so TensorBoard shows one section per group
 
 Resuming from a checkpoint at step ``s`` (``resume_step=s``) drops the JSONL records with
 ``step > s`` (they belong to steps that will be re-run) and any torn or malformed line (with
@@ -26,6 +28,28 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
+
+
+TB_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("eval", ("eval_",)),
+    ("time", ("time_", "tokens_per_second")),
+    ("kv", ("kv_", "dense_kv_", "compressions")),
+    ("correction", ("rejection_rate", "veto_", "token_mask_", "is_", "kept_token_",
+                    "mismatch_", "all_rejected", "effective_")),
+    ("loss", ("loss", "pg_", "clip_", "ppo_", "grad_", "ratio_", "log_ratio_", "kl", "lr",
+              "entropy", "skipped_updates")),
+)
+"""(group, metric-name prefixes) in order; ``*_share`` metrics go to time/, the rest to rollout/."""
+
+
+def tb_tag(name: str) -> str:
+    """The TensorBoard tag of metric ``name``: ``"<group>/<name>"`` (see ``TB_GROUPS``)."""
+    if name.endswith("_share"):
+        return f"time/{name}"
+    for group, prefixes in TB_GROUPS:
+        if name.startswith(prefixes):
+            return f"{group}/{name}"
+    return f"rollout/{name}"
 
 
 def to_float(name: str, value: Any) -> float:
@@ -166,7 +190,7 @@ class MetricsWriter:
         self._file.flush()
         if self._tb is not None:
             for name, value in values.items():
-                self._tb.add_scalar(name, value, step)
+                self._tb.add_scalar(tb_tag(name), value, step)
             self._tb.flush()
         self._last_step = step
         return values

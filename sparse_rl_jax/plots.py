@@ -40,6 +40,14 @@ TITLES: dict[str, str] = {
     "eval/dense_pass_at_1": "Eval pass@1, dense (greedy)",
     "eval/sparse_pass_at_1": "Eval pass@1, sparse (greedy)",
 }
+YLABELS: dict[str, str] = {
+    "reward_mean": "mean reward per sequence",
+    "response_length_mean": "tokens",
+    "rejection_rate": "fraction of sequences",
+    "clip_fraction": "fraction of tokens",
+    "mismatch_k3": "nats per token",
+    "kv_token_savings": "fraction of dense KV tokens saved",
+}
 
 Records = Sequence[Mapping[str, Any]]
 
@@ -78,12 +86,16 @@ def _draw(ax: Axes, runs: Sequence[tuple[str, Records]], key: str, smooth: int) 
         color = f"C{color_index}"  # a run keeps its colour in every panel
         marker = "." if steps.size < 50 else None  # keep isolated points visible
         if smooth > 1:
-            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+            raw = "raw" if label is None else None
+            ax.plot(steps, values, color=color, alpha=0.25, linewidth=1, label=raw)
             values = moving_average(values, smooth)
         width = 2 if smooth > 1 else 1.5
+        if label is None:  # one run: the legend tells raw from smoothed
+            label = f"mean of last {smooth} steps" if smooth > 1 else None
         ax.plot(steps, values, color=color, linewidth=width, marker=marker, label=label)
     ax.set_title(TITLES.get(key, key), fontsize=11)
     ax.set_xlabel("step")
+    ax.set_ylabel(YLABELS.get(key, key), fontsize=9)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
 
@@ -99,6 +111,7 @@ def _plot_runs(
     smooth: int,
     prefix: str,
     legend: bool,
+    title: str | None = None,
 ) -> list[Path]:
     if smooth < 1:
         raise ValueError(f"smooth must be an int >= 1, got {smooth!r}")
@@ -112,7 +125,7 @@ def _plot_runs(
         fig = Figure(figsize=(6.4, 4.0), dpi=110, layout="constrained")
         ax = fig.add_subplot()
         _draw(ax, runs, key, smooth)
-        if legend:
+        if legend or ax.get_legend_handles_labels()[1]:
             ax.legend(fontsize=9)
         path = out / _file_name(prefix, key)
         fig.savefig(path)
@@ -125,7 +138,9 @@ def _plot_runs(
         _draw(ax, runs, key, smooth)
     for ax in axes[len(present):]:
         ax.set_visible(False)
-    if legend:
+    if title:
+        fig.suptitle(title, fontsize=13)
+    if legend or axes[0].get_legend_handles_labels()[1]:
         by_label = {}  # a run may be missing from some panels: gather its handle anywhere
         for ax in axes[: len(present)]:
             for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -145,13 +160,16 @@ def plot_metrics(
     keys: Sequence[str] = DEFAULT_PLOT_KEYS,
     *,
     smooth: int = 1,
+    title: str | None = None,
 ) -> list[Path]:
     """Write ``<key>.png`` per metric present in ``records`` and a combined ``summary.png``.
 
-    ``smooth > 1`` draws a trailing moving average over the faint raw curve. Returns the
-    written paths (empty when none of ``keys`` occurs in ``records``).
+    ``smooth > 1`` draws a trailing moving average over the faint raw curve (a legend names
+    both). ``title`` (e.g. the run directory) heads ``summary.png``. Returns the written
+    paths (empty when none of ``keys`` occurs in ``records``).
     """
-    return _plot_runs([("run", records)], out_dir, keys, smooth, prefix="", legend=False)
+    return _plot_runs([(None, records)], out_dir, keys, smooth, prefix="", legend=False,
+                      title=title)
 
 
 def plot_comparison(

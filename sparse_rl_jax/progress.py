@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import numpy as np
 from rich.console import Console
+from rich.table import Column
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -31,6 +32,10 @@ DEFAULT_PROGRESS_FIELDS: tuple[tuple[str, str], ...] = (
     ("rejection_rate", "rejected"),
     ("kv_token_savings", "kv saved"),
 )
+
+
+COMPILING = "compiling the first step..."
+"""Shown until the first step ends: that step includes XLA compilation."""
 
 
 def _format_duration(seconds: float) -> str:
@@ -92,19 +97,23 @@ class TrainProgress:
         if self.live:
             self._progress = Progress(
                 TextColumn("[bold]step"),
-                BarColumn(),
+                BarColumn(bar_width=12),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
-                TextColumn("{task.fields[stats]}"),
+                # folds onto further lines instead of being cut at the terminal width
+                TextColumn("{task.fields[stats]}", table_column=Column(overflow="fold")),
                 console=self._console,
                 speed_estimate_period=600.0,
             )
             self._task = self._progress.add_task(
-                "train", total=total_steps, completed=start_step, stats=""
+                "train", total=total_steps, completed=start_step, stats=COMPILING
             )
             self._progress.start()
+        else:
+            self._stream.write(f"step {start_step}/{total_steps} | {COMPILING}\n")
+            self._stream.flush()
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Show that ``step`` finished with these metrics (scalars: floats or 0-d arrays)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from sparse_rl_jax.datasets import EpochShuffle, gather, load_jsonl
+from sparse_rl_jax.rewards import Answer
 from sparse_rl_jax.task import TaskDataset
 
 
@@ -16,7 +17,7 @@ class PromptBatch(NamedTuple):
     """``prompts`` (strings, fed to the tokenizer as is) and their gold ``answers``."""
 
     prompts: list[str]
-    answers: list[str]
+    answers: list[Answer]
 
 
 class PromptSource:

@@ -42,7 +42,10 @@ from sparse_rl_jax.task import exact_match
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]
+Answer = str | tuple[str, ...]
+"""A gold answer: a string, or a tuple of strings any of which is correct (a list answer)."""
+
+RewardFn = Callable[[Sequence[str], Sequence[Answer]], np.ndarray]
 """``(completions [N], answers [N]) -> rewards [N] float32``."""
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
@@ -74,10 +77,28 @@ def compute_rewards(fn: RewardFn, completions: Sequence[str], answers: Sequence[
     return out
 
 
-def task_exact_reward(completions: Sequence[str], answers: Sequence[str]) -> np.ndarray:
-    """Shipped task: 1.0 where ``task.answer_of(completion) == answer``: ``[N]`` float32."""
+def gold_options(answer: Answer) -> tuple[str, ...]:
+    """The acceptable gold strings of ``answer``: its elements (tuple/list) or ``(str(answer),)``."""
+    if isinstance(answer, (tuple, list)):
+        return tuple(str(a) for a in answer)
+    return (str(answer),)
+
+
+def repeat_answers(answers: Sequence[Answer], num_samples: int) -> list[Answer]:
+    """Each answer ``num_samples`` times in a row (sample ``i`` answers prompt ``i // num_samples``).
+
+    A list, not a NumPy array: tuple answers of equal length would become a 2-D array.
+    """
+    return [a for a in answers for _ in range(num_samples)]
+
+
+def task_exact_reward(completions: Sequence[str], answers: Sequence[Answer]) -> np.ndarray:
+    """Shipped task: 1.0 where ``task.answer_of(completion)`` is a gold answer: ``[N]`` float32."""
     _check_batch(completions, answers)
-    return np.asarray([exact_match(c, a) for c, a in zip(completions, answers)], np.float32)
+    return np.asarray(
+        [max(exact_match(c, g) for g in gold_options(a)) for c, a in zip(completions, answers)],
+        np.float32,
+    )
 
 
 def last_boxed(text: str) -> str | None:
@@ -101,22 +122,26 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def math_verify_score(completion: str, answer: str, timeout_s: int = 5) -> float:
+def math_verify_score(completion: str, answer: Answer, timeout_s: int = 5) -> float:
     """1.0 if the last box of ``completion`` verifies against ``answer`` with math-verify, else 0.0.
 
     The gold is parsed as ``\\boxed{answer}`` (so ``$...$``-wrapped and plain golds both
-    parse). ``timeout_s`` bounds each math-verify parse and comparison (signal-based: call
-    this in the main thread or use ``MathVerifyReward``). Never raises on bad input.
+    parse); a tuple ``answer`` scores 1.0 if any of its elements verifies. ``timeout_s``
+    bounds each math-verify parse and comparison (signal-based: call this in the main
+    thread or use ``MathVerifyReward``). Never raises on bad input.
     """
     boxed = last_boxed(completion)
     if boxed is None or not boxed.strip():
         return 0.0
     try:
-        gold = math_verify.parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout_s)
         pred = math_verify.parse(f"\\boxed{{{boxed}}}", parsing_timeout=timeout_s)
-        if not gold or not pred:
+        if not pred:
             return 0.0
-        return float(math_verify.verify(gold, pred, timeout_seconds=timeout_s))
+        for option in gold_options(answer):
+            gold = math_verify.parse(f"\\boxed{{{option}}}", parsing_timeout=timeout_s)
+            if gold and math_verify.verify(gold, pred, timeout_seconds=timeout_s):
+                return 1.0
+        return 0.0
     except BaseException as e:  # math-verify's TimeoutException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -124,7 +149,7 @@ def math_verify_score(completion: str, answer: str, timeout_s: int = 5) -> float
         return 0.0
 
 
-def _score_batch(pairs: Sequence[Sequence[str]], timeout_s: int) -> list[float]:
+def _score_batch(pairs: Sequence[tuple[str, Answer]], timeout_s: int) -> list[float]:
     return [math_verify_score(c, a, timeout_s) for c, a in pairs]
 
 
@@ -176,7 +201,7 @@ class _SubprocessScorer:
             self._proc.wait()
             self._proc = None
 
-    def score(self, pairs: list[tuple[str, str]], timeout_s: int, wall_s: float) -> list[float]:
+    def score(self, pairs: list[tuple[str, Answer]], timeout_s: int, wall_s: float) -> list[float]:
         with self._lock:
             try:
                 if self._proc is None or self._proc.poll() is not None:
@@ -222,9 +247,9 @@ class MathVerifyReward:
             if not getattr(self, field) > 0:
                 raise ValueError(f"MathVerifyReward.{field}={getattr(self, field)!r} must be > 0")
 
-    def __call__(self, completions: Sequence[str], answers: Sequence[str]) -> np.ndarray:
+    def __call__(self, completions: Sequence[str], answers: Sequence[Answer]) -> np.ndarray:
         _check_batch(completions, answers)
-        pairs = [(str(c), str(a)) for c, a in zip(completions, answers)]
+        pairs = [(str(c), gold_options(a)) for c, a in zip(completions, answers)]
         if threading.current_thread() is threading.main_thread():
             scores = _score_batch(pairs, self.timeout_s)
         else:

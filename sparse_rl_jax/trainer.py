@@ -92,10 +92,11 @@ def make_run_mesh(cfg: RunConfig):
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fails (naming the field) if a file the run reads is missing, before anything is written."""
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+    if (cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file()
+            and models.find_gguf(cfg.model.path) is None):
         raise FileNotFoundError(
-            f"model.path={cfg.model.path!r} is not an HF checkpoint directory (no config.json); "
-            "nothing is downloaded: point it at a local copy")
+            f"model.path={cfg.model.path!r} is not an HF checkpoint directory (no config.json) "
+            "nor a GGUF file; nothing is downloaded: point it at a local copy")
     for field, dataset in (("data.jsonl", cfg.data.jsonl), ("eval.jsonl", cfg.eval.jsonl)):
         if dataset is not None and not Path(dataset.path).is_file():
             raise FileNotFoundError(f"{field}.path={dataset.path!r} does not exist")
@@ -104,7 +105,7 @@ def check_inputs(cfg: RunConfig) -> None:
 def policy_path(cfg: RunConfig, log: Callable[[str], None] = print) -> str:
     """The HF checkpoint directory of the initial policy (building the default if needed)."""
     if cfg.model.path is not None:
-        return cfg.model.path
+        return str(models.checkpoint_dir(cfg.model.path))  # a GGUF file is converted once
     return build_default_model(Path(cfg.run_dir) / "warm_start", cfg.warm_start, cfg.data.task,
                                log=log)
 
@@ -287,13 +288,21 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log) -> dict:
     writer.close()
     if cfg.trainer.plots:
         records = read_metrics(run_dir / "metrics.jsonl")
-        plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10))
+        plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10),
+                     title=str(run_dir))
     if cfg.trainer.export_final:
-        export = run_dir / "final"
-        models.save_pretrained(nnx.merge(graphdef, params), export)
-        tokenizer.hf.save_pretrained(export)
+        export = export_policy(graphdef, params, tokenizer, run_dir / "final")
         log(f"final policy exported to {export}")
     return metrics
+
+
+def export_policy(graphdef, params, tokenizer: models.Tokenizer, out: str | Path) -> Path:
+    """Writes the policy and its tokenizer as an HF checkpoint directory that
+    ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` load (torch needed); returns it."""
+    out = Path(out)
+    models.save_pretrained(nnx.merge(graphdef, params), out)
+    tokenizer.hf.save_pretrained(out)
+    return out
 
 
 def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[str], None] = print):

@@ -160,7 +160,8 @@ BAD_LINES = {
     "no hashes": ('{"question": "x", "answer": "1"}', "no '####'"),
     "not an object": ('["question", "answer"]', "JSON object"),
     "empty question": ('{"question": "  ", "answer": "#### 1"}', "prompt is empty"),
-    "list answer": ('{"question": "x", "answer": ["#### 1"]}', "string or a number"),
+    "nested list answer": ('{"question": "x", "answer": [["#### 1"]]}', "string, a number or a list"),
+    "empty list answer": ('{"question": "x", "answer": []}', "empty list"),
 }
 
 
@@ -240,6 +241,9 @@ def test_config_errors_name_the_field(kwargs, field):
         (5, "plain", "5"),
         (" 7 ", "plain", "7"),
         ("a\n#### 1,000 ", "gsm8k_hash", "1,000"),
+        (["$x$", 2], "plain", ("$x$", "2")),
+        ("so \\boxed{\\frac{1}{\\sqrt{2}}}.", "boxed_in_solution", "\\frac{1}{\\sqrt{2}}"),
+        (["a #### 3", "b #### 4"], "gsm8k_hash", ("3", "4")),
     ],
 )
 def test_extract_answer(value, fmt, expected):
@@ -248,7 +252,9 @@ def test_extract_answer(value, fmt, expected):
 
 @pytest.mark.parametrize(
     "value, fmt",
-    [(True, "plain"), (None, "plain"), ("", "plain"), ("a ####", "gsm8k_hash"), (3, "gsm8k_hash")],
+    [(True, "plain"), (None, "plain"), ("", "plain"), ("a ####", "gsm8k_hash"), (3, "gsm8k_hash"),
+     ([], "plain"), (["1", None], "plain"), ([["1"]], "plain"), ("no box", "boxed_in_solution"),
+     (7, "boxed_in_solution")],
 )
 def test_extract_answer_rejects(value, fmt):
     with pytest.raises(ValueError):
@@ -305,3 +311,58 @@ def test_gather_from_a_loaded_dataset():
     batch = gather(loaded, np.array([2, 0]))
     assert all(isinstance(e, Example) for e in batch)
     assert [e.answer for e in batch] == ["45.0", "27.0"]
+
+
+@pytest.mark.parametrize("name", ["math500.jsonl", "math500_nested.jsonl"])
+def test_boxed_in_solution_reads_the_answer_from_the_solution(tmp_path, name):
+    """MATH's form has no answer field: the loader must find it in the solution's last box."""
+    raw = records(name)
+    no_answer = tmp_path / name
+    no_answer.write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if k != "answer"}) + "\n" for r in raw)
+    )
+    cfg = DatasetConfig(
+        path=str(no_answer),
+        prompt_field="problem",
+        answer_field="solution",
+        answer_format="boxed_in_solution",
+        template="boxed",
+    )
+    loaded = load_jsonl(cfg)
+    assert [ex.answer for ex in loaded] == [r["answer"] for r in raw]  # MATH500's own field
+
+
+def test_boxed_in_solution_without_a_box_names_the_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(
+        json.dumps({"problem": "p", "solution": "so \\boxed{1}"}) + "\n"
+        + json.dumps({"problem": "q", "solution": "no box \\boxed{2"}) + "\n"
+    )
+    cfg = DatasetConfig(
+        path=str(path), prompt_field="problem", answer_field="solution",
+        answer_format="boxed_in_solution",
+    )
+    with pytest.raises(RecordError, match=r"m.jsonl:2: field 'solution': .*boxed"):
+        load_jsonl(cfg)
+
+
+def test_list_answers_load_as_tuples_and_any_element_scores():
+    from sparse_rl_jax.rewards import get_reward_fn
+
+    cfg = DatasetConfig(
+        path=str(FIXTURES / "list_answers.jsonl"), prompt_field="question",
+        answer_field="final_answer", template="boxed",
+    )
+    loaded = load_jsonl(cfg)
+    raw = records("list_answers.jsonl")
+    assert loaded.num_skipped == 0
+    assert [ex.answer for ex in loaded] == [tuple(r["final_answer"]) for r in raw]
+    reward = get_reward_fn("math_verify")
+    completions = ["so \\boxed{-1-\\sqrt{3}}", "\\boxed{27}", "\\boxed{[-2,1)}"]
+    golds = [ex.answer for ex in loaded]
+    assert reward(completions, golds).tolist() == [1.0, 1.0, 1.0]
+    assert reward(["\\boxed{1-\\sqrt{3}}", "\\boxed{28}", "\\boxed{(-2,1)}"], golds).tolist() == [
+        0.0, 0.0, 0.0,
+    ]
+    # the second spelling is what makes the third row score: its first alone does not
+    assert reward(["\\boxed{[-2,1)}"], [golds[2][:1]]).tolist() == [0.0]

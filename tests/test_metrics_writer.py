@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from sparse_rl_jax.metrics_writer import MetricsWriter, read_metrics
-from sparse_rl_jax.progress import TrainProgress
+from sparse_rl_jax.metrics_writer import MetricsWriter, read_metrics, tb_tag
+from sparse_rl_jax.progress import COMPILING, TrainProgress
 
 
 def _metrics(step: int) -> dict:
@@ -71,8 +72,20 @@ def test_jsonl_round_trip_and_tensorboard_scalars(tmp_path):
     for step in (1, 2, 3):
         for name, value in _expected(step).items():
             if name != "step":
-                assert scalars[(name, step)] == np.float32(value), (name, step)
+                assert scalars[(tb_tag(name), step)] == np.float32(value), (name, step)
     assert len(scalars) == 3 * 5
+
+
+@pytest.mark.parametrize("name, tag", [
+    ("reward_mean", "rollout/reward_mean"), ("response_length_mean", "rollout/response_length_mean"),
+    ("loss", "loss/loss"), ("clip_fraction", "loss/clip_fraction"), ("grad_norm", "loss/grad_norm"),
+    ("kv_token_savings", "kv/kv_token_savings"), ("dense_kv_peak_tokens", "kv/dense_kv_peak_tokens"),
+    ("rejection_rate", "correction/rejection_rate"), ("mismatch_k3", "correction/mismatch_k3"),
+    ("eval_pass1_dense", "eval/eval_pass1_dense"), ("rollout_share", "time/rollout_share"),
+    ("time_step", "time/time_step"),
+])
+def test_tensorboard_tags_are_grouped(name, tag):
+    assert tb_tag(name) == tag
 
 
 def test_resume_truncates_to_match_an_uninterrupted_run(tmp_path):
@@ -174,6 +187,7 @@ def test_progress_plain_lines_when_not_a_tty():
     progress.update(5, {"reward_mean": 0.25, "other": 1.0})
     progress.close()
     assert stream.getvalue().splitlines() == [
+        f"step 2/10 | {COMPILING}",
         # 6 s for 2 steps -> 3 s/step, 6 steps left -> 18 s
         "step 4/10 | reward 0.5 | rejected 0.07 | kv saved 0.75 | 3.00 s/step | eta 0:00:18",
         "saved checkpoint 4",
@@ -192,5 +206,18 @@ def test_progress_live_bar_renders_step_and_metrics():
     out = stream.getvalue()
     assert "10/10" in out and "reward 0.5" in out and "kv saved 0.75" in out
     assert "done training" in out
-    with pytest.raises(ValueError, match="start_step"):
-        TrainProgress(10, start_step=11)
+    assert "compiling the first step" in out  # before step 1, instead of a bare "eta -:--:--"
+
+
+def test_progress_live_bar_folds_long_stats_at_80_columns():
+    stream = io.StringIO()  # rich renders a non-terminal stream 80 columns wide
+    stats = {"reward_mean": 0.412, "rejection_rate": 0.0712, "kv_token_savings": 0.7512,
+             "clip_fraction": 0.0046, "mismatch_k3": 0.5771}
+    with TrainProgress(100, stream=stream, live=True) as progress:
+        progress.update(12, stats)
+    final = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue()).split("12/100")[-1]
+    assert max(len(line) for line in final.splitlines()) <= 80
+    # every field survives, wrapped onto a second line rather than cut
+    words = " ".join(final.split())
+    for text in ("reward 0.412", "rejected 0.07", "kv saved 0.75"):
+        assert text in words, (text, final)

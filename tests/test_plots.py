@@ -123,3 +123,23 @@ def test_moving_average_matches_loop(values, window):
     got = moving_average(np.asarray(values, dtype=float), window)
     want = np.asarray(_reference_moving_average(values, window), dtype=float)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+def test_single_run_plots_label_axes_units_raw_vs_smoothed_and_the_run(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from sparse_rl_jax.plots import YLABELS
+
+    saved = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: (saved.append((path, fig)),
+                                                                     original(fig, path, **kw)))
+    plot_metrics(_records(30, 0), tmp_path, smooth=5, title="runs/default")
+    figures = {p.name: fig for p, fig in saved}
+    panel = figures["kv_token_savings.png"].axes[0]
+    assert panel.get_ylabel() == YLABELS["kv_token_savings"] == "fraction of dense KV tokens saved"
+    assert [t.get_text() for t in panel.get_legend().get_texts()] == ["raw", "mean of last 5 steps"]
+    summary = figures["summary.png"]
+    assert summary._suptitle.get_text() == "runs/default"
+    assert all(ax.get_ylabel() for ax in summary.axes if ax.get_visible())
+    assert [t.get_text() for t in summary.legends[0].get_texts()] == ["raw", "mean of last 5 steps"]

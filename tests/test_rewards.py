@@ -215,3 +215,29 @@ def test_registry(monkeypatch):
     assert get_reward_fn("math_verify", timeout_s=2).timeout_s == 2
     with pytest.raises(ValueError, match="MathVerifyReward.timeout_s"):
         get_reward_fn("math_verify", timeout_s=0)
+
+
+def test_tuple_answers_score_if_any_element_matches_on_and_off_the_main_thread():
+    fn = MathVerifyReward()
+    completions = ["\\boxed{\\frac{1}{2}}", "\\boxed{3}", "\\boxed{0.5}"]
+    golds = [("7", "0.5"), ("1", "2"), ("\\frac12",)]
+    expected = [1.0, 0.0, 1.0]
+    assert fn(completions, golds).tolist() == expected
+    results = {}
+    t = threading.Thread(target=lambda: results.update(out=fn(completions, golds)))
+    t.start()
+    t.join()
+    assert results["out"].tolist() == expected  # tuples survive the worker's JSON round trip
+    assert task_exact_reward(["x #12", "x #12"], [("11", "12"), ("11",)]).tolist() == [1.0, 0.0]
+
+
+def test_repeat_answers_keeps_tuples_whole():
+    assert rewards.repeat_answers([("1", "2"), "3"], 2) == [("1", "2"), ("1", "2"), "3", "3"]
+
+
+def test_math_verify_accepts_one_plus_an_equation_gold():
+    """The upstream parse artifact the README warns about: with an equation gold ``x=3``,
+    ``1+(x=3)`` verifies (math-verify compares the right-hand sides). If this starts failing,
+    math-verify fixed it: update the README note."""
+    assert math_verify_score("\\boxed{1+(x=3)}", "x=3") == 1.0
+    assert math_verify_score("\\boxed{1+(3)}", "3") == 0.0

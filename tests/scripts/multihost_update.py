@@ -1,0 +1,87 @@
+"""One GRPO update as two JAX processes on loopback (gloo collectives, 2 x 2 CPU devices, an
+explicit coordinator), or on one device with ``--single``; writes the loss and the updated
+params to ``--out`` (an .npz, process 0 only).
+
+Run by tests/test_multihost.py: the multi-host path (``run.py --distributed``) tested for real.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+args = argparse.ArgumentParser()
+args.add_argument("--single", action="store_true")
+args.add_argument("--process-id", type=int, default=0)
+args.add_argument("--port", type=int, default=0)
+args.add_argument("--out", required=True)
+args = args.parse_args()
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+if not args.single:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
+                               process_id=args.process_id)
+
+import models  # noqa: E402
+from sparse_rl_jax.corrections import compute_corrections  # noqa: E402
+from sparse_rl_jax.grpo_loss import LossBatch  # noqa: E402
+from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig  # noqa: E402
+from sparse_rl_jax.optim import OptimConfig, make_optimizer  # noqa: E402
+from sparse_rl_jax.rl_step import batch_sharding  # noqa: E402
+from sparse_rl_jax.train_step import Minibatch, init_optimizer, jit_update_step  # noqa: E402
+
+config = models.ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32,
+                            intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=8, attention_bias=True)
+rng = np.random.default_rng(0)  # every process draws the same global batch
+n, p, m = 8, 6, 10
+prompt = rng.integers(1, 64, (n, p)).astype(np.int32)
+prompt_mask = np.ones((n, p), np.int32)
+prompt_mask[:3, :2] = 0
+response = rng.integers(1, 64, (n, m)).astype(np.int32)
+loss_mask = (np.arange(m)[None] < rng.integers(3, m + 1, n)[:, None]).astype(np.int32)
+logp_old = -rng.uniform(0.5, 4.0, (n, m)).astype(np.float32)
+logp_sparse = logp_old + rng.normal(0, 0.3, (n, m)).astype(np.float32)
+adv = rng.normal(size=n).astype(np.float32)
+corr = jax.tree.map(np.asarray, compute_corrections(
+    jnp.asarray(logp_old), jnp.asarray(logp_sparse), jnp.asarray(loss_mask),
+    CorrectionConfig(kind="sparse_rl")))
+host_batch = Minibatch(prompt, prompt_mask, response,
+                       LossBatch.from_corrections(logp_old, adv, loss_mask, corr))
+
+mesh = (models.make_mesh(1, 1, 1, devices=jax.devices()[:1]) if args.single
+        else models.make_mesh(2, 1, 2))  # data over the two processes, tensor within each
+sharding = batch_sharding(mesh)
+batch = jax.tree.map(  # a global array: each process fills the shards of its own devices
+    lambda x: jax.make_array_from_callback(x.shape, sharding if x.ndim else
+                                           jax.sharding.NamedSharding(mesh, jax.P()),
+                                           lambda idx, x=x: x[idx]), host_batch)
+optimizer = make_optimizer(OptimConfig(lr=1e-2, weight_decay=0.1))
+model = nnx.eval_shape(lambda: models.Decoder(config, dtype=jnp.float32, param_dtype=jnp.float32,
+                                              rngs=nnx.Rngs(0)))
+graphdef, abstract = nnx.split(model)
+shardings = models.param_shardings(abstract, mesh)
+params = jax.jit(lambda: nnx.split(models.Decoder(
+    config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))[1],
+    out_shardings=shardings)()
+opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
+step = jit_update_step(graphdef, loss_cfg=GRPOLossConfig(group_size=2), optimizer=optimizer,
+                       param_shardings=shardings, opt_shardings=opt_shardings,
+                       batch_sharding=sharding, chunk_size=4)
+new_params, _, metrics = step(params, opt_state, batch)
+replicated = jax.sharding.NamedSharding(mesh, jax.P())
+gather = jax.jit(lambda t: t, out_shardings=replicated)  # every process gets every value
+leaves = [np.asarray(gather(x).addressable_data(0)) for x in jax.tree.leaves(new_params)]
+loss = float(np.asarray(metrics["loss"].addressable_data(0)))  # replicated: every process has it
+if jax.process_index() == 0:
+    np.savez(args.out, loss=loss, devices=jax.device_count(), processes=jax.process_count(),
+             **{f"param_{i}": leaf for i, leaf in enumerate(leaves)})
