@@ -72,7 +72,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.cfg = cfg
 
-    def __call__(self, x, positions, layer, cache, key_expiry, mask):
+    def __call__(self, x, positions, layer, cache, key_expiry, mask, backend):
         """x ``[B, T, H]`` -> (out ``[B, T, H]``, queries ``[B, T, Hq, D]``, cache)."""
         cfg = self.cfg
         b, t, _ = x.shape
@@ -88,7 +88,7 @@ class Attention(nnx.Module):
         if cache is not None:
             cache = _write_layer(cache, layer, k, v, k_pos)
             k, v, k_pos = cache.k[layer], cache.v[layer], cache.pos[layer]
-        out = attention(q, k, v, positions, k_pos, k_expiry=key_expiry, mask=mask)
+        out = attention(q, k, v, positions, k_pos, k_expiry=key_expiry, mask=mask, backend=backend)
         return self.o_proj(out.reshape(b, t, -1)), q, cache
 
 
@@ -126,9 +126,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x, positions, layer, cache, key_expiry, mask):
+    def __call__(self, x, positions, layer, cache, key_expiry, mask, backend):
         attn, q, cache = self.self_attn(self.input_layernorm(x), positions, layer, cache,
-                                        key_expiry, mask)
+                                        key_expiry, mask, backend)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), q, cache
 
@@ -161,6 +161,7 @@ class Decoder(nnx.Module):
         mask: jax.Array | None = None,
         return_queries: int = 0,
         return_logits: bool = True,
+        attention_backend: str = "blockwise",
     ) -> DecoderOutput:
         """Forward ``tokens [B, T]``.
 
@@ -180,6 +181,9 @@ class Decoder(nnx.Module):
           mask: ``[L|1, B, Hkv|1, T, S]`` bool visibility ANDed into the causal rule.
           return_queries: ``W > 0`` returns the last ``W`` queries of every layer.
           return_logits: compute ``[B, T, V]`` float32 logits (else use :meth:`unembed`).
+          attention_backend: ``"blockwise"`` (any positions, expiry, mask), ``"fused"`` (no
+            cache, no expiry/mask, rows right-padded: positions ``0..n-1`` then ``-1``) or
+            ``"reference"`` (the einsum oracle); see :mod:`models.attention`.
         """
         cfg = self.config
         b, t = tokens.shape
@@ -195,13 +199,16 @@ class Decoder(nnx.Module):
         if not 0 <= return_queries <= t:
             raise ValueError(f"return_queries: must be in [0, T={t}], got {return_queries}")
         _check_cache_room(cache, t)
+        if attention_backend == "fused" and cache is not None:
+            raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
 
         x = self.embed_tokens(tokens)
         queries = []
         for layer, block in enumerate(self.layers):
             layer_expiry = None if key_expiry is None else key_expiry[layer]
             layer_mask = None if mask is None else mask[layer if mask.shape[0] > 1 else 0]
-            x, q, cache = block(x, positions, layer, cache, layer_expiry, layer_mask)
+            x, q, cache = block(x, positions, layer, cache, layer_expiry, layer_mask,
+                                attention_backend)
             if return_queries:
                 queries.append(q[:, t - return_queries:].transpose(0, 2, 1, 3))
         hidden = self.norm(x)
