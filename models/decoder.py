@@ -133,8 +133,24 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), q, cache
 
 
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One :class:`DecoderLayer` whose every parameter has a leading layer axis ``[L, ...]``.
+
+    The decoder runs it under ``lax.scan`` (one layer traced and compiled, whatever the
+    depth). Built from separately initialised layers, so random init equals per-layer init.
+    """
+    graphdef = nnx.graphdef(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    return nnx.merge(graphdef, stacked)
+
+
 class Decoder(nnx.Module):
-    """Decoder-only LM. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype."""
+    """Decoder-only LM. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype.
+
+    ``layers`` is one :class:`DecoderLayer` with stacked parameters (``layers/self_attn/
+    q_proj/kernel`` is ``[L, H, Hq * D]``), scanned over in :meth:`__call__`.
+    """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs):
@@ -143,8 +159,8 @@ class Decoder(nnx.Module):
         self.dtype = dtype
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, embedding_init=_INIT,
                                       rngs=rngs, **kw)
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw)
-                                for _ in range(config.num_layers)])
+        self.layers = stack_layers([DecoderLayer(config, rngs=rngs, **kw)
+                                    for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         if not config.tie_word_embeddings:
             self.lm_head = _dense(dtype, param_dtype, rngs)(config.hidden_size, config.vocab_size,
@@ -202,15 +218,23 @@ class Decoder(nnx.Module):
         if attention_backend == "fused" and cache is not None:
             raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
 
-        x = self.embed_tokens(tokens)
-        queries = []
-        for layer, block in enumerate(self.layers):
-            layer_expiry = None if key_expiry is None else key_expiry[layer]
-            layer_mask = None if mask is None else mask[layer if mask.shape[0] > 1 else 0]
+        layer_graph, layer_params = nnx.split(self.layers)
+        shared_mask = mask[0] if mask is not None and mask.shape[0] == 1 else None
+        per_layer = (jnp.arange(cfg.num_layers), layer_params, key_expiry,
+                     None if shared_mask is not None else mask)
+
+        def one_layer(carry, xs):
+            x, cache = carry
+            layer, params, layer_expiry, layer_mask = xs
+            block = nnx.merge(layer_graph, params)
+            layer_mask = shared_mask if shared_mask is not None else layer_mask
             x, q, cache = block(x, positions, layer, cache, layer_expiry, layer_mask,
                                 attention_backend)
-            if return_queries:
-                queries.append(q[:, t - return_queries:].transpose(0, 2, 1, 3))
+            q = q[:, t - return_queries:].transpose(0, 2, 1, 3) if return_queries else None
+            return (x, cache), q
+
+        (x, cache), queries = jax.lax.scan(one_layer, (self.embed_tokens(tokens), cache),
+                                           per_layer)
         hidden = self.norm(x)
         if cache is not None:
             cache = cache.replace(index=cache.index + t)
@@ -218,7 +242,7 @@ class Decoder(nnx.Module):
             logits=self.unembed(hidden) if return_logits else None,
             hidden=hidden,
             cache=cache,
-            queries=jnp.stack(queries) if return_queries else None,
+            queries=queries,
         )
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
