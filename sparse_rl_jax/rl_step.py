@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sparse_rl_jax import memory_plan
 from sparse_rl_jax.advantages import group_advantages
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch
@@ -77,6 +78,30 @@ def _score_all(ctx: StepContext, params, rollout: Rollout, size: int) -> jax.Arr
     return jnp.concatenate(parts, axis=0)
 
 
+def _plan(ctx: StepContext, params, prompt_width: int) -> dict:
+    """:func:`memory_plan.estimate` arguments shared by this step's calls."""
+    bucket = ctx.sampling.prompt_bucket
+    return dict(prompt_len=-(-prompt_width // bucket) * bucket,
+                new_tokens=ctx.sampling.max_new_tokens,
+                dtype=jax.tree.leaves(params)[0].dtype, logp_chunk=ctx.cfg.trainer.logp_chunk)
+
+
+def _score_batch(ctx: StepContext, params, plan: dict, rows: int) -> int:
+    """``trainer.score_batch`` if set; else the minibatch size, lowered to the largest divisor
+    of ``rows`` that the memory plan fits when the device reports a memory limit."""
+    cfg = ctx.cfg
+    size = cfg.trainer.score_batch or cfg.trainer.minibatch_size
+    limit = memory_plan.device_memory_limit()
+    if cfg.trainer.score_batch or limit is None:
+        return size
+    model_cfg = nnx.merge(ctx.graphdef, params).config
+    fits = memory_plan.largest_batch("score", model_cfg, limit, **plan)
+    if fits == 0:
+        memory_plan.check_fits("score", model_cfg, batch=1, limit=limit, **plan)
+    size = min(size, fits)
+    return max(d for d in range(1, size + 1) if rows % d == 0)
+
+
 def _timed(fn, *args, **kwargs):
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args, **kwargs))
@@ -97,6 +122,12 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
     prompt, prompt_mask = ctx.tokenizer.encode(
         batch.prompts, add_special_tokens=cfg.data.add_special_tokens)
 
+    plan = _plan(ctx, params, prompt.shape[1])
+    samples = ctx.sampling.num_samples
+    memory_plan.check_fits(  # before compiling: a clear error instead of an XLA OOM trace
+        "rollout", nnx.merge(ctx.graphdef, params).config, batch=len(prompt) * samples,
+        compression=cfg.compression, num_samples=samples, step=samples,
+        record_evictions=ctx.sampling.record_evictions, **plan)
     rollout, t_rollout = _timed(generate, ctx.graphdef, params, prompt, prompt_mask, key,
                                 ctx.sampling, cfg.compression)
     start = time.perf_counter()
@@ -105,7 +136,7 @@ def rl_step(ctx: StepContext, params, opt_state, step: int):
     rewards = compute_rewards(ctx.reward_fn, completions, list(answers))
     t_reward = time.perf_counter() - start
 
-    size = cfg.trainer.score_batch or cfg.trainer.minibatch_size
+    size = _score_batch(ctx, params, plan, rollout.response.shape[0])
     logp_old, t_score = _timed(_score_all, ctx, params, rollout, size)
     logp_ref = None
     if ctx.ref_params is not None:
