@@ -1,8 +1,11 @@
 """Flax NNX decoder for the Llama 3.x / Qwen2 / Qwen3 families.
 
-Parameter paths mirror HF names: ``embed_tokens/embedding``, ``layers/{i}/self_attn/q_proj/
-kernel``, ``layers/{i}/mlp/gate_proj/kernel``, ``layers/{i}/input_layernorm/weight``,
-``norm/weight``, ``lm_head/kernel`` (kernels are HF ``weight`` transposed, ``[in, out]``).
+Parameter paths mirror HF names: ``embed_tokens/embedding``, ``layers/self_attn/q_proj/
+kernel``, ``layers/mlp/gate_proj/kernel``, ``layers/input_layernorm/weight``, ``norm/weight``,
+``lm_head/kernel`` (kernels are HF ``weight`` transposed, ``[in, out]``). Layer parameters are
+stacked along a leading layer axis (``layers/mlp/up_proj/kernel`` is ``[L, H, F]``; slice ``i``
+is HF's ``model.layers.{i}.mlp.up_proj.weight`` transposed) and the layers run under
+``lax.scan``, so compile time does not grow with depth.
 """
 
 from __future__ import annotations
