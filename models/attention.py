@@ -212,6 +212,15 @@ def _query_blocks(qg, q_pos, mask, bq):
             None if mask is None else _split_blocks(mask, 2, bq))
 
 
+def _scan(step, init, xs):
+    """``lax.scan(step, init, xs)``, called directly when there is a single block (keeps the
+    one-block case, e.g. every decode step, free of loop structure)."""
+    if jax.tree.leaves(xs)[0].shape[0] > 1:
+        return jax.lax.scan(step, init, xs)
+    carry, y = step(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda x: x[None], y)
+
+
 def _skip_empty(visible, compute, carry):
     """``compute(carry)`` unless no pair of the block is visible (then ``carry``)."""
     return jax.lax.cond(jnp.any(visible), compute, lambda c: c, carry)
@@ -247,15 +256,15 @@ def _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
         init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
                 jnp.zeros(rows + (d,), jnp.float32))
         keys = _key_blocks(k, v, k_pos, k_expiry, mask_rows, bk)
-        (m, l, acc), _ = jax.lax.scan(step, init, keys)
+        (m, l, acc), _ = _scan(step, init, keys)
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(seen, l, 1.0)),
                         jnp.inf)
-        return out, lse
+        return None, (out, lse)
 
     queries = _query_blocks(qg, q_pos, mask, bq)
-    out, lse = jax.lax.map(one_query_block, queries)
+    _, (out, lse) = _scan(lambda _, qblock: one_query_block(qblock), None, queries)
     return _join_blocks(out, 3), _join_blocks(lse, 3)
 
 
@@ -298,12 +307,12 @@ def _flash_bwd(bq, bk, residuals, d_out):
             dq_add, dk, dv = _skip_empty(visible, compute, zeros) if many else compute(zeros)
             return dq + dq_add, (dk, dv)
 
-        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qb.shape, jnp.float32), keys)
+        dq, (dk, dv) = _scan(step, jnp.zeros(qb.shape, jnp.float32), keys)
         dk_all, dv_all = dkv
         return (dk_all + _join_blocks(dk, 2), dv_all + _join_blocks(dv, 2)), dq
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    (dk, dv), dq = jax.lax.scan(one_query_block, init, queries)
+    (dk, dv), dq = _scan(one_query_block, init, queries)
     return (_join_blocks(dq, 3).astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
             None, None, None, None)
 
