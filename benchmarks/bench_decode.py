@@ -4,6 +4,8 @@
     python benchmarks/bench_decode.py [--lengths 256 1024 4096] [--batches 8 32]
         [--max-tokens 32768] [--hf-lengths 256] [--torch-threads 2 1] [--no-profile]
     python benchmarks/bench_decode.py --profile-only [--profile-cell 8 1024]
+    python benchmarks/bench_decode.py --shape qwen2.5-1.5b --dtype bfloat16 --prompt-len 128 \
+        --budget 512 --buffer 128 --batches 32 128 256 --lengths 1024 4096 --no-profile  # GPU grid
 
 Model: the CPU bench model (Qwen2-shaped, hidden 512, 8 layers, 8 query / 2 KV heads,
 head_dim 64, intermediate 1408, vocab 32000, tied embeddings, ~39M params, random weights,
@@ -11,6 +13,9 @@ fp32), built with ``transformers`` in a child process, saved, and loaded here wi
 ``models.load_pretrained(..., dtype=float32)``. Prompts: 32 random tokens per row.
 Every row runs to ``max_new_tokens``: the only EOS id is ``vocab_size``, which the model can
 never emit. Decoding is greedy (``--temperature T`` samples instead).
+``--shape qwen2.5-1.5b`` builds Qwen2.5-1.5B's architecture instead, ``--dtype`` sets the
+params/compute/KV dtype and ``--prompt-len`` the prompt. JAX runs on whatever platform is
+present (GPU, TPU, CPU); ``transformers`` runs on CUDA when torch sees a GPU, else CPU.
 
 Timing excludes compilation: each cell first calls ``generate`` with the same shapes and a
 decode loop whose first token is that EOS id (zero iterations), which compiles the prefill
@@ -51,12 +56,29 @@ from unittest import mock
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = dict(  # ~38.9M parameters (tied 32k vocab embedding + 8 layers)
-    vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
-    tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-)
+SHAPES = {
+    "cpu-bench": dict(  # ~38.9M parameters (tied 32k vocab embedding + 8 layers)
+        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    ),
+    "qwen2.5-1.5b": dict(  # Qwen2.5-1.5B's architecture (random weights), ~1.54B parameters
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    ),
+}
+# Set from the command line by configure() (the parent and every child get the same flags).
+CONFIG = SHAPES["cpu-bench"]
 PROMPT_LEN = 32
+DTYPE = "float32"
+
+
+def configure(args) -> None:
+    """Select the model shape, prompt length and dtype of this run."""
+    global CONFIG, PROMPT_LEN, DTYPE
+    CONFIG, PROMPT_LEN, DTYPE = SHAPES[args.shape], args.prompt_len, args.dtype
 
 
 # ----------------------------------------------------------------------------- torch side
@@ -78,9 +100,11 @@ def torch_generate(path: Path, cells: list[tuple[int, int, int]]) -> list[dict]:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, DTYPE)).to(device).eval()
     model.generation_config.eos_token_id = None
-    prompts = torch.as_tensor(np.load(path / "prompts.npy"), dtype=torch.long)
+    prompts = torch.as_tensor(np.load(path / "prompts.npy"), dtype=torch.long).to(device)
     out = []
     with torch.inference_mode():
         for threads, batch, length in cells:
@@ -91,10 +115,12 @@ def torch_generate(path: Path, cells: list[tuple[int, int, int]]) -> list[dict]:
             start = time.perf_counter()
             tokens = model.generate(ids, max_new_tokens=length, min_new_tokens=length, **kw)
             seconds = time.perf_counter() - start
-            np.save(path / f"hf_{threads}_{batch}_{length}.npy", tokens[:, PROMPT_LEN:].numpy())
+            np.save(path / f"hf_{threads}_{batch}_{length}.npy",
+                    tokens[:, PROMPT_LEN:].cpu().numpy())
             out.append(dict(batch=batch, length=length, seconds=seconds, threads=threads,
                             label=f"transformers {transformers.__version__} "
-                                  f"({model.config._attn_implementation}, {threads} threads)"))
+                                  f"({model.config._attn_implementation}, {device}, "
+                                  f"{threads} threads)"))
     return out
 
 
@@ -137,7 +163,7 @@ class Bench:
         import models
 
         self.jax, self.jnp = jax, jnp
-        model = models.load_pretrained(path, dtype=jnp.float32)
+        model = models.load_pretrained(path, dtype=jnp.dtype(DTYPE))
         self.cfg = model.config
         self.graphdef, self.params = nnx.split(model)
         self.prompts = np.load(path / "prompts.npy")
@@ -149,7 +175,8 @@ class Bench:
         h, d = c.hidden_size, c.head_dim
         per_layer = h * d * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * h * c.intermediate_size
         self.matmul_params = c.num_layers * per_layer + c.vocab_size * h  # + LM head
-        self.kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * d * 4  # k+v, all layers
+        self.itemsize = jnp.dtype(DTYPE).itemsize
+        self.kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * d * self.itemsize  # k+v
 
     def sampling(self, length: int):
         from sparse_rl_jax.sampling_config import SamplingConfig
@@ -196,7 +223,7 @@ class Bench:
         prefill_s = self.time_prefill(prompt, mask, key, sampling, compression)
         capacity = compression.cache_capacity(PROMPT_LEN + length)
         c = self.cfg
-        alloc = 2 * c.num_layers * batch * c.num_kv_heads * capacity * c.head_dim * 4
+        alloc = 2 * c.num_layers * batch * c.num_kv_heads * capacity * c.head_dim * self.itemsize
         kv_mean = float(np.mean(rollout.kv_mean))
         decode_step = (seconds - prefill_s) / (length - 1)
         floor_bytes, floor_flops = self.step_cost(batch, kv_mean)
@@ -452,6 +479,7 @@ def cache_copies(hlo: str, cache) -> dict:
 
 # ------------------------------------------------------------------------------- driver
 def child(args) -> None:
+    configure(args)
     path = Path(args.path)
     if args.worker == "build":
         build_checkpoint(path, max(args.batches + args.hf_batches))
@@ -466,7 +494,8 @@ def run_child(worker: str, tmp: str, args) -> list | dict:
     cmd = [sys.executable, __file__, "--worker", worker, "--path", tmp,
            "--batches", *map(str, args.batches), "--hf-lengths", *map(str, args.hf_lengths),
            "--hf-batches", *map(str, args.hf_batches),
-           "--torch-threads", *map(str, args.torch_threads)]
+           "--torch-threads", *map(str, args.torch_threads), "--shape", args.shape,
+           "--prompt-len", str(args.prompt_len), "--dtype", args.dtype]
     proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
                           text=True)
     if proc.returncode:
@@ -497,13 +526,18 @@ def main() -> None:
                         metavar=("BATCH", "LENGTH"))
     parser.add_argument("--profile-repeats", type=int, default=1,
                         help="timed runs of each profiled loop variant (the fastest is kept)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu-bench",
+                        help="model architecture (random weights)")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="params, compute and KV dtype (both frameworks)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", choices=["build", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return child(args)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    configure(args)
     sys.path.insert(0, str(ROOT))
     wall = time.perf_counter()
 
@@ -547,8 +581,11 @@ def report(args, bench, machine, rows, skipped, hf, profile, wall) -> None:
     """Prints the table, the ratios against the targets, and the profile."""
     mib = 2**20
     bw, peak = machine["bandwidth"], machine["matmul_flops"]
-    print(f"model: Qwen2-shaped, {bench.num_params / 1e6:.1f}M params ({bench.param_bytes / mib:.0f}"
-          f" MiB fp32), CPU ({os.cpu_count()} cores, shared); prompt {PROMPT_LEN} tokens; "
+    import jax
+
+    print(f"model: {args.shape}, {bench.num_params / 1e6:.1f}M params ({bench.param_bytes / mib:.0f}"
+          f" MiB {DTYPE}), {jax.devices()[0].device_kind} ({os.cpu_count()} host cores); "
+          f"prompt {PROMPT_LEN} tokens; "
           f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}; "
           f"compression budget {args.budget} + buffer {args.buffer}, window {args.window}")
     print(f"machine: copy {machine['copy_rate'] / 1e9:.1f} GB/s (read+write), jax read "

@@ -133,7 +133,7 @@ def main() -> None:
             proc = subprocess.run(
                 [sys.executable, __file__, "--worker", "--method", method, "--path", str(model),
                  "--out", tmp, *flags],
-                env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+                capture_output=True, text=True)  # on whatever JAX platform is present
             if proc.returncode:
                 sys.exit(f"{method} worker failed:\n{proc.stderr[-3000:]}")
             results.append(json.loads(Path(tmp, f"result_{method}.json").read_text()))
@@ -146,7 +146,10 @@ def report(args, results) -> None:
     """One row per method: the median over the steady-state steps (those whose prompt width
     bucket was already used by an earlier step, so nothing compiles)."""
     n = args.prompts * args.samples
-    print(f"model: bench Qwen2-shaped ~39M params, fp32, CPU ({os.cpu_count()} cores, shared); "
+    import jax
+
+    print(f"model: bench Qwen2-shaped ~39M params, fp32, {jax.devices()[0].device_kind} "
+          f"({os.cpu_count()} host cores); "
           f"{args.prompts} prompts x {args.samples} samples = {n} sequences, max_new_tokens "
           f"{args.max_new_tokens}, minibatch {args.minibatch} ({n // args.minibatch} updates/step),"
           f" compression budget {args.budget} + buffer {args.buffer}, window 8; "

@@ -4,12 +4,30 @@ Visibility rule: key ``s`` is visible to the query at position ``t`` iff
 ``0 <= kpos[s] <= t`` (and ``t < expiry[s]`` when an eviction record is replayed), ANDed with
 an optional arbitrary boolean mask. Padding queries carry position ``-1`` and see nothing;
 such rows give a zero output instead of NaN.
+
+Three backends compute it (``attention(..., backend=...)``):
+
+- ``"blockwise"`` (default): online-softmax attention in plain JAX over key blocks (and query
+  blocks), the visibility computed per block from positions / expiry times, with a custom
+  backward that recomputes each block. Neither the forward nor the backward holds a
+  ``[T, S]`` score or mask array once ``T * S`` exceeds one block; exact for any positions.
+- ``"fused"``: ``jax.nn.dot_product_attention`` with a causal + padding mask (cuDNN flash on
+  GPU for half-precision inputs, XLA elsewhere). Valid only for a full forward whose rows are
+  right-padded: keys are the queries and each row's positions are ``0, 1, ..., n - 1``
+  followed by ``-1`` padding. No expiry or extra mask.
+- ``"reference"``: the naive einsum over all ``[T, S]`` pairs, the test oracle.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+BACKENDS = ("blockwise", "fused", "reference")
+_ONE_BLOCK_PAIRS = 2**20  # query x key pairs per (row, head) computed as a single block
+_DEFAULT_BLOCK = 512
 
 
 def visibility(
@@ -45,6 +63,8 @@ def attention(
     *,
     k_expiry: jax.Array | None = None,
     mask: jax.Array | None = None,
+    backend: str = "blockwise",
+    block_size: int | None = None,
 ) -> jax.Array:
     """Grouped-query softmax attention with position-based masking; fp32 logits and softmax.
 
@@ -53,10 +73,32 @@ def attention(
       k, v: ``[B, Hkv, S, D]`` keys (after RoPE) and values. Query head ``h`` reads KV head
         ``h // (Hq // Hkv)`` (HF grouping), without repeating K/V.
       q_pos, k_pos, k_expiry, mask: see :func:`visibility`.
+      backend: ``"blockwise"``, ``"fused"`` or ``"reference"`` (see the module docstring).
+      block_size: query and key block length of ``"blockwise"``; ``None``: one block while
+        ``T * S <= 2**20``, else blocks of 512.
 
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``; zero for queries that see no key.
     """
+    if backend == "reference":
+        return reference_attention(q, k, v, q_pos, k_pos, k_expiry=k_expiry, mask=mask)
+    if backend == "fused":
+        if k_expiry is not None or mask is not None:
+            raise ValueError("attention: backend='fused' takes no k_expiry or mask; "
+                             "use backend='blockwise'")
+        return fused_attention(q, k, v, q_pos)
+    if backend != "blockwise":
+        raise ValueError(f"attention: backend must be one of {BACKENDS}, got {backend!r}")
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"attention: block_size must be None or a positive int, "
+                         f"got {block_size!r}")
+    return blockwise_attention(q, k, v, q_pos, k_pos, k_expiry=k_expiry, mask=mask,
+                               block_size=block_size)
+
+
+def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None) -> jax.Array:
+    """The naive einsum over every ``[T, S]`` pair (the oracle). Same contract as
+    :func:`attention`."""
     b, t, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
@@ -71,3 +113,208 @@ def attention(
     probs = weights / jnp.where(total > 0, total, 1.0)
     out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """Causal + padding attention through ``jax.nn.dot_product_attention``.
+
+    Args:
+      q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, T, D]`` (the same ``T`` tokens).
+      q_pos: ``[B, T]`` right-padded positions ``0..n-1`` then ``-1`` (not checked: it is the
+        caller's layout contract; other layouts need ``"blockwise"``).
+
+    Returns:
+      ``[B, T, Hq, D]`` in ``q.dtype``; zero on padding queries.
+    """
+    if k.shape[2] != q.shape[1]:
+        raise ValueError(f"fused attention needs keys == queries, got T={q.shape[1]} queries "
+                         f"and S={k.shape[2]} keys")
+    lengths = jnp.sum(q_pos >= 0, axis=1, dtype=jnp.int32)
+    half = q.dtype in (jnp.bfloat16, jnp.float16)
+    implementation = "cudnn" if jax.default_backend() == "gpu" and half else None
+    out = jax.nn.dot_product_attention(
+        q, k.swapaxes(1, 2).astype(q.dtype), v.swapaxes(1, 2).astype(q.dtype), is_causal=True,
+        query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation)
+    return jnp.where((q_pos >= 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def _block_visibility(q_pos, k_pos, k_expiry, mask):
+    """``[B, Hkv, 1, Tq, Sk]`` visibility of one query block x key block."""
+    return visibility(q_pos, k_pos, k_expiry, mask)[:, :, None]
+
+
+def _scores(qg, kb, scale):
+    """``qg [B, Hkv, G, Tq, D]``, ``kb [B, Hkv, Sk, D]`` -> fp32 ``[B, Hkv, G, Tq, Sk]``."""
+    return jnp.einsum("bkgtd,bksd->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+
+
+def _split_blocks(x, axis, size):
+    """Cut ``axis`` of ``x`` into blocks of ``size``: blocks become the new leading axis."""
+    n = x.shape[axis] // size
+    x = x.reshape(x.shape[:axis] + (n, size) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _join_blocks(x, axis):
+    """Inverse of :func:`_split_blocks` (``x``'s leading axis holds the blocks)."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def blockwise_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None, block_size=None):
+    """Online-softmax attention over query x key blocks; same contract as :func:`attention`.
+
+    Queries and keys are padded to multiples of ``block_size`` (padding keys and queries get
+    position ``-1``) and processed block by block; blocks with no visible pair are skipped.
+    ``block_size=None``: the whole problem is one block while ``T * S <= 2**20``, else 512.
+    """
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    if block_size is None:
+        block_size = max(t, s) if t * s <= _ONE_BLOCK_PAIRS else _DEFAULT_BLOCK
+    bq, bk = min(block_size, t), min(block_size, s)
+    pad_t, pad_s = -t % bq, -s % bk
+    qg = jnp.pad(q.reshape(b, t, hkv, g, d), ((0, 0), (0, pad_t), (0, 0), (0, 0), (0, 0)))
+    qg = qg.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T', D]
+    q_pos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, pad_t)), constant_values=-1)
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, pad_s), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, pad_s), (0, 0)))
+    k_pos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, pad_s)), constant_values=-1)
+    if k_expiry is not None:
+        k_expiry = jnp.pad(k_expiry.astype(jnp.int32), ((0, 0), (0, 0), (0, pad_s)))
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (b, hkv, t, s))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)))
+    out = _flash(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk)  # [B, Hkv, G, T', D]
+    out = out.transpose(0, 3, 1, 2, 4)[:, :t].reshape(b, t, hq, d)
+    return out.astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
+    """``qg [B, Hkv, G, T, D]`` (T a multiple of ``bq``), ``k, v [B, Hkv, S, D]`` (S a multiple
+    of ``bk``) -> fp32 ``[B, Hkv, G, T, D]``."""
+    return _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk)[0]
+
+
+def _key_blocks(k, v, k_pos, k_expiry, mask_rows, bk):
+    """Key-block views for ``lax.scan`` (each leading axis indexes a key block), the mask
+    rows of the current query block included."""
+    return (_split_blocks(k, 2, bk), _split_blocks(v, 2, bk), _split_blocks(k_pos, 2, bk),
+            None if k_expiry is None else _split_blocks(k_expiry, 2, bk),
+            None if mask_rows is None else _split_blocks(mask_rows, 3, bk))
+
+
+def _query_blocks(qg, q_pos, mask, bq):
+    """Query-block views for ``lax.scan``/``lax.map``; ``mask`` (if any) stays whole."""
+    return (_split_blocks(qg, 3, bq), _split_blocks(q_pos, 1, bq),
+            None if mask is None else _split_blocks(mask, 2, bq))
+
+
+def _scan(step, init, xs):
+    """``lax.scan(step, init, xs)``, called directly when there is a single block (keeps the
+    one-block case, e.g. every decode step, free of loop structure)."""
+    if jax.tree.leaves(xs)[0].shape[0] > 1:
+        return jax.lax.scan(step, init, xs)
+    carry, y = step(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda x: x[None], y)
+
+
+def _skip_empty(visible, compute, carry):
+    """``compute(carry)`` unless no pair of the block is visible (then ``carry``)."""
+    return jax.lax.cond(jnp.any(visible), compute, lambda c: c, carry)
+
+
+def _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
+    """Forward: output fp32 ``[B, Hkv, G, T, D]`` and row log-sum-exp ``[B, Hkv, G, T]``."""
+    d = qg.shape[-1]
+    scale = d ** -0.5
+    many = k.shape[2] > bk or qg.shape[3] > bq
+
+    def one_query_block(qblock):
+        qb, qp, mask_rows = qblock
+
+        def step(carry, key_block):
+            kb, vb, kp, ke, mb = key_block
+            visible = _block_visibility(qp, kp, ke, mb)
+
+            def compute(carry):
+                m, l, acc = carry
+                logits = jnp.where(visible, _scores(qb, kb, scale), -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+                shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(logits - shift[..., None])
+                corr = jnp.exp(m - shift)
+                pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(vb.dtype), vb,
+                                preferred_element_type=jnp.float32)
+                return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+
+            return (_skip_empty(visible, compute, carry) if many else compute(carry)), None
+
+        rows = qb.shape[:4]
+        init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+                jnp.zeros(rows + (d,), jnp.float32))
+        keys = _key_blocks(k, v, k_pos, k_expiry, mask_rows, bk)
+        (m, l, acc), _ = _scan(step, init, keys)
+        seen = l > 0
+        out = acc / jnp.where(seen, l, 1.0)[..., None]
+        lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(seen, l, 1.0)),
+                        jnp.inf)
+        return None, (out, lse)
+
+    queries = _query_blocks(qg, q_pos, mask, bq)
+    _, (out, lse) = _scan(lambda _, qblock: one_query_block(qblock), None, queries)
+    return _join_blocks(out, 3), _join_blocks(lse, 3)
+
+
+def _flash_fwd(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
+    out, lse = _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk)
+    return out, (qg, k, v, q_pos, k_pos, k_expiry, mask, out, lse)
+
+
+def _flash_bwd(bq, bk, residuals, d_out):
+    """Recompute each block's probabilities from the saved log-sum-exp (no ``[T, S]`` kept)."""
+    qg, k, v, q_pos, k_pos, k_expiry, mask, out, lse = residuals
+    d = qg.shape[-1]
+    scale = d ** -0.5
+    d_out = d_out.astype(jnp.float32)
+    delta = jnp.sum(d_out * out, axis=-1)  # [B, Hkv, G, T]
+    many = k.shape[2] > bk or qg.shape[3] > bq
+    queries = _query_blocks(qg, q_pos, mask, bq) + (
+        _split_blocks(d_out, 3, bq), _split_blocks(delta, 3, bq), _split_blocks(lse, 3, bq))
+
+    def one_query_block(dkv, qblock):
+        qb, qp, mask_rows, dob, deltab, lseb = qblock
+        keys = _key_blocks(k, v, k_pos, k_expiry, mask_rows, bk)
+
+        def step(dq, key_block):
+            kb, vb, kp, ke, mb = key_block
+            visible = _block_visibility(qp, kp, ke, mb)
+
+            def compute(_):
+                logits = _scores(qb, kb, scale)
+                p = jnp.where(visible, jnp.exp(logits - lseb[..., None]), 0.0)
+                dv = jnp.einsum("bkgts,bkgtd->bksd", p, dob)
+                dp = jnp.einsum("bkgtd,bksd->bkgts", dob, vb, preferred_element_type=jnp.float32)
+                ds = p * (dp - deltab[..., None]) * scale
+                dq_add = jnp.einsum("bkgts,bksd->bkgtd", ds, kb, preferred_element_type=jnp.float32)
+                dk = jnp.einsum("bkgts,bkgtd->bksd", ds, qb, preferred_element_type=jnp.float32)
+                return dq_add, dk, dv
+
+            zeros = (jnp.zeros(dq.shape, jnp.float32), jnp.zeros(kb.shape, jnp.float32),
+                     jnp.zeros(vb.shape, jnp.float32))
+            dq_add, dk, dv = _skip_empty(visible, compute, zeros) if many else compute(zeros)
+            return dq + dq_add, (dk, dv)
+
+        dq, (dk, dv) = _scan(step, jnp.zeros(qb.shape, jnp.float32), keys)
+        dk_all, dv_all = dkv
+        return (dk_all + _join_blocks(dk, 2), dv_all + _join_blocks(dv, 2)), dq
+
+    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dq = _scan(one_query_block, init, queries)
+    return (_join_blocks(dq, 3).astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            None, None, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

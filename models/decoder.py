@@ -1,8 +1,11 @@
 """Flax NNX decoder for the Llama 3.x / Qwen2 / Qwen3 families.
 
-Parameter paths mirror HF names: ``embed_tokens/embedding``, ``layers/{i}/self_attn/q_proj/
-kernel``, ``layers/{i}/mlp/gate_proj/kernel``, ``layers/{i}/input_layernorm/weight``,
-``norm/weight``, ``lm_head/kernel`` (kernels are HF ``weight`` transposed, ``[in, out]``).
+Parameter paths mirror HF names: ``embed_tokens/embedding``, ``layers/self_attn/q_proj/
+kernel``, ``layers/mlp/gate_proj/kernel``, ``layers/input_layernorm/weight``, ``norm/weight``,
+``lm_head/kernel`` (kernels are HF ``weight`` transposed, ``[in, out]``). Layer parameters are
+stacked along a leading layer axis (``layers/mlp/up_proj/kernel`` is ``[L, H, F]``; slice ``i``
+is HF's ``model.layers.{i}.mlp.up_proj.weight`` transposed) and the layers run under
+``lax.scan``, so compile time does not grow with depth.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.cfg = cfg
 
-    def __call__(self, x, positions, layer, cache, key_expiry, mask):
+    def __call__(self, x, positions, layer, cache, key_expiry, mask, backend):
         """x ``[B, T, H]`` -> (out ``[B, T, H]``, queries ``[B, T, Hq, D]``, cache)."""
         cfg = self.cfg
         b, t, _ = x.shape
@@ -88,7 +91,7 @@ class Attention(nnx.Module):
         if cache is not None:
             cache = _write_layer(cache, layer, k, v, k_pos)
             k, v, k_pos = cache.k[layer], cache.v[layer], cache.pos[layer]
-        out = attention(q, k, v, positions, k_pos, k_expiry=key_expiry, mask=mask)
+        out = attention(q, k, v, positions, k_pos, k_expiry=key_expiry, mask=mask, backend=backend)
         return self.o_proj(out.reshape(b, t, -1)), q, cache
 
 
@@ -126,15 +129,31 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x, positions, layer, cache, key_expiry, mask):
+    def __call__(self, x, positions, layer, cache, key_expiry, mask, backend):
         attn, q, cache = self.self_attn(self.input_layernorm(x), positions, layer, cache,
-                                        key_expiry, mask)
+                                        key_expiry, mask, backend)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), q, cache
 
 
+def stack_layers(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One :class:`DecoderLayer` whose every parameter has a leading layer axis ``[L, ...]``.
+
+    The decoder runs it under ``lax.scan`` (one layer traced and compiled, whatever the
+    depth). Built from separately initialised layers, so random init equals per-layer init.
+    """
+    graphdef = nnx.graphdef(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    return nnx.merge(graphdef, stacked)
+
+
 class Decoder(nnx.Module):
-    """Decoder-only LM. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype."""
+    """Decoder-only LM. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype.
+
+    ``layers`` is one :class:`DecoderLayer` with stacked parameters (``layers/self_attn/
+    q_proj/kernel`` is ``[L, H, Hq * D]``), scanned over in :meth:`__call__`.
+    """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                  rngs: nnx.Rngs):
@@ -143,8 +162,8 @@ class Decoder(nnx.Module):
         self.dtype = dtype
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, embedding_init=_INIT,
                                       rngs=rngs, **kw)
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, **kw)
-                                for _ in range(config.num_layers)])
+        self.layers = stack_layers([DecoderLayer(config, rngs=rngs, **kw)
+                                    for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         if not config.tie_word_embeddings:
             self.lm_head = _dense(dtype, param_dtype, rngs)(config.hidden_size, config.vocab_size,
@@ -161,6 +180,7 @@ class Decoder(nnx.Module):
         mask: jax.Array | None = None,
         return_queries: int = 0,
         return_logits: bool = True,
+        attention_backend: str = "blockwise",
     ) -> DecoderOutput:
         """Forward ``tokens [B, T]``.
 
@@ -180,6 +200,9 @@ class Decoder(nnx.Module):
           mask: ``[L|1, B, Hkv|1, T, S]`` bool visibility ANDed into the causal rule.
           return_queries: ``W > 0`` returns the last ``W`` queries of every layer.
           return_logits: compute ``[B, T, V]`` float32 logits (else use :meth:`unembed`).
+          attention_backend: ``"blockwise"`` (any positions, expiry, mask), ``"fused"`` (no
+            cache, no expiry/mask, rows right-padded: positions ``0..n-1`` then ``-1``) or
+            ``"reference"`` (the einsum oracle); see :mod:`models.attention`.
         """
         cfg = self.config
         b, t = tokens.shape
@@ -195,15 +218,26 @@ class Decoder(nnx.Module):
         if not 0 <= return_queries <= t:
             raise ValueError(f"return_queries: must be in [0, T={t}], got {return_queries}")
         _check_cache_room(cache, t)
+        if attention_backend == "fused" and cache is not None:
+            raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
 
-        x = self.embed_tokens(tokens)
-        queries = []
-        for layer, block in enumerate(self.layers):
-            layer_expiry = None if key_expiry is None else key_expiry[layer]
-            layer_mask = None if mask is None else mask[layer if mask.shape[0] > 1 else 0]
-            x, q, cache = block(x, positions, layer, cache, layer_expiry, layer_mask)
-            if return_queries:
-                queries.append(q[:, t - return_queries:].transpose(0, 2, 1, 3))
+        layer_graph, layer_params = nnx.split(self.layers)
+        shared_mask = mask[0] if mask is not None and mask.shape[0] == 1 else None
+        per_layer = (jnp.arange(cfg.num_layers), layer_params, key_expiry,
+                     None if shared_mask is not None else mask)
+
+        def one_layer(carry, xs):
+            x, cache = carry
+            layer, params, layer_expiry, layer_mask = xs
+            block = nnx.merge(layer_graph, params)
+            layer_mask = shared_mask if shared_mask is not None else layer_mask
+            x, q, cache = block(x, positions, layer, cache, layer_expiry, layer_mask,
+                                attention_backend)
+            q = q[:, t - return_queries:].transpose(0, 2, 1, 3) if return_queries else None
+            return (x, cache), q
+
+        (x, cache), queries = jax.lax.scan(one_layer, (self.embed_tokens(tokens), cache),
+                                           per_layer)
         hidden = self.norm(x)
         if cache is not None:
             cache = cache.replace(index=cache.index + t)
@@ -211,7 +245,7 @@ class Decoder(nnx.Module):
             logits=self.unembed(hidden) if return_logits else None,
             hidden=hidden,
             cache=cache,
-            queries=jnp.stack(queries) if return_queries else None,
+            queries=queries,
         )
 
     def unembed(self, hidden: jax.Array) -> jax.Array:

@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from models.decoder import Decoder
 from models.gguf import checkpoint_dir
-from models.partitioning import make_mesh, param_shardings, path_str
+from models.partitioning import is_layer_stacked, make_mesh, param_shardings, path_str
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,16 @@ def hf_name(path: str) -> tuple[str, bool]:
     *module, leaf = path.split("/")
     prefix = "" if module[0] == "lm_head" else "model."
     return prefix + ".".join(module) + (".bias" if leaf == "bias" else ".weight"), leaf == "kernel"
+
+
+def hf_tensors(path: str, shape: tuple[int, ...]) -> list[tuple[str, bool, tuple[int, ...]]]:
+    """``(HF name, transposed, shape of the NNX slice)`` of every HF tensor behind the param at
+    ``path``: one per layer for a layer-stacked param (``layers/mlp/up_proj/kernel`` of shape
+    ``[L, ...]`` -> ``model.layers.{i}.mlp.up_proj.weight``), else one."""
+    if not is_layer_stacked(path):
+        return [(*hf_name(path), tuple(shape))]
+    rest = path[len("layers/"):]
+    return [(*hf_name(f"layers/{i}/{rest}"), tuple(shape[1:])) for i in range(shape[0])]
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -96,10 +106,11 @@ def _checkpoint_files(path: Path) -> list[Path]:
 def _check_tensors(state: Any, handles: dict[str, Any]) -> None:
     """Every expected tensor exists with the expected shape and a float dtype, else ValueError."""
     problems, expected = [], set()
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        name, transpose = hf_name(path_str(key_path))
+    slices = [tensor for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+              for tensor in hf_tensors(path_str(key_path), leaf.shape)]
+    for name, transpose, shape in slices:
         expected.add(name)
-        shape = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
+        shape = tuple(reversed(shape)) if transpose else shape
         if name not in handles:
             problems.append(f"missing tensor {name!r} (expected shape {shape})")
             continue
@@ -153,13 +164,20 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
         mesh = mesh if mesh is not None else make_mesh(devices=jax.devices()[:1])
 
         def place(key_path, leaf, sharding):
-            name, transpose = hf_name(path_str(key_path))
-            tensor = handles[name].get_slice(name)
+            path = path_str(key_path)
+            tensors = [(handles[name].get_slice(name), transpose)
+                       for name, transpose, _ in hf_tensors(path, leaf.shape)]
 
-            def read(index):  # one device's shard, read from the memory map
+            def read_one(tensor, transpose, index):
                 if transpose:
                     return tensor[index[1], index[0]].T.astype(leaf.dtype)
                 return tensor[index].astype(leaf.dtype)
+
+            def read(index):  # one device's shard, read from the memory map
+                if not is_layer_stacked(path):
+                    return read_one(*tensors[0], index)
+                return np.stack([read_one(*tensors[i], index[1:])
+                                 for i in range(leaf.shape[0])[index[0]]])
 
             return jax.make_array_from_callback(leaf.shape, sharding, read, dtype=leaf.dtype)
 
@@ -199,16 +217,18 @@ def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 5 *
     import transformers
 
     cfg = model.config
-    tensors = []  # (hf name, param, transpose)
+    tensors = []  # (hf name, transpose, param, layer index of a stacked param or None)
     for key_path, param in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
-        tensors.append((*hf_name(path_str(key_path)), param))
+        param_path = path_str(key_path)
+        for i, (name, transpose, _) in enumerate(hf_tensors(param_path, param.shape)):
+            tensors.append((name, transpose, param, i if is_layer_stacked(param_path) else None))
     shards, size = [[]], 0
-    for name, transpose, param in tensors:
-        nbytes = param.size * param.dtype.itemsize
+    for name, transpose, param, layer in tensors:
+        nbytes = param.size * param.dtype.itemsize // (1 if layer is None else param.shape[0])
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, transpose, param))
+        shards[-1].append((name, transpose, param, layer))
         size += nbytes
     writer = jax.process_index() == 0
     path = Path(path)
@@ -222,14 +242,17 @@ def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 5 *
     for i, shard in enumerate(shards):
         filename = ("model.safetensors" if len(shards) == 1
                     else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        arrays = {}
-        for name, transpose, param in shard:
-            host = _to_host(param)
+        arrays, gathered = {}, (None, None)
+        for name, transpose, param, layer in shard:
+            if gathered[0] is not param:  # a stacked param's layers are consecutive
+                gathered = (param, _to_host(param))
+            host = gathered[1] if layer is None else gathered[1][layer]
             arrays[name] = np.ascontiguousarray(host.T if transpose else host)
             weight_map[name] = filename
         if writer:
             save_file(arrays, path / filename, metadata={"format": "pt"})
     if writer and len(shards) > 1:
-        total = sum(math.prod(p.shape) * p.dtype.itemsize for _, _, p in tensors)
+        total = sum(math.prod(p.shape) * p.dtype.itemsize
+                    for p in {id(t[2]): t[2] for t in tensors}.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / _INDEX_FILE).write_text(json.dumps(index, indent=2))

@@ -42,11 +42,22 @@ def path_str(path: tuple[Any, ...]) -> str:
     return "/".join(parts)
 
 
+def is_layer_stacked(path: str) -> bool:
+    """Whether the parameter at ``path`` holds every layer (``layers/mlp/...``, leading axis
+    ``L``) rather than one (``layers/0/mlp/...``)."""
+    return re.match(r"layers/[^/\d]", path) is not None
+
+
 def partition_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
     """The PartitionSpec for the parameter at ``path`` with ``shape`` on ``mesh``.
 
+    A layer-stacked parameter (:func:`is_layer_stacked`) keeps its leading layer axis
+    unsharded and follows its rule on the remaining dims.
     Raises ValueError if no rule matches (every parameter must have a deliberate layout).
     """
+    if is_layer_stacked(path):
+        spec = partition_spec("layers/0/" + path[len("layers/"):], tuple(shape[1:]), mesh)
+        return P(None, *spec) if len(spec) else P()
     for pattern, spec in PARTITION_RULES:
         if re.search(pattern, path):
             break

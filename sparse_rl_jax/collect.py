@@ -23,7 +23,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from sparse_rl_jax import memory_plan
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.kv_state import NEVER
 from sparse_rl_jax.overlong import overlong_penalty
@@ -78,11 +80,35 @@ def timed(fn, *args, **kwargs):
     return out, time.perf_counter() - start
 
 
-def score_all(ctx, params, prompt, prompt_mask, response, record=None) -> jax.Array:
-    """Teacher-forced log-probs ``[N, M]``, ``trainer.score_batch`` sequences a call: dense, or
-    with ``record`` (``[N, L, Hkv, P + M]``, sequence axis first) under the recorded sparse
-    context."""
-    size = ctx.cfg.trainer.score_batch or ctx.cfg.trainer.minibatch_size
+def _plan(ctx, params, prompt_width: int) -> dict:
+    """:func:`memory_plan.estimate` arguments shared by a round's calls."""
+    bucket = ctx.sampling.prompt_bucket
+    return dict(prompt_len=-(-prompt_width // bucket) * bucket,
+                new_tokens=ctx.sampling.max_new_tokens,
+                dtype=jax.tree.leaves(params)[0].dtype, logp_chunk=ctx.cfg.trainer.logp_chunk)
+
+
+def _score_batch(ctx, params, plan: dict, rows: int) -> int:
+    """``trainer.score_batch`` if set; else the minibatch size, lowered to the largest divisor
+    of ``rows`` that the memory plan fits when the device reports a memory limit."""
+    cfg = ctx.cfg
+    size = cfg.trainer.score_batch or cfg.trainer.minibatch_size
+    limit = memory_plan.device_memory_limit()
+    if cfg.trainer.score_batch or limit is None:
+        return size
+    model_cfg = nnx.merge(ctx.graphdef, params).config
+    fits = memory_plan.largest_batch("score", model_cfg, limit, **plan)
+    if fits == 0:
+        memory_plan.check_fits("score", model_cfg, batch=1, limit=limit, **plan)
+    size = min(size, fits)
+    return max(d for d in range(1, size + 1) if rows % d == 0)
+
+
+def score_all(ctx, params, prompt, prompt_mask, response, record=None, size=None) -> jax.Array:
+    """Teacher-forced log-probs ``[N, M]``, ``size`` sequences a call (None:
+    ``trainer.score_batch``, else the minibatch size): dense, or with ``record``
+    (``[N, L, Hkv, P + M]``, sequence axis first) under the recorded sparse context."""
+    size = size or ctx.cfg.trainer.score_batch or ctx.cfg.trainer.minibatch_size
     parts = []
     for start in range(0, response.shape[0], size):
         rows = slice(start, start + size)
@@ -110,6 +136,12 @@ def _round(ctx, params, position: int, clock: dict) -> _Round:
     prompt, prompt_mask = ctx.tokenizer.encode(
         batch.prompts, add_special_tokens=cfg.data.add_special_tokens)
     key = jax.random.fold_in(jax.random.key(cfg.trainer.seed), position)
+    plan = _plan(ctx, params, prompt.shape[1])
+    samples = ctx.sampling.num_samples
+    memory_plan.check_fits(  # before compiling: a clear error instead of an XLA OOM trace
+        "rollout", nnx.merge(ctx.graphdef, params).config, batch=len(prompt) * samples,
+        compression=cfg.compression, num_samples=samples, step=samples,
+        record_evictions=ctx.sampling.record_evictions, **plan)
     rollout, seconds = timed(generate, ctx.graphdef, params, prompt, prompt_mask, key,
                              ctx.sampling, cfg.compression)
     clock["rollout"] += seconds
@@ -118,8 +150,9 @@ def _round(ctx, params, position: int, clock: dict) -> _Round:
     answers = repeat_answers(batch.answers, ctx.sampling.num_samples)
     rewards = np.asarray(compute_rewards(ctx.reward_fn, completions, answers), np.float32)
     clock["reward"] += time.perf_counter() - start
+    size = _score_batch(ctx, params, plan, rollout.response.shape[0])
     logp_old, seconds = timed(score_all, ctx, params, rollout.prompt, rollout.prompt_mask,
-                              rollout.response)
+                              rollout.response, size=size)
     clock["score"] += seconds
     loss_mask = rollout.response_mask
     if cfg.overlong.mask_truncated:

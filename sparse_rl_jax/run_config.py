@@ -160,7 +160,8 @@ class TrainerConfig:
       minibatch_size: sequences per optimizer update (the global batch); it must divide the
         rollout's sequences, giving ``N / minibatch_size`` updates per rollout.
       seed: seed of every random choice of the run (rollouts, minibatch order).
-      score_batch: sequences per scoring call (bounds scoring memory); 0 = the minibatch size.
+      score_batch: sequences per scoring call (bounds scoring memory); 0 = the minibatch size,
+        lowered to what fits where the device reports a memory limit (``memory_plan``).
       logp_chunk: response columns per LM-head chunk when computing log-probs.
       checkpoint_every: save every this many RL steps (and at the end).
       keep_checkpoints: how many checkpoints to keep.

@@ -1,5 +1,9 @@
 """Teacher-forced log-probs of response tokens: dense, or with an eviction record replayed.
 
+Dense scoring runs the fused attention backend (rows rotated to right padding); the replay
+runs the blockwise backend with each key's expiry. Neither materialises ``[T, S]`` scores
+at training lengths on an accelerator (XLA's CPU fused attention does).
+
 The LM head is applied in chunks along the response axis under ``jax.checkpoint``, so neither
 the forward nor the backward pass holds ``[B, T, V]`` float32 logits at once.
 """
@@ -59,12 +63,20 @@ def _response_hidden(model, prompt, prompt_mask, response, eviction_record):
     p, m = prompt.shape[1], response.shape[1]
     tokens = jnp.concatenate([prompt, response], axis=1).astype(jnp.int32)
     positions = sequence_positions(prompt_mask, m)
-    key_expiry = None
     if eviction_record is not None:
         key_expiry = visibility_from_record(eviction_record, positions)
-    out = model(tokens, positions, key_expiry=key_expiry, return_logits=False)
+        hidden = model(tokens, positions, key_expiry=key_expiry, return_logits=False).hidden
+    else:
+        # The fused backend wants right-padded rows: rotate each row's left padding to its end.
+        shift = p - prompt_mask.astype(jnp.int32).sum(axis=1, keepdims=True)  # [N, 1]
+        cols = jnp.arange(p + m, dtype=jnp.int32)[None, :]
+        to_right = (cols + shift) % (p + m)
+        hidden = model(jnp.take_along_axis(tokens, to_right, axis=1),
+                       jnp.take_along_axis(positions, to_right, axis=1),
+                       return_logits=False, attention_backend="fused").hidden
+        hidden = jnp.take_along_axis(hidden, ((cols - shift) % (p + m))[..., None], axis=1)
     # Column P-1+j predicts response token j.
-    return out.hidden[:, p - 1 : p - 1 + m]
+    return hidden[:, p - 1 : p - 1 + m]
 
 
 def _map_chunks(fn, chunk_size: int, *arrays):

@@ -77,7 +77,7 @@ def test_default_positions():
 def test_bf16_default_is_close_to_fp32(tmp_path):
     path = make_tiny_hf(tmp_path, "qwen3")
     model = models.load_pretrained(path)  # default dtype: bf16 params and activations
-    assert model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
+    assert model.layers.self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
     tokens = np.random.default_rng(3).integers(6, 128, (2, 8)).astype(np.int32)
     logits, _, queries = jitted_forward(model, return_queries=3)(
         tokens, np.tile(np.arange(8, dtype=np.int32), (2, 1)))

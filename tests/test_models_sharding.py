@@ -32,12 +32,12 @@ SCRIPT = textwrap.dedent("""
     path = make_tiny_hf(sys.argv[1], "qwen2")
     mesh = models.make_mesh(fsdp=4, tensor=2)
     model = models.load_pretrained(path, dtype=jnp.float32, mesh=mesh)
-    q = model.layers[0].self_attn.q_proj.kernel[...]
-    assert q.sharding.spec == P("fsdp", "tensor"), q.sharding
-    assert {s.data.shape for s in q.addressable_shards} == {(16, 32)}
+    q = model.layers.self_attn.q_proj.kernel[...]  # layer-stacked: [L, H, Hq * D]
+    assert q.sharding.spec == P(None, "fsdp", "tensor"), q.sharding
+    assert {s.data.shape for s in q.addressable_shards} == {(2, 16, 32)}
     assert model.embed_tokens.embedding[...].sharding.spec == P("tensor", "fsdp")
-    assert model.layers[1].mlp.down_proj.kernel[...].sharding.spec == P("tensor", "fsdp")
-    assert model.layers[1].self_attn.k_proj.bias[...].sharding.spec == P("tensor")
+    assert model.layers.mlp.down_proj.kernel[...].sharding.spec == P(None, "tensor", "fsdp")
+    assert model.layers.self_attn.k_proj.bias[...].sharding.spec == P(None, "tensor")
     assert model.norm.weight[...].sharding.spec == P()
     # a dimension the axis does not divide falls back to replicated on that dim
     assert models.partition_spec("layers/0/mlp/up_proj/kernel", (64, 5), mesh) == P("fsdp")
@@ -88,5 +88,6 @@ def test_every_param_has_a_rule_and_unknown_paths_are_rejected():
                              qk_norm=True)
     abstract = nnx.eval_shape(lambda: models.Decoder(cfg, rngs=nnx.Rngs(0)))
     shardings = jax.tree.leaves(models.param_shardings(nnx.state(abstract), mesh))
-    assert len(shardings) == 2 * 11 + 3 and all(s.mesh == mesh for s in shardings)
+    assert len(shardings) == 11 + 3 and all(s.mesh == mesh for s in shardings)
     assert models.partition_spec("layers/0/self_attn/q_norm/weight", (16,), mesh) == P()
+    assert models.partition_spec("layers/self_attn/q_norm/weight", (2, 16), mesh) == P()

@@ -1,0 +1,201 @@
+"""Device memory planned before compiling: bytes of a rollout, a score or an update call.
+
+The estimates are analytic: exact for the resident buffers (weights, KV cache, query ring,
+eviction record, optimizer state) and an upper-leaning model of the transients (one layer's
+activations under the layer scan, one attention block, one LM-head chunk, the residuals the
+update keeps for its backward). Every estimate is affine in the batch, which gives the
+largest batch that fits a limit. The limit is the device's ``bytes_limit`` from
+``memory_stats()`` where JAX reports one (GPU, TPU), else a configured number of bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from sparse_rl_jax.compression import CompressionConfig
+
+KINDS = ("rollout", "score", "update")
+_ONE_BLOCK_PAIRS = 2**20  # mirrors models.attention: T * S up to this is one block
+_BLOCK = 512
+_F32 = 4
+
+
+class MemoryPlanError(ValueError):
+    """A request whose estimated bytes exceed the device memory limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak bytes of one call.
+
+    Attributes:
+      kind: ``rollout``, ``score`` or ``update``.
+      batch: sequences ``N`` of the call.
+      parts: name -> bytes of each term (``weights``, ``kv_cache``, ``activations``, ...).
+    """
+
+    kind: str
+    batch: int
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        """The sum of the parts, in bytes."""
+        return sum(self.parts.values())
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters of a ``models.Decoder`` with this config."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    attn = h * q + 2 * h * kv + q * h
+    attn += (q + 2 * kv) * cfg.attention_bias + h * cfg.o_proj_bias + 2 * d * cfg.qk_norm
+    mlp = 3 * h * f + (2 * f + h) * cfg.mlp_bias
+    per_layer = attn + mlp + 2 * h
+    head = 0 if cfg.tie_word_embeddings else h * cfg.vocab_size
+    return cfg.vocab_size * h + cfg.num_layers * per_layer + h + head
+
+
+def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, dtype) -> int:
+    """Bytes of a ``models.KVCache``: keys + values in ``dtype`` and int32 slot positions."""
+    per_slot = 2 * cfg.head_dim * np.dtype(dtype).itemsize + 4
+    return cfg.num_layers * rows * cfg.num_kv_heads * slots * per_slot
+
+
+def _attention_block(cfg: ModelConfig, rows: int, t: int, s: int) -> int:
+    """fp32 logits + probabilities of one blockwise-attention block (``models.attention``)."""
+    pairs = t * s if t * s <= _ONE_BLOCK_PAIRS else min(_BLOCK, t) * min(_BLOCK, s)
+    return 2 * rows * cfg.num_heads * pairs * _F32
+
+
+def _layer_activations(cfg: ModelConfig, rows: int, t: int, itemsize: int) -> int:
+    """One layer's forward transients: hidden states, q/k/v/out projections, SwiGLU."""
+    width = 4 * cfg.hidden_size + 2 * cfg.num_heads * cfg.head_dim
+    width += 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+    return rows * t * width * itemsize
+
+
+def _lm_head_chunk(cfg: ModelConfig, rows: int, chunk: int) -> int:
+    """fp32 logits, log-softmax and probabilities of one LM-head chunk."""
+    return 3 * rows * chunk * cfg.vocab_size * _F32
+
+
+def estimate(
+    kind: str,
+    cfg: ModelConfig,
+    *,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    compression: CompressionConfig | None = None,
+    dtype=np.float32,
+    num_samples: int = 1,
+    logp_chunk: int = 128,
+    record_evictions: bool = True,
+) -> MemoryEstimate:
+    """Estimated peak bytes of one call of ``kind`` over ``batch`` sequences.
+
+    Args:
+      kind: ``rollout`` (``sampler.generate``), ``score`` (``scoring.score``) or ``update``
+        (value and gradient of the log-probs plus AdamW state).
+      cfg: the model's architecture.
+      batch: sequences ``N`` (for a rollout, prompts x ``num_samples``).
+      prompt_len, new_tokens: ``P`` (bucketed prompt width) and ``M`` (max new tokens).
+      compression: the rollout's KV policy (``None`` = dense); unused by score/update.
+      dtype: parameter / compute / KV dtype.
+      num_samples: samples per prompt (a rollout prefills ``N / num_samples`` prompts).
+      logp_chunk: response columns per LM-head chunk (score/update).
+      record_evictions: the rollout keeps the ``[L, N, Hkv, P + M]`` eviction record.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
+    for name, value in (("batch", batch), ("prompt_len", prompt_len),
+                        ("new_tokens", new_tokens), ("num_samples", num_samples),
+                        ("logp_chunk", logp_chunk)):
+        smallest = 0 if name == "batch" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
+            raise ValueError(f"{name}: must be an int >= {smallest}, got {value!r}")
+    itemsize = np.dtype(dtype).itemsize
+    weights = param_count(cfg) * itemsize
+    total_len = prompt_len + new_tokens
+    if kind == "rollout":
+        compression = compression or CompressionConfig(method="none")
+        slots = compression.cache_capacity(total_len)
+        prompts = -(-batch // num_samples)
+        kv, heads = cfg.num_kv_heads, cfg.num_heads
+        ring = cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
+        record = cfg.num_layers * batch * kv * total_len * 4 if record_evictions else 0
+        similarity = 2 * batch * kv * slots * slots * _F32 if compression.compresses else 0
+        parts = {
+            "weights": weights,
+            "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype),
+            "query_ring": ring,
+            "eviction_record": record,
+            "prefill": _layer_activations(cfg, prompts, prompt_len, itemsize)
+            + _attention_block(cfg, prompts, prompt_len, slots),
+            "decode_step": 2 * batch * cfg.vocab_size * _F32
+            + _attention_block(cfg, batch, 1, slots) + batch * new_tokens * 8,
+            "compression": similarity,
+        }
+        return MemoryEstimate(kind, batch, parts)
+    chunk = min(logp_chunk, new_tokens)
+    parts = {
+        "weights": weights,
+        "activations": _layer_activations(cfg, batch, total_len, itemsize)
+        + _attention_block(cfg, batch, total_len, total_len),
+        "lm_head_chunk": _lm_head_chunk(cfg, batch, chunk),
+        "hidden": batch * total_len * cfg.hidden_size * itemsize,
+    }
+    if kind == "update":
+        residual_width = 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim
+        residual_width += 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+        parts["residuals"] = cfg.num_layers * batch * total_len * residual_width * itemsize
+        parts["activations"] *= 2  # one layer's backward next to its recomputed forward
+        parts["lm_head_chunk"] += _lm_head_chunk(cfg, batch, chunk)
+        parts["grads"] = weights
+        parts["optimizer"] = 2 * param_count(cfg) * _F32
+    return MemoryEstimate(kind, batch, parts)
+
+
+def device_memory_limit(device: jax.Device | None = None) -> int | None:
+    """``bytes_limit`` from the device's ``memory_stats()``, or None where JAX reports none
+    (XLA:CPU)."""
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def largest_batch(kind: str, cfg: ModelConfig, limit: int, *, step: int = 1, **kw) -> int:
+    """The largest batch (a multiple of ``step``) whose :func:`estimate` fits ``limit`` bytes;
+    0 if none. ``kw`` are :func:`estimate`'s other arguments."""
+    fixed = estimate(kind, cfg, batch=0, **kw).total
+    per_row = estimate(kind, cfg, batch=step, **kw).total - fixed
+    if fixed > limit:
+        return 0
+    return (limit - fixed) // per_row * step
+
+
+def check_fits(kind: str, cfg: ModelConfig, *, batch: int, limit: int | None = None,
+               step: int = 1, **kw) -> MemoryEstimate:
+    """:func:`estimate`, raising :class:`MemoryPlanError` (the estimate, the limit and the
+    largest batch that fits) when it exceeds ``limit`` bytes (default: the device's limit;
+    no check when neither is known). Call it before compiling the request."""
+    est = estimate(kind, cfg, batch=batch, **kw)
+    limit = device_memory_limit() if limit is None else limit
+    if limit is not None and est.total > limit:
+        fits = largest_batch(kind, cfg, limit, step=step, **kw)
+        largest = (f"the largest batch that fits is {fits}" if fits else
+                   "no batch fits (the fixed part alone exceeds it)")
+        detail = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in est.parts.items())
+        raise MemoryPlanError(
+            f"{kind} of batch {batch} x {kw.get('prompt_len')}+{kw.get('new_tokens')} tokens "
+            f"needs an estimated {est.total / 2**30:.2f} GiB ({detail} GiB), over the memory "
+            f"limit of {limit / 2**30:.2f} GiB; {largest}")
+    return est

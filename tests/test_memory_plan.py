@@ -1,0 +1,96 @@
+"""The memory planner: analytic sizes against real buffers, the compiled score's footprint,
+and the before-compile error naming the estimate and the largest batch that fits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from sparse_rl_jax import memory_plan
+from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.kv_state import init_state
+from sparse_rl_jax.scoring import score
+
+CONFIGS = [
+    models.ModelConfig("qwen2", 96, 32, 48, 2, num_heads=4, num_kv_heads=2, head_dim=8,
+                       attention_bias=True),
+    models.ModelConfig("qwen3", 96, 32, 48, 3, num_heads=4, num_kv_heads=1, head_dim=16,
+                       qk_norm=True, tie_word_embeddings=True),
+    models.ModelConfig("llama", 96, 32, 48, 1, num_heads=2, num_kv_heads=2, head_dim=16,
+                       attention_bias=True, o_proj_bias=True, mlp_bias=True),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.model_type)
+def test_param_count_and_weight_bytes_equal_the_model(cfg):
+    model = nnx.eval_shape(lambda: models.Decoder(cfg, dtype=jnp.bfloat16,
+                                                  param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert memory_plan.param_count(cfg) == sum(x.size for x in leaves)
+    est = memory_plan.estimate("score", cfg, batch=2, prompt_len=8, new_tokens=8,
+                               dtype=jnp.bfloat16)
+    assert est.parts["weights"] == sum(x.size * 2 for x in leaves)
+
+
+@pytest.mark.parametrize("method", ["none", "rkv"])
+def test_rollout_kv_terms_equal_the_sampler_state(method):
+    cfg = CONFIGS[0]
+    comp = CompressionConfig(method=method, budget=8, buffer=4, window=2)
+    n, p, m = 6, 8, 24
+    state = jax.eval_shape(lambda: init_state(
+        comp, num_layers=cfg.num_layers, batch=n, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=p + m))
+    est = memory_plan.estimate("rollout", cfg, batch=n, prompt_len=p, new_tokens=m,
+                               compression=comp, num_samples=2)
+    cache = state.cache
+    per_row_cache = sum(x.size * x.dtype.itemsize for x in (cache.k, cache.v, cache.pos)) // n
+    assert est.parts["kv_cache"] == per_row_cache * (n + n // 2)  # fanned out + prefill rows
+    assert est.parts["query_ring"] == state.queries.size * 4
+    assert est.parts["eviction_record"] == state.evicted_at.size * 4
+
+
+def test_score_estimate_covers_the_compiled_score():
+    cfg = CONFIGS[0]
+    model = models.Decoder(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    n, p, m = 4, 16, 48
+    ints = jax.ShapeDtypeStruct((n, p), jnp.int32)
+    compiled = score.lower(graphdef, params, ints, ints, jax.ShapeDtypeStruct((n, m), jnp.int32),
+                           chunk_size=16).compile().memory_analysis()
+    used = compiled.temp_size_in_bytes + compiled.argument_size_in_bytes
+    used += compiled.output_size_in_bytes
+    est = memory_plan.estimate("score", cfg, batch=n, prompt_len=p, new_tokens=m,
+                               logp_chunk=16).total
+    assert used <= est <= 8 * used
+
+
+def test_request_over_the_limit_fails_naming_estimate_and_largest_batch():
+    cfg = CONFIGS[1]
+    kw = dict(prompt_len=32, new_tokens=96, dtype=jnp.float32)
+    limit = memory_plan.estimate("update", cfg, batch=10, **kw).total
+    fits = memory_plan.largest_batch("update", cfg, limit, **kw)
+    assert fits >= 10
+    assert memory_plan.estimate("update", cfg, batch=fits, **kw).total <= limit
+    assert memory_plan.estimate("update", cfg, batch=fits + 1, **kw).total > limit
+    memory_plan.check_fits("update", cfg, batch=fits, limit=limit, **kw)
+    est = memory_plan.estimate("update", cfg, batch=64, **kw).total
+    with pytest.raises(memory_plan.MemoryPlanError,
+                       match=rf"update of batch 64 x 32\+96 tokens needs an estimated "
+                             rf"{est / 2**30:.2f} GiB .* the largest batch that fits is {fits}$"):
+        memory_plan.check_fits("update", cfg, batch=64, limit=limit, **kw)
+    with pytest.raises(memory_plan.MemoryPlanError, match="no batch fits"):
+        memory_plan.check_fits("rollout", cfg, batch=8, limit=1000, num_samples=2, step=2, **kw)
+
+
+def test_cpu_reports_no_device_limit_and_bad_arguments_are_named():
+    assert memory_plan.device_memory_limit() is None  # XLA:CPU: the limit must be configured
+    with pytest.raises(ValueError, match="kind: must be one of"):
+        memory_plan.estimate("train", CONFIGS[0], batch=1, prompt_len=1, new_tokens=1)
+    with pytest.raises(ValueError, match="new_tokens: must be an int >= 1, got 0"):
+        memory_plan.estimate("score", CONFIGS[0], batch=1, prompt_len=1, new_tokens=0)
+    assert np.isfinite(memory_plan.estimate("score", CONFIGS[0], batch=0, prompt_len=1,
+                                            new_tokens=1).total)
