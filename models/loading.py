@@ -188,14 +188,21 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
 
 @jax.jit
 def _all_finite(state):
-    return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), state)
+    """Per tensor: one flag, or one per layer for a layer-stacked param (``[L]``)."""
+    def flags(key_path, x):
+        axes = tuple(range(1, x.ndim)) if is_layer_stacked(path_str(key_path)) else None
+        return jnp.all(jnp.isfinite(x), axis=axes)
+    return jax.tree_util.tree_map_with_path(flags, state)
 
 
 def _check_finite(state: Any, path: Path) -> None:
-    """ValueError naming every loaded tensor that holds a NaN or an infinity (one pass)."""
+    """ValueError naming every loaded HF tensor that holds a NaN or an infinity (one pass)."""
     flags = jax.device_get(_all_finite(state))
-    bad = [hf_name(path_str(key_path))[0]
-           for key_path, ok in jax.tree_util.tree_flatten_with_path(flags)[0] if not ok]
+    bad = [name
+           for key_path, ok in jax.tree_util.tree_flatten_with_path(flags)[0]
+           for (name, _, _), layer_ok in zip(hf_tensors(path_str(key_path), np.shape(ok)),
+                                             np.reshape(ok, -1))
+           if not layer_ok]
     if bad:
         raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(bad)} hold NaN or inf values")
 
