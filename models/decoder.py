@@ -75,9 +75,22 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.dtype) * xf.astype(self.dtype)
 
 
+class Linear(nnx.Linear):
+    """``nnx.Linear`` plus an optional low-rank adapter's output: ``lora`` is None (a plain
+    linear) or a :class:`models.lora.LoRA` set by :func:`models.lora.add_lora`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lora = nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = super().__call__(x)
+        return y if self.lora is None else y + self.lora(x)
+
+
 def _dense(dtype, param_dtype, rngs: nnx.Rngs) -> partial:
-    """``nnx.Linear`` factory with the model's dtypes and HF's N(0, 0.02) initialisation."""
-    return partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, kernel_init=_INIT, rngs=rngs)
+    """:class:`Linear` factory with the model's dtypes and HF's N(0, 0.02) initialisation."""
+    return partial(Linear, dtype=dtype, param_dtype=param_dtype, kernel_init=_INIT, rngs=rngs)
 
 
 class Attention(nnx.Module):

@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from models.decoder import Decoder
 from models.gguf import checkpoint_dir
+from models.lora import ATTENTION_TARGETS, adapted, merge_lora
 from models.partitioning import is_layer_stacked, make_mesh, param_shardings, path_str
 
 log = logging.getLogger(__name__)
@@ -219,12 +220,14 @@ def _to_host(x: jax.Array) -> np.ndarray:
 def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write ``config.json`` + safetensors that ``transformers`` (and vLLM) load.
 
-    Tensors are gathered one shard file at a time (``model.safetensors``, or
+    A model with LoRA adapters is written merged (:func:`models.lora.merge_lora`); see
+    :func:`save_adapter` for the adapters alone. Tensors are gathered one shard file at a time (``model.safetensors``, or
     ``model-0000i-of-0000n.safetensors`` + index when larger than ``max_shard_bytes``).
     On multi-host runs every process must call this; process 0 writes.
     """
     import transformers
 
+    model = merge_lora(model)
     cfg = model.config
     tensors = []  # (hf name, transpose, param, layer index of a stacked param or None)
     for key_path, param in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
@@ -265,3 +268,40 @@ def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 5 *
                     for p in {id(t[2]): t[2] for t in tensors}.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / _INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def save_adapter(model: Decoder, path: str | Path) -> None:
+    """Write ``model``'s LoRA adapters alone as a PEFT adapter directory.
+
+    ``adapter_model.safetensors`` holds, for layer ``i`` and projection ``p``,
+    ``base_model.model.model.layers.{i}.{self_attn|mlp}.{p}.lora_A.weight`` ``[r, in]`` and
+    ``...lora_B.weight`` ``[out, r]`` (``lora_a`` / ``lora_b`` transposed);
+    ``adapter_config.json`` holds ``peft_type: LORA``, ``r``, ``lora_alpha`` and
+    ``target_modules``, so ``peft.PeftModel.from_pretrained(base, path)`` applies them to the
+    base checkpoint. ValueError if the model has no adapters. Process 0 writes.
+    """
+    arrays, targets, rank, alpha = {}, [], None, None
+    for name, linear in adapted(model):
+        block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
+        a, b = _to_host(linear.lora.lora_a[...]), _to_host(linear.lora.lora_b[...])
+        for i in range(a.shape[0]):
+            prefix = f"base_model.model.model.layers.{i}.{block}.{name}"
+            arrays[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            arrays[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+        targets.append(name)
+        rank, alpha = linear.lora.rank, linear.lora.alpha
+    if not targets:
+        raise ValueError("save_adapter: the model has no LoRA adapters")
+    if jax.process_index() != 0:
+        return
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(arrays, path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": None}
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))

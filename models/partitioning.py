@@ -25,6 +25,11 @@ PARTITION_RULES: tuple[tuple[str, P], ...] = (
     (r"(o_proj|down_proj)/kernel$", P("tensor", "fsdp")),  # [in, H]
     (r"(o_proj|down_proj)/bias$", P()),
     (r"(norm|layernorm)/weight$", P()),
+    # LoRA adapters (models.lora): A follows its kernel's input dim, B its output dim.
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/lora/lora_a$", P("fsdp")),  # [H, r]
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)/lora/lora_b$", P(None, "tensor")),  # [r, out]
+    (r"(o_proj|down_proj)/lora/lora_a$", P("tensor")),  # [in, r]
+    (r"(o_proj|down_proj)/lora/lora_b$", P(None, "fsdp")),  # [r, H]
 )
 
 
