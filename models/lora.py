@@ -71,6 +71,11 @@ def adapted(model) -> Iterator[tuple[str, nnx.Linear]]:
             yield name, linear
 
 
+def has_lora(model) -> bool:
+    """Whether any projection of ``model`` carries an adapter."""
+    return any(True for _ in adapted(model))
+
+
 def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...], *, rngs: nnx.Rngs,
              mesh: Mesh | None = None) -> None:
     """Adds an adapter of ``rank`` and ``alpha`` to each projection in ``targets`` of every
@@ -84,7 +89,7 @@ def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...], *, rngs: 
     if unknown:
         raise ValueError(f"lora targets {unknown} name no module; the decoder's projections "
                          f"are {list(LORA_TARGETS)}")
-    if any(True for _ in adapted(model)):
+    if has_lora(model):
         raise ValueError("the model already has LoRA adapters")
     for name in targets:
         linear = _projection(model, name)
@@ -100,7 +105,7 @@ def merge_lora(model):
     """A copy of ``model`` whose kernels hold the adapted weights ``W + (alpha / r) A @ B``
     (summed in float32, stored in the kernel's dtype) and that has no adapters; ``model``
     itself when it has none."""
-    if not any(True for _ in adapted(model)):
+    if not has_lora(model):
         return model
     merged = nnx.clone(model)
     for _, linear in adapted(merged):
@@ -108,7 +113,7 @@ def merge_lora(model):
         delta = jnp.einsum("lir,lro->lio", lora.lora_a[...].astype(jnp.float32),
                            lora.lora_b[...].astype(jnp.float32)) * (lora.alpha / lora.rank)
         kernel = linear.kernel[...]
-        linear.kernel.value = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
+        linear.kernel[...] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
         linear.lora = None
     return merged
 

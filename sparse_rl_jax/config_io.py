@@ -41,6 +41,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        present = [arg for arg in args if arg is not type(None)]
+        if len(present) == 1:  # Optional[X]: X's own error, which names the field
+            return _coerce(value, present[0], path)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -68,11 +68,23 @@ def abstract_like(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+LORA_ADAPTER_DIR = "lora_adapter"
+"""Where :func:`export_policy` writes a LoRA policy's adapter alone (PEFT format)."""
+
+
 def export_policy(graphdef, params, tokenizer: models.Tokenizer, out: str | Path) -> Path:
     """Writes the policy and its tokenizer as an HF checkpoint directory that
-    ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` load (torch needed); returns it."""
+    ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` load (torch needed); returns it.
+
+    A policy with LoRA adapters is written merged, and its adapter alone goes to
+    ``out/lora_adapter`` (``models.save_adapter``: PEFT's ``adapter_model.safetensors`` +
+    ``adapter_config.json``, applied to the base checkpoint by ``peft.PeftModel``).
+    """
     out = Path(out)
-    models.save_pretrained(nnx.merge(graphdef, params), out)
+    model = nnx.merge(graphdef, params)
+    models.save_pretrained(model, out)
+    if models.has_lora(model):
+        models.save_adapter(model, out / LORA_ADAPTER_DIR)
     tokenizer.hf.save_pretrained(out)
     return out
 
@@ -99,7 +111,8 @@ def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[st
             raise FileNotFoundError(
                 f"{target} is neither an HF checkpoint (no config.json) nor a run directory "
                 "with checkpoints/")
-        opt_state = jax.eval_shape(make_optimizer(cfg.optim).init, params)
+        opt_state = jax.eval_shape(make_optimizer(cfg.optim).init,
+                                   models.split_trainable(params)[0])
         abstract = {"params": abstract_like(params),
                     "opt_state": jax.tree.map(
                         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), opt_state)}

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterator
 
 import jax.numpy as jnp
+from flax import nnx
 
 import models
 from sparse_rl_jax.prompt_source import PromptSource
@@ -20,7 +21,9 @@ _ENCODE_CHUNK = 1024
 
 
 def load_checked_policy(path: str, cfg, mesh) -> tuple[models.Tokenizer, models.Decoder]:
-    """``(tokenizer, model)`` of the HF checkpoint at ``path``, validated together.
+    """``(tokenizer, model)`` of the HF checkpoint at ``path``, validated together, with
+    ``cfg.model.lora``'s adapters added (``models.add_lora``, A drawn from
+    ``trainer.seed``) when set.
 
     The tokenizer's files are named when missing; every id it can produce (vocabulary,
     special ids) and the configured ``sampling.eos_ids`` / ``pad_id`` must fit the model's
@@ -29,6 +32,10 @@ def load_checked_policy(path: str, cfg, mesh) -> tuple[models.Tokenizer, models.
     """
     tokenizer = models.Tokenizer(path)
     model = models.load_pretrained(path, dtype=DTYPES[cfg.model.dtype], mesh=mesh)
+    lora = cfg.model.lora
+    if lora is not None:
+        models.add_lora(model, lora.rank, lora.alpha, lora.targets,
+                        rngs=nnx.Rngs(cfg.trainer.seed), mesh=mesh)
     vocab = model.config.vocab_size
     tokenizer.check_fits(vocab)
     for field, ids in (("eos_ids", cfg.sampling.eos_ids), ("pad_id", (cfg.sampling.pad_id,))):

@@ -14,6 +14,7 @@ from models.decoder import REMAT_POLICIES
 from sparse_rl_jax.advantages import AdvantageConfig
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.datasets import DatasetConfig
+from sparse_rl_jax.lora_config import LoraConfig
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.optim import OptimConfig
 from sparse_rl_jax.overlong import OverlongConfig
@@ -52,11 +53,14 @@ class ModelSection:
       remat: activation rematerialisation of the layer scan in the update's backward pass:
         ``none``, ``full`` (keep each layer's input only) or ``dots_saveable`` (keep matmul
         outputs); see ``models.decoder.REMAT_POLICIES``. Same values, less memory, more time.
+      lora: train low-rank adapters instead of the weights (:class:`LoraConfig`); None
+        (the default) trains every weight.
     """
 
     path: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots_saveable"] = "none"
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         _require("model", "dtype", self.dtype in ("float32", "bfloat16"),

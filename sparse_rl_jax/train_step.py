@@ -7,6 +7,10 @@ metrics say so (``all_rejected == 1``). Likewise an update whose loss or gradien
 finite is skipped inside the jitted step (``nonfinite_update == 1``), so a NaN never reaches
 the params, the optimizer state or a checkpoint.
 
+With LoRA adapters on the policy (``models.lora``) only the adapter params are
+differentiated and updated, and the optimizer state covers them alone; the base weights pass
+through unchanged (``models.split_trainable``).
+
 Gradient accumulation: with ``micro_batch_size`` below the minibatch, one jitted step runs
 the forward/backward over micro-batches under ``lax.scan``, sums their gradients in float32
 and applies one optimizer update. Every micro-batch loss uses the denominators of the whole
@@ -24,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models.lora import split_trainable
 from sparse_rl_jax.grpo_loss import LossBatch, LossNorm, combine_metrics, grpo_loss, loss_norm
 from sparse_rl_jax.loss_config import GRPOLossConfig
 from sparse_rl_jax.scoring import response_logprobs, shadow_logprobs
@@ -61,12 +66,13 @@ def micro_batches(batch: Minibatch, micro_batch_size: int) -> Minibatch:
                         batch)
 
 
-def minibatch_loss(graphdef: nnx.GraphDef, params, batch: Minibatch, norm: LossNorm | None, *,
-                   loss_cfg: GRPOLossConfig, chunk_size: int = 128):
-    """``(loss, metrics)`` of ``grpo_loss`` on ``batch`` scored by the policy ``params``
-    (dense, or with ``batch.eviction_record`` under the recorded sparse context); ``norm``:
-    the aggregation denominators (None: ``batch``'s own). Differentiable in ``params``."""
-    model = nnx.merge(graphdef, params)
+def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
+                   norm: LossNorm | None, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128):
+    """``(loss, metrics)`` of ``grpo_loss`` on ``batch`` scored by the policy
+    ``trainable`` + ``frozen`` (``split_trainable``; dense, or with ``batch.eviction_record``
+    under the recorded sparse context); ``norm``: the aggregation denominators (None:
+    ``batch``'s own). Differentiable in ``trainable``."""
+    model = nnx.merge(graphdef, trainable, frozen)
     with_entropy = loss_cfg.entropy_coef > 0
     if batch.eviction_record is None:
         out = response_logprobs(
@@ -83,15 +89,15 @@ def minibatch_loss(graphdef: nnx.GraphDef, params, batch: Minibatch, norm: LossN
                      logp_dense=scores.logp_dense, kl_full=scores.kl_full, norm=norm)
 
 
-def accumulated_grads(graphdef: nnx.GraphDef, params, batch: Minibatch, micro_batch_size: int,
-                      *, loss_cfg: GRPOLossConfig, chunk_size: int = 128):
+def accumulated_grads(graphdef: nnx.GraphDef, params, frozen, batch: Minibatch,
+                      micro_batch_size: int, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128):
     """``(loss, metrics, grads)`` of the whole minibatch ``batch`` computed over micro-batches
-    of ``micro_batch_size`` sequences (``lax.scan``), gradients summed in float32 and returned
-    in the params' dtypes. Each micro-batch loss uses the minibatch's ``loss_norm``, so the
+    of ``micro_batch_size`` sequences (``lax.scan``), gradients with respect to the trainable
+    ``params`` (``frozen`` held fixed) summed in float32 and returned in the params' dtypes. Each micro-batch loss uses the minibatch's ``loss_norm``, so the
     sums are the minibatch's loss and gradient; metrics are merged by ``combine_metrics``."""
     norm = loss_norm(batch.loss, loss_cfg)
     grad_fn = jax.value_and_grad(
-        lambda p, micro: minibatch_loss(graphdef, p, micro, norm, loss_cfg=loss_cfg,
+        lambda p, micro: minibatch_loss(graphdef, p, frozen, micro, norm, loss_cfg=loss_cfg,
                                         chunk_size=chunk_size), has_aux=True)
 
     def one(acc, micro):
@@ -131,13 +137,15 @@ def update_step(
       ``nonfinite_update``, 1.0 when the update was skipped for a non-finite loss/gradient).
     """
     n = batch.response.shape[0]
+    trainable, frozen = split_trainable(params)
     if micro_batch_size is None or micro_batch_size == n:
         (loss, metrics), grads = jax.value_and_grad(
-            lambda p: minibatch_loss(graphdef, p, batch, None, loss_cfg=loss_cfg,
-                                     chunk_size=chunk_size), has_aux=True)(params)
+            lambda p: minibatch_loss(graphdef, p, frozen, batch, None, loss_cfg=loss_cfg,
+                                     chunk_size=chunk_size), has_aux=True)(trainable)
     else:
-        loss, metrics, grads = accumulated_grads(graphdef, params, batch, micro_batch_size,
-                                                 loss_cfg=loss_cfg, chunk_size=chunk_size)
+        loss, metrics, grads = accumulated_grads(graphdef, trainable, frozen, batch,
+                                                 micro_batch_size, loss_cfg=loss_cfg,
+                                                 chunk_size=chunk_size)
     metrics["grad_norm"] = optax.global_norm(grads)
     nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]))
     metrics["nonfinite_update"] = nonfinite.astype(jnp.float32)
@@ -147,20 +155,21 @@ def update_step(
         updates, s = optimizer.update(grads, s, p)
         return optax.apply_updates(p, updates), s
 
-    params, opt_state = jax.lax.cond(
+    trainable, opt_state = jax.lax.cond(
         (metrics["all_rejected"] > 0) | nonfinite, lambda operand: operand, apply,
-        (params, opt_state)
+        (trainable, opt_state)
     )
-    return params, opt_state, metrics
+    return nnx.merge_state(trainable, frozen), opt_state, metrics
 
 
 def init_optimizer(optimizer: optax.GradientTransformation, params, mesh):
-    """Optimizer state laid out on ``mesh``, and its shardings.
+    """Optimizer state of the trainable part of ``params`` (``split_trainable``: the LoRA
+    params when the policy has adapters) laid out on ``mesh``, and its shardings.
 
     Moment buffers take the sharding of their parameter (jit propagates it); leaves jit
     leaves on one device (step counters) are replicated over the mesh.
     """
-    opt_state = jax.jit(optimizer.init)(params)
+    opt_state = jax.jit(optimizer.init)(split_trainable(params)[0])
     replicated = NamedSharding(mesh, PartitionSpec())
     shardings = jax.tree.map(
         lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated, opt_state)

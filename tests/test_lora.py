@@ -1,0 +1,195 @@
+"""LoRA (``model.lora``): an update trains the adapters only, the merged export and the PEFT
+adapter reproduce the adapted model in ``transformers`` / ``peft``, a resumed LoRA run equals
+an uninterrupted one, and bad ``model.lora`` settings are config errors naming the field.
+
+Oracles: bit equality of the frozen base weights; ``transformers`` (and ``peft``) logits of
+the exported directories; the uninterrupted run."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file
+
+import models
+from sparse_rl_jax.config_io import ConfigError, load_config
+from sparse_rl_jax.corrections import compute_corrections
+from sparse_rl_jax.grpo_loss import LossBatch
+from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
+from sparse_rl_jax.metrics_writer import read_metrics
+from sparse_rl_jax.optim import OptimConfig, make_optimizer
+from sparse_rl_jax.policy import LORA_ADAPTER_DIR
+from sparse_rl_jax.rewards import available_reward_fns, register_reward_fn
+from sparse_rl_jax.run_config import RunConfig, WarmStartConfig
+from sparse_rl_jax.task import TaskConfig
+from sparse_rl_jax.train_step import Minibatch, init_optimizer, jit_update_step
+from sparse_rl_jax.trainer import train
+from sparse_rl_jax.warm_start import build_default_model
+from tiny_hf import hf_logits, left_padded_batch, load_hf, make_tiny_hf
+
+RANK, ALPHA = 4, 8.0
+
+
+def _adapted(path, targets=models.LORA_TARGETS, seed=0):
+    """The fp32 checkpoint at ``path`` with rank-4 adapters; ``(graphdef, lora, base)``."""
+    model = models.load_pretrained(path, dtype=jnp.float32)
+    models.add_lora(model, RANK, ALPHA, targets, rngs=nnx.Rngs(seed),
+                    mesh=models.make_mesh(devices=jax.devices()[:1]))
+    graphdef, state = nnx.split(model)
+    return (graphdef, *models.split_trainable(state))
+
+
+def _minibatch(n=4, width=5, m=6) -> Minibatch:
+    rng = np.random.default_rng(0)
+    prompt, prompt_mask = left_padded_batch(rng, [5, 3, 4, 2][:n], width=width)
+    logp_old = jnp.asarray(-rng.uniform(2.0, 6.0, (n, m)), jnp.float32)
+    mask = jnp.ones((n, m), jnp.int32)
+    corrections = compute_corrections(logp_old, logp_old, mask, CorrectionConfig(kind="none"))
+    loss = LossBatch.from_corrections(logp_old, jnp.asarray(rng.normal(0, 1, n), jnp.float32),
+                                      mask, corrections)
+    return Minibatch(jnp.asarray(prompt), jnp.asarray(prompt_mask),
+                     jnp.asarray(rng.integers(3, 100, (n, m)), jnp.int32), loss)
+
+
+def test_update_trains_only_the_adapters(tmp_path):
+    path = make_tiny_hf(tmp_path, "qwen2", tokenizer=False, hidden_size=32,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        intermediate_size=64)
+    graphdef, lora, base = _adapted(path, targets=("q_proj", "v_proj", "down_proj"))
+    params = nnx.merge_state(lora, base)
+    base_before = jax.tree.map(np.array, base)
+    lora_before = jax.tree.map(np.array, lora)
+    optimizer = make_optimizer(OptimConfig(lr=1e-2))
+    mesh = models.make_mesh(devices=jax.devices()[:1])
+    opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
+    # The optimizer state holds moments of the adapters only.
+    lora_sizes = sorted(x.size for x in jax.tree.leaves(lora))
+    moments = sorted(x.size for x in jax.tree.leaves(opt_state) if x.ndim > 0)
+    assert moments == sorted(lora_sizes * 2)
+    update = jit_update_step(graphdef, loss_cfg=GRPOLossConfig(), optimizer=optimizer,
+                             param_shardings=jax.tree.map(lambda x: x.sharding, params),
+                             opt_shardings=opt_shardings,
+                             batch_sharding=jax.sharding.NamedSharding(
+                                 mesh, jax.sharding.PartitionSpec()),
+                             chunk_size=4)
+    params, opt_state, metrics = update(params, opt_state, _minibatch())
+    assert float(metrics["nonfinite_update"]) == 0 and float(metrics["grad_norm"]) > 0
+    lora_after, base_after = models.split_trainable(params)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, base_after),
+                 base_before)
+    changed = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), lora_after,
+                           lora_before)
+    assert all(change > 1e-4 for change in jax.tree.leaves(changed)), changed
+
+
+def test_merged_export_and_adapter_match_the_adapted_model(tmp_path):
+    path = make_tiny_hf(tmp_path / "base", "qwen2")
+    graphdef, lora, base = _adapted(path)
+    noise = jax.random.split(jax.random.key(1), len(jax.tree.leaves(lora)))
+    leaves, tree = jax.tree.flatten(lora)
+    lora = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, noise)])  # B != 0
+    model = nnx.merge(graphdef, lora, base)
+    rng = np.random.default_rng(0)
+    tokens, mask = left_padded_batch(rng, [7, 4], width=7)
+    ours = np.asarray(model(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)).logits)
+    plain = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, lora), base)
+    plain = np.asarray(plain(jnp.asarray(tokens), attention_mask=jnp.asarray(mask)).logits)
+    valid = mask.astype(bool)
+    assert np.abs(ours - plain)[valid].max() > 1e-2  # the adapters matter
+
+    models.save_pretrained(model, tmp_path / "merged")
+    models.save_adapter(model, tmp_path / "adapter")
+    merged = hf_logits(tmp_path / "merged", tokens, mask)
+    np.testing.assert_allclose(merged[valid], ours[valid], atol=1e-4, rtol=0)
+    with torch.no_grad():
+        with_adapter = peft.PeftModel.from_pretrained(load_hf(path), tmp_path / "adapter")
+    np.testing.assert_allclose(hf_logits(with_adapter, tokens, mask)[valid], ours[valid],
+                               atol=1e-4, rtol=0)
+    assert models.has_lora(model) and not models.has_lora(models.merge_lora(model))
+
+
+def length_parity(completions, answers):
+    """A reward that differs between samples (the tiny policy's task reward is 0 everywhere),
+    so the advantages and the adapters' gradients are not zero."""
+    return np.array([float(len(c) % 2) for c in completions], np.float32)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A tiny warm-started policy and a LoRA run config for it."""
+    if "length_parity" not in available_reward_fns():
+        register_reward_fn("length_parity", lambda: length_parity)
+    root = tmp_path_factory.mktemp("lora_run")
+    policy = build_default_model(
+        root / "policy",
+        WarmStartConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                        intermediate_size=64, steps=2, batch_size=4),
+        TaskConfig(n_min=2, n_max=4), log=lambda _: None)
+    config = root / "lora.yaml"
+    config.write_text(f"""
+model: {{path: {policy}, lora: {{rank: 2, alpha: 4.0, targets: [q_proj, up_proj]}}}}
+data: {{task: {{n_min: 2, n_max: 4}}, reward: length_parity}}
+sampling: {{max_new_tokens: 8, num_samples: 4, prompt_bucket: 8}}
+compression: {{method: none}}
+optim: {{lr: 1.0e-2}}
+trainer: {{steps: 2, prompts_per_step: 2, minibatch_size: 4, checkpoint_every: 1,
+          logp_chunk: 8, plots: false}}
+""")
+    return root, config
+
+
+def _comparable(records):
+    return [{k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("_share")
+             and k != "tokens_per_second"} for r in records]
+
+
+def test_resumed_lora_run_equals_an_uninterrupted_one(lora_run):
+    """A copy of a finished 2-step run without its step-2 checkpoint and export (what a run
+    killed after step 1 leaves) resumes to the same metrics, merged export and adapter."""
+    root, config = lora_run
+    a, b = root / "a", root / "b"
+    train(load_config(RunConfig, config, [f"run_dir={a}"]), log=lambda _: None)
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "2")
+    shutil.rmtree(b / "final")
+    assert read_metrics(a / "metrics.jsonl")[-1]["grad_norm"] > 0
+    train(load_config(RunConfig, config, [f"run_dir={b}"]), log=lambda _: None)
+    assert _comparable(read_metrics(b / "metrics.jsonl")) == _comparable(
+        read_metrics(a / "metrics.jsonl"))
+    for name in ("model.safetensors", f"{LORA_ADAPTER_DIR}/adapter_model.safetensors"):
+        expected, resumed = load_file(a / "final" / name), load_file(b / "final" / name)
+        assert resumed.keys() == expected.keys()
+        for key in expected:
+            np.testing.assert_array_equal(resumed[key], expected[key], err_msg=key)
+    adapter = load_file(a / "final" / LORA_ADAPTER_DIR / "adapter_model.safetensors")
+    assert any(np.abs(x).max() > 0 for key, x in adapter.items() if "lora_B" in key)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.lora.rank=0", "model.lora.rank"),
+    ("model.lora.rank=-2", "model.lora.rank"),
+    ("model.lora.alpha=0", "model.lora.alpha"),
+    ("model.lora.targets=[q_proj,qkv]", "model.lora.targets"),
+    ("model.lora.targets=[]", "model.lora.targets"),
+    ("model.lora.dropout=1.0", "model.lora.dropout"),
+    ("model.lora.dropout=0.1", "model.lora.dropout"),
+])
+def test_bad_lora_config_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(RunConfig, None, [override])
+
+
+def test_lora_target_naming_no_module_is_refused_by_the_model(tmp_path):
+    model = models.load_pretrained(make_tiny_hf(tmp_path, "llama", tokenizer=False),
+                                   dtype=jnp.float32)
+    with pytest.raises(ValueError, match="name no module"):
+        models.add_lora(model, RANK, ALPHA, ("q_proj", "lm_head"), rngs=nnx.Rngs(0))
+    assert not models.has_lora(model)
