@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import models
 from sparse_rl_jax import memory_plan
@@ -178,7 +179,7 @@ def test_micro_batch_size_must_divide_the_minibatch(tmp_path):
     with pytest.raises((ConfigError, ValueError), match="trainer.micro_batch_size"):
         load_config(RunConfig, path)
     with pytest.raises(ValueError, match="trainer.micro_batch_size"):
-        update_step(None, {}, {}, _batch("none"), loss_cfg=GRPOLossConfig(),
+        update_step(None, nnx.State({}), {}, _batch("none"), loss_cfg=GRPOLossConfig(),
                     optimizer=SGD, micro_batch_size=3)
 
 
