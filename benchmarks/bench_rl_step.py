@@ -26,7 +26,9 @@ weights of a Qwen2-shaped model of ``--layers`` x ``--hidden``, vocab 8192, prom
 (``model.remat``) x micro-batch size (``trainer.micro_batch_size``; 0 = the whole minibatch):
 the compiled program's memory from XLA's ``memory_analysis()`` (temp = transient buffers;
 peak = arguments + outputs + temp - donated aliases) and the median step time of 3 runs after
-a warm-up, with both as ratios to ``none`` / whole minibatch.
+a warm-up, with both as ratios to ``none`` / whole minibatch. ``--lora-rank R`` (> 0) runs
+the table with rank-``R`` adapters (alpha ``2R``) on every projection (``model.lora``): the
+base weights frozen, gradients and AdamW state for the adapters only.
 """
 
 from __future__ import annotations
@@ -137,6 +139,9 @@ def update_grid(args) -> None:
                                 attention_bias=True)
     model = models.Decoder(config, dtype=jnp.float32, param_dtype=jnp.float32,
                            rngs=nnx.Rngs(0))
+    if args.lora_rank:
+        models.add_lora(model, args.lora_rank, 2.0 * args.lora_rank, models.LORA_TARGETS,
+                        rngs=nnx.Rngs(1))
     rng = np.random.default_rng(0)
     mask = jnp.ones((n, m), jnp.int32)
     batch = Minibatch(
@@ -155,7 +160,7 @@ def update_grid(args) -> None:
             step = jax.jit(lambda pr, s, b, micro=micro, graphdef=graphdef: update_step(
                 graphdef, pr, s, b, loss_cfg=loss_cfg, optimizer=optimizer, chunk_size=64,
                 micro_batch_size=micro or None))
-            opt_state = optimizer.init(params)
+            opt_state = optimizer.init(models.split_trainable(params)[0])
             start = time.perf_counter()
             compiled = step.lower(params, opt_state, batch).compile()
             compile_s = time.perf_counter() - start
@@ -175,7 +180,9 @@ def update_grid(args) -> None:
                              step=statistics.median(times), compile=compile_s))
     params_m = sum(x.size for x in jax.tree.leaves(nnx.state(model))) / 1e6
     print(f"one update: Qwen2-shaped {params_m:.1f}M params ({args.layers} layers x hidden "
-          f"{args.hidden}, vocab 8192), fp32, {n} sequences x ({p} + {m}) tokens, AdamW, "
+          f"{args.hidden}, vocab 8192), fp32, "
+          f"{f'LoRA rank {args.lora_rank} on every projection, ' if args.lora_rank else ''}"
+          f"{n} sequences x ({p} + {m}) tokens, AdamW, "
           f"{jax.devices()[0].device_kind} ({os.cpu_count()} host cores); step s = median of 3 "
           "after a warm-up; memory from XLA memory_analysis (MiB); ratios vs remat none, "
           "whole minibatch")
@@ -209,6 +216,8 @@ def main() -> None:
     parser.add_argument("--remat", nargs="+", default=["none", "full", "dots_saveable"])
     parser.add_argument("--micro", nargs="+", type=int, default=[0, 4, 2],
                         help="micro-batch sizes (0 = the whole minibatch)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="--update-grid with LoRA adapters of this rank (0 = none)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -16,6 +16,7 @@ import peft
 import pytest
 import torch
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 import models
@@ -193,3 +194,16 @@ def test_lora_target_naming_no_module_is_refused_by_the_model(tmp_path):
     with pytest.raises(ValueError, match="name no module"):
         models.add_lora(model, RANK, ALPHA, ("q_proj", "lm_head"), rngs=nnx.Rngs(0))
     assert not models.has_lora(model)
+
+
+def test_lora_params_follow_their_kernels_layout():
+    """A follows its kernel's input dim and B its output dim over fsdp=4 x tensor=2."""
+    mesh = jax.sharding.AbstractMesh((1, 4, 2), models.MESH_AXES)
+    layout = {
+        "layers/self_attn/q_proj/lora/lora_a": ((2, 64, 8), P(None, "fsdp")),
+        "layers/self_attn/q_proj/lora/lora_b": ((2, 8, 64), P(None, None, "tensor")),
+        "layers/mlp/down_proj/lora/lora_a": ((2, 128, 8), P(None, "tensor")),
+        "layers/mlp/down_proj/lora/lora_b": ((2, 8, 64), P(None, None, "fsdp")),
+    }
+    for path, (shape, spec) in layout.items():
+        assert models.partition_spec(path, shape, mesh) == spec, path
