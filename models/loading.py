@@ -221,8 +221,9 @@ def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 5 *
     """Write ``config.json`` + safetensors that ``transformers`` (and vLLM) load.
 
     A model with LoRA adapters is written merged (:func:`models.lora.merge_lora`); see
-    :func:`save_adapter` for the adapters alone. Tensors are gathered one shard file at a time (``model.safetensors``, or
-    ``model-0000i-of-0000n.safetensors`` + index when larger than ``max_shard_bytes``).
+    :func:`save_adapter` for the adapters alone. Tensors are gathered one shard file at a
+    time (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger
+    than ``max_shard_bytes``).
     On multi-host runs every process must call this; process 0 writes.
     """
     import transformers

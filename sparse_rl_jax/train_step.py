@@ -93,8 +93,9 @@ def accumulated_grads(graphdef: nnx.GraphDef, params, frozen, batch: Minibatch,
                       micro_batch_size: int, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128):
     """``(loss, metrics, grads)`` of the whole minibatch ``batch`` computed over micro-batches
     of ``micro_batch_size`` sequences (``lax.scan``), gradients with respect to the trainable
-    ``params`` (``frozen`` held fixed) summed in float32 and returned in the params' dtypes. Each micro-batch loss uses the minibatch's ``loss_norm``, so the
-    sums are the minibatch's loss and gradient; metrics are merged by ``combine_metrics``."""
+    ``params`` (``frozen`` held fixed) summed in float32 and returned in the params' dtypes.
+    Each micro-batch loss uses the minibatch's ``loss_norm``, so the sums are the minibatch's
+    loss and gradient; metrics are merged by ``combine_metrics``."""
     norm = loss_norm(batch.loss, loss_cfg)
     grad_fn = jax.value_and_grad(
         lambda p, micro: minibatch_loss(graphdef, p, frozen, micro, norm, loss_cfg=loss_cfg,
