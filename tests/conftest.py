@@ -1,8 +1,9 @@
 """Shared pytest setup: CPU only, fp32 matmuls at full precision for parity tests.
 
-The suite compiles hundreds of tiny programs and runs each briefly, so XLA:CPU's LLVM
-optimisation dominates its time: ``--xla_backend_optimization_level=0`` (LLVM -O0; XLA's HLO
-passes still run) cut the CPU time of the reproduction smoke test from 166 s to 116 s. Child
+The suite compiles hundreds of tiny programs and runs each briefly, so compilation dominates
+its time: ``--xla_backend_optimization_level=0`` (XLA:CPU's backend codegen at its lowest
+optimisation level; the numerics tests still hold against their oracles) cut the CPU time of
+the reproduction smoke test from 166 s to 116 s. Child
 processes (``run.py``, the experiment scripts) inherit it through the environment.
 """
 
