@@ -96,6 +96,17 @@ def attention(
                                block_size=block_size)
 
 
+def masked_softmax(x: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax of ``x`` over the entries where ``mask`` holds (broadcast against ``x``); 0
+    elsewhere and on rows with no such entry. Masked entries reach neither value nor gradient."""
+    x = jnp.where(mask, x, -jnp.inf)
+    peak = jnp.max(x, axis=axis, keepdims=True)
+    peak = jax.lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0.0))
+    e = jnp.where(mask, jnp.exp(x - peak), 0.0)
+    total = jnp.sum(e, axis=axis, keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)
+
+
 def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None) -> jax.Array:
     """The naive einsum over every ``[T, S]`` pair (the oracle). Same contract as
     :func:`attention`."""
@@ -105,12 +116,7 @@ def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None) -> j
     logits = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     logits = logits * (d ** -0.5)
     visible = visibility(q_pos, k_pos, k_expiry, mask)[:, :, None]  # [B, Hkv, 1, T, S]
-    logits = jnp.where(visible, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    weights = jnp.exp(logits - row_max)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(total > 0, total, 1.0)
+    probs = masked_softmax(logits, visible)
     out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(b, t, hq, d).astype(q.dtype)
 

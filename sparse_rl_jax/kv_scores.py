@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.attention import masked_softmax
 from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.masked_math import masked_mean
 
 _SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency score
 
@@ -31,22 +33,6 @@ def _slot_masks(pos: jax.Array, index: jax.Array, window: int) -> tuple[jax.Arra
 def _window_positions(pos: jax.Array, index: jax.Array, window: int) -> jax.Array:
     """Positions ``[B, Hkv, w]`` of the window slots ``[index - w, index)``."""
     return lax.dynamic_slice_in_dim(pos, index - window, window, axis=-1)
-
-
-def _masked_softmax(x: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
-    """Softmax of ``x`` over the entries where ``mask`` holds; 0 elsewhere and on empty rows."""
-    x = jnp.where(mask, x, -jnp.inf)
-    peak = jnp.max(x, axis=axis, keepdims=True)
-    e = jnp.where(mask, jnp.exp(x - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
-    total = jnp.sum(e, axis=axis, keepdims=True)
-    return e / jnp.where(total > 0, total, 1.0)
-
-
-def _masked_mean(x: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
-    """Mean of ``x`` over the entries where ``mask`` holds (0 when none does)."""
-    total = jnp.sum(jnp.where(mask, x, 0.0), axis=axis)
-    count = jnp.sum(mask, axis=axis)
-    return total / jnp.maximum(count, 1).astype(x.dtype)
 
 
 def _pool_slots(x: jax.Array, kind: str, kernel: int) -> jax.Array:
@@ -102,13 +88,13 @@ def importance(
     kept = valid & non_window  # [B, Hkv, C]
     if cfg.importance == "sparse_rl":
         pooled = _reduce_group(logits, cfg.gqa_pool, axis=2)  # [B, Hkv, w, C]
-        probs = _masked_softmax(pooled, kept[:, :, None, :])
-        scores = _masked_mean(probs, q_ok, axis=2)  # [B, Hkv, C]
+        probs = masked_softmax(pooled, kept[:, :, None, :])
+        scores = masked_mean(probs, q_ok, axis=2)  # [B, Hkv, C]
         return _pool_slots(scores, cfg.pool, cfg.pool_kernel)
     visible = valid[:, :, None, :] & (pos[:, :, None, :] <= qpos[..., None])  # [B, Hkv, w, C]
-    probs = _masked_softmax(logits, visible[:, :, None])  # [B, Hkv, G, w, C]
+    probs = masked_softmax(logits, visible[:, :, None])  # [B, Hkv, G, w, C]
     probs = jnp.where(kept[:, :, None, None, :], probs, 0.0)
-    scores = _masked_mean(probs, q_ok[:, :, None], axis=3)  # [B, Hkv, G, C]
+    scores = masked_mean(probs, q_ok[:, :, None], axis=3)  # [B, Hkv, G, C]
     return _reduce_group(_pool_slots(scores, cfg.pool, cfg.pool_kernel), cfg.gqa_pool, axis=2)
 
 
@@ -138,7 +124,7 @@ def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: flo
     removed = jnp.sum(jnp.where(newest[..., :, None] == slot, zeroed[..., :, None], 0.0), axis=-2)
     col_sum = jnp.einsum("bhd,bhjd->bhj", jnp.sum(k, axis=2), k) - jnp.sum(k * k, axis=-1)
     count = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1).astype(jnp.float32)
-    return _masked_softmax((col_sum - removed) / count, valid)
+    return masked_softmax((col_sum - removed) / count, valid)
 
 
 def streaming_scores(pos: jax.Array, index: jax.Array, num_sinks: int) -> jax.Array:
