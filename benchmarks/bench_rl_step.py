@@ -43,7 +43,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -92,15 +91,9 @@ def worker(args) -> None:
     )
     peaks = []  # ru_maxrss (MiB) after each RL step
 
-    def step_and_record(*step_args):
-        out = real_rl_step(*step_args)
-        peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-        return out
-
-    real_rl_step = trainer.rl_step
     start = time.perf_counter()
-    with mock.patch.object(trainer, "rl_step", step_and_record):
-        trainer.train(cfg, log=lambda message: None)
+    trainer.train(cfg, log=lambda message: None, on_step=lambda step, metrics: peaks.append(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     wall = time.perf_counter() - start
     tokenizer = models.Tokenizer(args.path)  # each step's bucketed prompt width
     source = PromptSource(cfg.data, args.prompts, tokenizer.hf)

@@ -1,4 +1,4 @@
-"""The collect half of an RL step: rollout rounds, rewards, dense scoring, and the update batch.
+"""Rollout rounds, rewards and dense scoring: the data part of an RL step's collect half.
 
 Without dynamic sampling this is one round: ``trainer.prompts_per_step`` prompts at the data
 cursor, ``sampling.num_samples`` samples each. With ``data.dynamic_sampling`` (DAPO) a round's
@@ -264,8 +264,10 @@ def _metrics(rounds: list[_Round], ctx) -> dict[str, jax.Array]:
     return metrics
 
 
-def collect(ctx, params, position: int) -> tuple[UpdateBatch, dict[str, Any], dict[str, float]]:
-    """Collects one RL step's update batch, starting at prompt batch ``position``.
+def collect_rollouts(ctx, params, position: int
+                     ) -> tuple[UpdateBatch, dict[str, Any], dict[str, float]]:
+    """Rollouts, rewards and dense old-policy scores of one RL step, starting at prompt batch
+    ``position`` (``rl_step.collect`` adds the corrections and advantages).
 
     Args:
       ctx: the ``rl_step.StepContext``.

@@ -1,4 +1,5 @@
-"""One RL step: rollout -> reward -> dense scoring -> corrections -> K optimizer updates.
+"""One RL step in two halves: ``collect`` (rollout -> reward -> dense scoring -> corrections
+-> advantages) then ``update`` (K optimizer updates).
 
 The array work is jitted (sampler, scorer, update); the host does what needs Python anyway:
 tokenising prompts, decoding responses and calling the reward function. Every random choice
@@ -9,7 +10,6 @@ reproducible on its own (what resuming from a checkpoint relies on).
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable
 
 import jax
@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.advantages import compute_advantages
-from sparse_rl_jax.collect import collect, jitted_corrections, score_all, timed
+from sparse_rl_jax.collect import collect_rollouts, jitted_corrections, score_all, timed
 from sparse_rl_jax.grpo_loss import LossBatch
 from sparse_rl_jax.prompt_source import PromptSource
 from sparse_rl_jax.run_config import RunConfig
@@ -75,20 +75,22 @@ def planned_micro_batch(ctx: StepContext, params, full: Minibatch) -> int:
         logp_chunk=cfg.trainer.logp_chunk, remat=cfg.model.remat)
 
 
-def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None = None):
-    """Runs RL step ``step`` (0-based) from data cursor ``position`` (prompt batches; None =
-    ``step``, right without dynamic sampling); returns ``(params, opt_state, metrics)``.
+def collect(ctx: StepContext, params, position: int
+            ) -> tuple[Minibatch, dict[str, Any], dict[str, float]]:
+    """The first half of an RL step: everything the update consumes, from data cursor
+    ``position`` (prompt batches).
 
-    ``params`` and ``opt_state`` are donated to the optimizer updates: use the returned ones.
-    Metrics are Python floats: rollout statistics, correction statistics (rejection rate,
-    token mask fraction, mismatch KL), update statistics averaged over the minibatches, and
-    the seconds spent in each phase, and ``collect_rounds`` (how far the cursor advanced; see
-    ``collect.collect``).
+    Rollouts, rewards and dense old-policy scores (``collect.collect_rollouts``), then the
+    reference scores (KL term), the sampler/learner corrections and the group advantages.
+
+    Returns:
+      ``(batch, metrics, seconds)``: the step's :class:`Minibatch` over all ``N`` rows
+      (``update`` splits it); rollout and correction metrics (device scalars) with
+      ``collect_rounds`` (the cursor's advance); seconds in ``rollout``, ``reward``,
+      ``score``.
     """
     cfg = ctx.cfg
-    position = step if position is None else position
-    batch, metrics, clock = collect(ctx, params, position)
-    t_rollout, t_reward, t_score = clock["rollout"], clock["reward"], clock["score"]
+    batch, metrics, clock = collect_rollouts(ctx, params, position)
     # Shadow-mask training (``batch.record`` is set): the learner's policy is the replayed
     # sparse one, so the PPO ratio is against the sampler's own log-probs (equal to the replay)
     # and the reference is scored under the same record; the dense scores still feed the
@@ -97,39 +99,68 @@ def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None
     if ctx.ref_params is not None:
         logp_ref, t_ref = timed(score_all, ctx, ctx.ref_params, batch.prompt,
                                 batch.prompt_mask, batch.response, batch.record)
-        t_score += t_ref
-
+        clock["score"] += t_ref
     mask = batch.loss_mask
     corrections = jitted_corrections(batch.logp_old, batch.logp_sparse, mask, cfg=cfg.correction)
     advantages = compute_advantages(jnp.asarray(batch.rewards), cfg.sampling.num_samples,
                                     cfg.advantage, mask, batch.valid)
     behaviour = batch.logp_old if batch.record is None else batch.logp_sparse
     loss_batch = LossBatch.from_corrections(behaviour, advantages, mask, corrections, logp_ref)
+    metrics.update(corrections.metrics)
     full = Minibatch(batch.prompt, batch.prompt_mask, batch.response, loss_batch, batch.record)
+    return full, metrics, clock
 
+
+def update(ctx: StepContext, params, opt_state, full: Minibatch, step: int):
+    """The second half of an RL step: ``full``'s rows in a ``(trainer.seed, step)`` order,
+    one optimizer update per ``trainer.minibatch_size`` of them (``ctx.update``).
+
+    ``params`` and ``opt_state`` are donated: use the returned ones.
+
+    Returns:
+      ``(params, opt_state, metrics)``: update metrics averaged over the minibatches (Python
+      floats) and ``skipped_updates`` (minibatches with every token rejected).
+    """
     micro = planned_micro_batch(ctx, params, full)
-    start = time.perf_counter()
-    order = np.random.default_rng([cfg.trainer.seed, step]).permutation(batch.response.shape[0])
+    order = np.random.default_rng([ctx.cfg.trainer.seed, step]).permutation(
+        full.response.shape[0])
     sharding = batch_sharding(ctx.mesh)
-    update_metrics = []
-    for rows in np.split(order, len(order) // cfg.trainer.minibatch_size):
+    per_minibatch = []
+    for rows in np.split(order, len(order) // ctx.cfg.trainer.minibatch_size):
         minibatch = jax.device_put(jax.tree.map(lambda x: x[rows], full), sharding)
         params, opt_state, m = ctx.update(params, opt_state, minibatch, micro)
-        update_metrics.append(m)
-    update_metrics = jax.device_get(update_metrics)
-    t_update = time.perf_counter() - start
+        per_minibatch.append(m)
+    per_minibatch = jax.device_get(per_minibatch)
+    metrics = {name: float(np.mean([m[name] for m in per_minibatch]))
+               for name in per_minibatch[0]}
+    metrics["skipped_updates"] = float(sum(m["all_rejected"] for m in per_minibatch))
+    return params, opt_state, metrics
 
-    metrics.update(corrections.metrics)
+
+def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None = None):
+    """RL step ``step`` (0-based) from data cursor ``position`` (prompt batches; None =
+    ``step``, right without dynamic sampling): :func:`collect` then :func:`update`; returns
+    ``(params, opt_state, metrics)``.
+
+    ``params`` and ``opt_state`` are donated to the optimizer updates: use the returned ones.
+    Metrics are Python floats: rollout statistics, correction statistics (rejection rate,
+    token mask fraction, mismatch KL), update statistics averaged over the minibatches, the
+    seconds spent in each phase, and ``collect_rounds`` (how far the cursor advanced; see
+    ``collect.collect_rollouts``).
+    """
+    position = step if position is None else position
+    full, metrics, clock = collect(ctx, params, position)
+    (params, opt_state, update_metrics), t_update = timed(
+        update, ctx, params, opt_state, full, step)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    for name in update_metrics[0]:
-        metrics[name] = float(np.mean([m[name] for m in update_metrics]))
-    metrics["skipped_updates"] = float(sum(m["all_rejected"] for m in update_metrics))
-    total = t_rollout + t_reward + t_score + t_update
+    metrics.update(update_metrics)
+    total = clock["rollout"] + clock["reward"] + clock["score"] + t_update
     metrics.update(
-        time_rollout=t_rollout, time_reward=t_reward, time_score=t_score, time_update=t_update,
-        time_step=total, rollout_share=t_rollout / total, score_share=t_score / total,
-        update_share=t_update / total,
+        time_rollout=clock["rollout"], time_reward=clock["reward"], time_score=clock["score"],
+        time_update=t_update, time_step=total, rollout_share=clock["rollout"] / total,
+        score_share=clock["score"] / total, update_share=t_update / total,
         tokens_per_second=metrics["response_length_mean"] * metrics["prompts_consumed"]
         * ctx.sampling.num_samples / total,
     )
     return params, opt_state, metrics
+

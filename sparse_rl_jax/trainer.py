@@ -155,8 +155,13 @@ def _preflight_default(cfg: RunConfig) -> None:
     checked_prompt_source(cfg, tokenizer, context)
 
 
-def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
+def train(cfg: RunConfig, log: Callable[[str], None] = print,
+          on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Trains ``cfg``'s policy with GRPO on sparse rollouts; returns the last step's metrics.
+
+    ``on_step(step, metrics)``, when given, is called after each step is logged (1-based
+    ``step``; ``metrics`` as written to ``metrics.jsonl``), e.g. to record memory or stop
+    criteria in an experiment without patching the loop.
 
     Resumes from the newest checkpoint in ``cfg.run_dir/checkpoints`` that restores (its
     manifest's config hash must match), otherwise starts fresh. Nothing in the run directory
@@ -184,13 +189,14 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print) -> dict:
         if lead:
             owner.write_manifest(manifest.get("last_good_step") if manifest else None)
             save_config(cfg, run_dir / "config.yaml")
-        return _train(cfg, prepared or _prepare(cfg, mesh, log), mesh, reward_fn, owner, log)
+        return _train(cfg, prepared or _prepare(cfg, mesh, log), mesh, reward_fn, owner, log,
+                      on_step)
     finally:
         if owner is not None:
             owner.close()
 
 
-def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log) -> dict:
+def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
     """The loop of :func:`train` once the run directory is owned (``owner``: the lead
     process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
     run_dir = Path(cfg.run_dir)
@@ -247,6 +253,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log) -> dict:
             metrics["skipped_nonfinite_steps"] = guard.skipped + nonfinite
             writer.log(done, metrics)
             progress.update(done, metrics)
+            if on_step is not None:
+                on_step(done, metrics)
             guard.record(done, nonfinite)
             saved = ckpt.save(done, {"params": params, "opt_state": opt_state},
                               {"step": done, "config_hash": chash, "data_position": position,

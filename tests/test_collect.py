@@ -1,4 +1,4 @@
-"""collect(): dynamic sampling (DAPO) fills the update batch from kept groups with static
+"""collect_rollouts(): dynamic sampling (DAPO) fills the update batch from kept groups with static
 shapes, deterministically; overlong shaping and truncation masking reach the batch."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 import models
 from flax import nnx
-from sparse_rl_jax.collect import collect, group_filter
+from sparse_rl_jax.collect import collect_rollouts, group_filter
 from sparse_rl_jax.config_io import load_config
 from sparse_rl_jax.overlong import OverlongConfig, overlong_penalty
 from sparse_rl_jax.prompt_source import PromptSource
@@ -63,7 +63,7 @@ def test_group_filter_drops_equal_rewards_and_groups_short_of_two_sequences():
 def test_dynamic_sampling_fills_the_batch_with_kept_groups(policy):
     params = policy[3]
     ctx = _ctx(policy, "data.dynamic_sampling=true", "data.max_collect_rounds=8")
-    batch, metrics, _ = collect(ctx, params, position=5)
+    batch, metrics, _ = collect_rollouts(ctx, params, position=5)
     rounds = int(metrics["collect_rounds"])
     assert rounds >= 2  # half the groups of a round are dropped on average
     assert metrics["prompts_consumed"] == rounds * PROMPTS
@@ -75,7 +75,7 @@ def test_dynamic_sampling_fills_the_batch_with_kept_groups(policy):
     # The kept groups are the first kept groups of rounds position, position + 1, ... in order.
     rows = []
     for r in range(rounds):
-        single, _, _ = collect(_ctx(policy), params, position=5 + r)
+        single, _, _ = collect_rollouts(_ctx(policy), params, position=5 + r)
         for k in np.flatnonzero(group_filter(single.rewards, np.ones(PROMPTS * G, bool), G)):
             rows.append(single.response[k * G:(k + 1) * G])
     np.testing.assert_array_equal(np.asarray(batch.response),
@@ -84,7 +84,7 @@ def test_dynamic_sampling_fills_the_batch_with_kept_groups(policy):
 
 def test_round_limit_pads_with_masked_groups(policy):
     ctx = _ctx(policy, "data.dynamic_sampling=true", "data.max_collect_rounds=1")
-    batch, metrics, _ = collect(ctx, policy[3], position=0)
+    batch, metrics, _ = collect_rollouts(ctx, policy[3], position=0)
     kept = int(metrics["groups_kept"])
     assert metrics["collect_rounds"] == 1 and kept < PROMPTS  # seed-dependent, checked here
     valid = batch.valid.reshape(PROMPTS, G)
@@ -104,8 +104,8 @@ def test_overlong_penalty_values():
 def test_overlong_shaping_and_truncation_mask_reach_the_batch(policy):
     ctx = _ctx(policy, "overlong.buffer_len=4", "overlong.penalty=0.5",
                "overlong.mask_truncated=true")
-    batch, metrics, _ = collect(ctx, policy[3], position=2)
-    plain, _, _ = collect(_ctx(policy), policy[3], position=2)
+    batch, metrics, _ = collect_rollouts(ctx, policy[3], position=2)
+    plain, _, _ = collect_rollouts(_ctx(policy), policy[3], position=2)
     lengths = np.asarray(plain.loss_mask).sum(1)
     want = plain.rewards + np.minimum(-(lengths - 8) / 4 * 0.5, 0.0)
     np.testing.assert_allclose(batch.rewards, want, rtol=1e-6)

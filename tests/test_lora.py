@@ -160,9 +160,16 @@ def test_resumed_lora_run_equals_an_uninterrupted_one(lora_run):
     shutil.rmtree(b / "checkpoints" / "2")
     shutil.rmtree(b / "final")
     assert read_metrics(a / "metrics.jsonl")[-1]["grad_norm"] > 0
-    train(load_config(RunConfig, config, [f"run_dir={b}"]), log=lambda _: None)
+    seen = []
+    train(load_config(RunConfig, config, [f"run_dir={b}"]), log=lambda _: None,
+          on_step=lambda step, metrics: seen.append((step, dict(metrics))))
     assert _comparable(read_metrics(b / "metrics.jsonl")) == _comparable(
         read_metrics(a / "metrics.jsonl"))
+    # The per-step callback saw the resumed step only, with the metrics written for it.
+    assert [step for step, _ in seen] == [2]
+    written = read_metrics(b / "metrics.jsonl")[-1]
+    assert seen[0][1] and all(written[k] == pytest.approx(v, nan_ok=True)
+                              for k, v in seen[0][1].items())
     for name in ("model.safetensors", f"{LORA_ADAPTER_DIR}/adapter_model.safetensors"):
         expected, resumed = load_file(a / "final" / name), load_file(b / "final" / name)
         assert resumed.keys() == expected.keys()
