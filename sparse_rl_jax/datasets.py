@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
@@ -44,6 +45,7 @@ T = TypeVar("T")
 
 ANSWER_FORMATS = ("plain", "gsm8k_hash", "boxed_in_solution")
 ON_ERROR = ("raise", "skip")
+DATASET_NAME_RE = re.compile(r"[a-z][a-z0-9_]*")  # TFDS dataset and split names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,32 @@ class DatasetConfig:
             raise ValueError(
                 f"DatasetConfig.meta_fields={self.meta_fields!r} must be a tuple of strings"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class TfdsConfig:
+    """One split of a TFDS dataset written by ``tfds_builder`` (builder
+    ``sparse_rl_examples``), read with random access through ``tfds.data_source`` (no
+    TensorFlow needed).
+
+    Attributes:
+      name: the dataset's name: lower-case letters, digits, underscores.
+      data_dir: the TFDS data directory holding it.
+      split: the split read.
+    """
+
+    name: str
+    data_dir: str
+    split: str = "train"
+
+    def __post_init__(self):
+        for field in ("name", "split"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not DATASET_NAME_RE.fullmatch(value):
+                raise ValueError(f"TfdsConfig.{field}={value!r} must be lower-case letters, "
+                                 "digits and underscores, starting with a letter")
+        if not isinstance(self.data_dir, str) or not self.data_dir:
+            raise ValueError(f"TfdsConfig.data_dir={self.data_dir!r} must be a non-empty path")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,12 +184,16 @@ def write_table(rows: list[EvalRow], path: str | Path) -> str:
 
 
 def eval_set(cfg) -> tuple[list[str], list[str]]:
-    """The eval prompts and answers of a ``RunConfig``: ``eval.jsonl`` if set, else held-out
-    problems of the shipped task (``eval.task_seed``), ``eval.num_prompts`` of them."""
+    """The eval prompts and answers of a ``RunConfig``: ``eval.tfds`` or ``eval.jsonl`` if set,
+    else held-out problems of the shipped task (``eval.task_seed``), ``eval.num_prompts`` of them."""
     from sparse_rl_jax.datasets import load_jsonl
     from sparse_rl_jax.task import TaskDataset
 
-    if cfg.eval.jsonl is not None:
+    if cfg.eval.tfds is not None:
+        from sparse_rl_jax.tfds_builder import open_examples  # imports tensorflow_datasets
+
+        items = open_examples(cfg.eval.tfds, cfg.eval.jsonl)[: cfg.eval.num_prompts]
+    elif cfg.eval.jsonl is not None:
         items = list(load_jsonl(cfg.eval.jsonl))[: cfg.eval.num_prompts]
     else:
         task = dataclasses.replace(cfg.data.task, seed=cfg.eval.task_seed)

@@ -21,7 +21,8 @@ class PromptBatch(NamedTuple):
 
 
 class PromptSource:
-    """Deterministic, resumable prompt batches from the shipped task or a JSONL dataset.
+    """Deterministic, resumable prompt batches from the shipped task, a JSONL file or a TFDS
+    dataset (``data.source``).
 
     Args:
       data: the run's ``DataSection``.
@@ -35,12 +36,17 @@ class PromptSource:
         if data.source == "task":  # an endless stream: batch s holds problems [sB, (s+1)B)
             self.dataset = TaskDataset(data.task, size=2**40)
             return
-        self.dataset = load_jsonl(data.jsonl, tokenizer)
+        if data.source == "tfds":
+            from sparse_rl_jax.tfds_builder import open_examples  # imports tensorflow_datasets
+
+            self.dataset = open_examples(data.tfds, data.jsonl, tokenizer)
+            where = f"data.tfds: {data.tfds.name}/{data.tfds.split} in {data.tfds.data_dir}"
+        else:
+            self.dataset = load_jsonl(data.jsonl, tokenizer)
+            where = f"data.jsonl: {data.jsonl.path}"
         if len(self.dataset) < batch_size:
-            raise ValueError(
-                f"data.jsonl: {data.jsonl.path} holds {len(self.dataset)} usable records, "
-                f"fewer than trainer.prompts_per_step={batch_size}"
-            )
+            raise ValueError(f"{where} holds {len(self.dataset)} usable records, "
+                             f"fewer than trainer.prompts_per_step={batch_size}")
         self.order = EpochShuffle(len(self.dataset), batch_size, seed=data.shuffle_seed)
 
     def batch(self, position: int) -> PromptBatch:

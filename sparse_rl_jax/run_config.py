@@ -13,7 +13,7 @@ from typing import Literal
 from models.decoder import REMAT_POLICIES
 from sparse_rl_jax.advantages import AdvantageConfig
 from sparse_rl_jax.compression import CompressionConfig
-from sparse_rl_jax.datasets import DatasetConfig
+from sparse_rl_jax.datasets import DatasetConfig, TfdsConfig
 from sparse_rl_jax.lora_config import LoraConfig
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.optim import OptimConfig
@@ -107,9 +107,12 @@ class DataSection:
     """Where prompts and answers come from, and how responses are rewarded.
 
     Attributes:
-      source: ``task`` (the shipped synthetic task) or ``jsonl`` (a file in a real format).
+      source: ``task`` (the shipped synthetic task), ``jsonl`` (a file in a real format) or
+        ``tfds`` (a dataset of ``tfds_builder``, read through ``tfds.data_source``).
       task: the shipped task's distribution (``source: task``).
-      jsonl: the file and its field names / template (``source: jsonl``).
+      jsonl: the file and its field names / template (``source: jsonl``; with ``source:
+        tfds``, the file the TFDS dataset is written from, reused while unchanged).
+      tfds: the TFDS dataset's name, data_dir and split (``source: tfds``).
       reward: a registered reward function (``task_exact``, ``math_verify``, or your own).
       shuffle_seed: seed of the deterministic, resumable prompt order.
       add_special_tokens: let the tokenizer add BOS etc. when encoding prompts (off for
@@ -124,9 +127,10 @@ class DataSection:
         masked out of the loss.
     """
 
-    source: Literal["task", "jsonl"] = "task"
+    source: Literal["task", "jsonl", "tfds"] = "task"
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     jsonl: DatasetConfig | None = None
+    tfds: TfdsConfig | None = None
     reward: str = "task_exact"
     shuffle_seed: int = 0
     add_special_tokens: bool = False
@@ -135,10 +139,12 @@ class DataSection:
 
     def __post_init__(self):
         _require_counts("data", self, ("max_collect_rounds",))
-        _require("data", "source", self.source in ("task", "jsonl"),
-                 "must be 'task' or 'jsonl'", self.source)
+        _require("data", "source", self.source in ("task", "jsonl", "tfds"),
+                 "must be 'task', 'jsonl' or 'tfds'", self.source)
         _require("data", "jsonl", self.source != "jsonl" or self.jsonl is not None,
                  "must be set (path, fields) when data.source is 'jsonl'", self.jsonl)
+        _require("data", "tfds", self.source != "tfds" or self.tfds is not None,
+                 "must be set (name, data_dir) when data.source is 'tfds'", self.tfds)
         _require_seed("data", self.shuffle_seed, "shuffle_seed")
         _require("data", "reward", isinstance(self.reward, str) and bool(self.reward),
                  "must name a registered reward fn", self.reward)
@@ -223,6 +229,8 @@ class EvalConfig:
       temperature: sampling temperature for avg@k.
       task_seed: seed of the held-out task problems (differs from training's).
       jsonl: evaluate on this file instead of the shipped task.
+      tfds: evaluate on this TFDS dataset (``tfds_builder``) instead; written from ``jsonl``
+        first when both are set.
       batch_size: prompts per generation call.
       every_steps: during training, greedy pass@1 (dense, and sparse when the run
         compresses) on this eval set every this many RL steps, logged under ``eval/``;
@@ -235,6 +243,7 @@ class EvalConfig:
     temperature: float = 1.0
     task_seed: int = 12345
     jsonl: DatasetConfig | None = None
+    tfds: TfdsConfig | None = None
     batch_size: int = 64
     every_steps: int = 0
     before_train: bool = False

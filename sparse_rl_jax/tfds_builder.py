@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -28,12 +27,11 @@ from typing import Any, overload
 
 import tensorflow_datasets as tfds
 
-from sparse_rl_jax.datasets import DatasetConfig, Example, load_jsonl
+from sparse_rl_jax.datasets import DATASET_NAME_RE, DatasetConfig, Example, TfdsConfig, load_jsonl
 from sparse_rl_jax.task import Problem, TaskConfig, TaskDataset
 
 BUILDER_NAME = "sparse_rl_examples"
 VERSION = "1.0.0"
-_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 @dataclasses.dataclass(eq=False)
@@ -120,11 +118,11 @@ def prepare_examples(
       ValueError: a bad name or split name, no splits, or a stored dataset of a different
         source without ``overwrite``.
     """
-    if not _NAME_RE.match(name):
-        raise ValueError(f"dataset name {name!r} must match {_NAME_RE.pattern}")
-    if not splits or not all(_NAME_RE.match(s) for s in splits):
+    if not DATASET_NAME_RE.fullmatch(name):
+        raise ValueError(f"dataset name {name!r} must match {DATASET_NAME_RE.pattern}")
+    if not splits or not all(DATASET_NAME_RE.fullmatch(s) for s in splits):
         raise ValueError(
-            f"splits {list(splits)} must be non-empty names matching {_NAME_RE.pattern}"
+            f"splits {list(splits)} must be non-empty names matching {DATASET_NAME_RE.pattern}"
         )
     path = dataset_dir(name, data_dir)
     if path.exists():
@@ -277,3 +275,12 @@ class TfdsExamples(Sequence[Example]):
 def load_examples(name: str, data_dir: str | Path, split: str = "train") -> TfdsExamples:
     """Split ``split`` of prepared dataset ``name`` (via ``tfds.data_source``; no TensorFlow)."""
     return TfdsExamples(name, data_dir, split)
+
+
+def open_examples(cfg: TfdsConfig, jsonl: DatasetConfig | None = None,
+                  tokenizer: Any = None) -> TfdsExamples:
+    """``cfg``'s split; when ``jsonl`` is given the dataset is first written from that file
+    (``build_jsonl_tfds``; reused while the file and configs are unchanged)."""
+    if jsonl is not None:
+        build_jsonl_tfds(cfg.name, {cfg.split: jsonl}, cfg.data_dir, tokenizer)
+    return load_examples(cfg.name, cfg.data_dir, cfg.split)

@@ -146,3 +146,35 @@ def test_bad_names_are_rejected(tmp_path, name, splits):
     with pytest.raises(ValueError, match="must"):
         prepare_examples(name, splits, tmp_path, fingerprint="x")
     assert not any(tmp_path.iterdir())
+
+
+def test_data_source_tfds_reads_the_jsonl_batches_through_tfds(tmp_path):
+    """``data.source: tfds`` (written from ``data.jsonl`` once, then read through
+    ``tfds.data_source``) gives the very batches ``data.source: jsonl`` gives; ``eval.tfds``
+    the very eval set of ``eval.jsonl``."""
+    from sparse_rl_jax.config_io import ConfigError, load_config
+    from sparse_rl_jax.evaluation import eval_set
+    from sparse_rl_jax.prompt_source import PromptSource
+    from sparse_rl_jax.run_config import RunConfig
+
+    jsonl = [f"data.jsonl.path={FIXTURES / 'gsm8k.jsonl'}", "data.jsonl.prompt_field=question",
+             "data.jsonl.answer_format=gsm8k_hash", "data.jsonl.template=boxed"]
+    tfds_keys = ["data.source=tfds", "data.tfds.name=gsm8k_fixture",
+                 f"data.tfds.data_dir={tmp_path}"]
+    plain = load_config(RunConfig, None, ["data.source=jsonl", *jsonl])
+    via_tfds = load_config(RunConfig, None, [*tfds_keys, *jsonl])
+    for position in (0, 1, 7):  # 7 wraps into a later epoch
+        assert PromptSource(via_tfds.data, 2).batch(position) == PromptSource(
+            plain.data, 2).batch(position)
+    assert (tmp_path / "sparse_rl_examples" / "gsm8k_fixture").is_dir()
+    # Once written, the dataset reads without its source file.
+    stored = load_config(RunConfig, None, tfds_keys)
+    assert PromptSource(stored.data, 2).batch(3) == PromptSource(plain.data, 2).batch(3)
+
+    evals = [k.replace("data.", "eval.", 1) for k in [*tfds_keys[1:], *jsonl]]
+    assert eval_set(load_config(RunConfig, None, ["eval.num_prompts=3", *evals])) == eval_set(
+        load_config(RunConfig, None, ["eval.num_prompts=3", *evals[2:]]))
+    with pytest.raises(ConfigError, match=r"data\.tfds"):
+        load_config(RunConfig, None, ["data.source=tfds"])
+    with pytest.raises(ConfigError, match=r"data\.tfds.*name"):
+        load_config(RunConfig, None, [*tfds_keys, "data.tfds.name=GSM8K"])
