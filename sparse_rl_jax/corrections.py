@@ -1,7 +1,8 @@
 """Off-policy corrections for sparse rollouts: IS weights, token rejection and sequence veto.
 
-All quantities derive from `log r_t = clamp(logp_old_dense - logp_sparse, -c, c)` (DESIGN.md §8),
-computed once per rollout over the whole batch, before it is split into minibatches.
+All quantities derive from `log r_t = clamp(logp_old_dense - logp_sparse, -c, c)` (see the
+README's "The method in a few lines"), computed once per rollout over the whole batch, before
+it is split into minibatches.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Static configuration of the off-policy corrections and the GRPO objective.
 
 Both dataclasses are frozen and hashable, so they can be passed to `jax.jit` as static arguments.
-Defaults follow the official Sparse-RL code (slime `mis.yaml` / `loss.py`, see DESIGN.md §8).
+Defaults follow the official Sparse-RL code (slime `mis.yaml` / `loss.py`).
 """
 
 from __future__ import annotations
