@@ -100,15 +100,9 @@ def worker(args) -> None:
 
 
 def build_checkpoint(path: Path, batch: int, seq: int) -> int:
-    import torch
-    import transformers
+    from decode_setup import save_random_model
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
-    model.save_pretrained(path)
-    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (batch, seq))
-    np.save(path / "tokens.npy", tokens.astype(np.int32))
+    model = save_random_model(path, "Llama", CONFIG, "tokens.npy", (batch, seq))
     return sum(p.numel() for p in model.parameters())
 
 

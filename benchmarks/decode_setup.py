@@ -40,17 +40,27 @@ def configure(args) -> None:
     CONFIG, PROMPT_LEN, DTYPE = SHAPES[args.shape], args.prompt_len, args.dtype
 
 
-def build_checkpoint(path: Path, max_batch: int) -> None:
-    """Random-weight Qwen2 bench model + prompts, written to ``path`` (runs in a child)."""
+def save_random_model(path: Path, family: str, config: dict, name: str, shape: tuple,
+                      low: int = 0):
+    """Saves a seeded random-weight ``transformers`` ``family`` model (``"Qwen2"``,
+    ``"Llama"``) of ``config`` to ``path``, and random token ids ``shape`` in ``[low, vocab)``
+    to ``path / name``; returns the torch model. Shared by the benchmarks' checkpoint builders."""
     import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**CONFIG))
+    model = getattr(transformers, f"{family}ForCausalLM")(
+        getattr(transformers, f"{family}Config")(**config))
     model.save_pretrained(path)
-    prompts = np.random.default_rng(0).integers(3, CONFIG["vocab_size"], (max_batch, PROMPT_LEN))
-    np.save(path / "prompts.npy", prompts.astype(np.int32))
+    tokens = np.random.default_rng(0).integers(low, config["vocab_size"], shape)
+    np.save(path / name, tokens.astype(np.int32))
+    return model
+
+
+def build_checkpoint(path: Path, max_batch: int) -> None:
+    """Random-weight Qwen2 bench model + prompts, written to ``path`` (runs in a child)."""
+    save_random_model(path, "Qwen2", CONFIG, "prompts.npy", (max_batch, PROMPT_LEN), low=3)
 
 
 def torch_generate(path: Path, cells: list[tuple[int, int, int]]) -> list[dict]:
