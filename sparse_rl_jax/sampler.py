@@ -307,9 +307,9 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
         key=key,
         page_record=jnp.full(record_shape, -1, jnp.int32),
     )
-    step = functools.partial(
-        _step, model, lengths=lengths, slot_offset=state.cache.index - lengths,  # [N] slot of
-        sampling=sampling, compression=compression)  # position 0 (left padding)
+    slot_offset = state.cache.index - lengths  # [N] slot of position 0 (left padding)
+    step = functools.partial(_step, model, lengths=lengths, slot_offset=slot_offset,
+                             sampling=sampling, compression=compression)
     capacity = state.cache.capacity
 
     def running(c: DecodeLoop):
