@@ -26,8 +26,9 @@ present (GPU, TPU, CPU); ``transformers`` runs on CUDA when torch sees a GPU, el
 
 Timing excludes compilation: each cell first runs the public ``sampler.prefill`` and
 ``sampler.decode`` with the same shapes and a first token equal to that EOS id (zero loop
-iterations), which compiles both; the timed rollout (prefill then decode, timed apart) is then
-checked not to have compiled anything (``compile_count.count_compiles``). ``transformers``
+iterations), which compiles both; the timed rollouts (prefill then decode, timed apart; each
+method of a cell in turn, ``--repeats`` rounds, the fastest kept) are then checked not to have
+compiled anything (``compile_count.count_compiles``). ``transformers``
 runs in its own child process (``torch.set_num_threads`` = each ``--torch-threads``; on a
 shared machine one thread can beat all cores) on the same weights, prompts, batch and length,
 after a short warm-up generate; the ratio is taken against each.
@@ -134,15 +135,33 @@ class Bench:
                                                     k_decode, **kw))
         return loop, mid - start, time.perf_counter() - mid
 
-    def run_cell(self, method: str, batch: int, length: int, compression, alpha_rows: int):
-        """Compile, then time one rollout; KV statistics from its decode loop."""
+    def run_cells(self, batch: int, length: int, configs: dict, repeats: int,
+                  alpha_rows: int) -> list[dict]:
+        """One row per method of ``configs``: compile each rollout, then time them round-robin
+        ``repeats`` times and keep each method's fastest (load drift on a shared machine then
+        hits every method alike)."""
         from sparse_rl_jax.compile_count import count_compiles
 
-        start = time.perf_counter()
-        self.rollout(batch, length, compression, zero=True)
-        compile_s = time.perf_counter() - start
+        compile_s, best = {}, {}
+        for method, compression in configs.items():
+            start = time.perf_counter()
+            self.rollout(batch, length, compression, zero=True)
+            compile_s[method] = time.perf_counter() - start
         with count_compiles() as compiles:
-            loop, prefill_s, decode_s = self.rollout(batch, length, compression)
+            for _ in range(repeats):
+                for method, compression in configs.items():
+                    run = self.rollout(batch, length, compression)
+                    if method not in best or run[2] < best[method][2]:
+                        best[method] = run
+        return [self.cell_row(method, batch, length, configs[method], *best[method],
+                              compile_s=compile_s[method],
+                              recompiled=sum(compiles.values()) > 0, alpha_rows=alpha_rows)
+                for method in configs]
+
+    def cell_row(self, method: str, batch: int, length: int, compression, loop,
+                 prefill_s: float, decode_s: float, *, compile_s: float, recompiled: bool,
+                 alpha_rows: int) -> dict:
+        """The table row of one timed rollout: speed and KV statistics from its decode loop."""
         capacity = compression.cache_capacity(setup.PROMPT_LEN + length)
         c = self.cfg
         alloc = 2 * c.num_layers * batch * c.num_kv_heads * capacity * c.head_dim * self.itemsize
@@ -152,7 +171,7 @@ class Bench:
         records = [loop.state.evicted_at, loop.page_record]
         return dict(
             method=method, batch=batch, length=length, seconds=prefill_s + decode_s,
-            compile_s=compile_s, recompiled=sum(compiles.values()) > 0, prefill_s=prefill_s,
+            compile_s=compile_s, recompiled=recompiled, prefill_s=prefill_s,
             step_s=decode_s / (length - 1), tok_s=batch * length / (prefill_s + decode_s),
             capacity=capacity, alloc_bytes=alloc,
             state_bytes=sum(x.nbytes for x in records) + alloc,
@@ -212,6 +231,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dense-layers", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--alpha-rows", type=int, default=2,
                         help="rows of a sparrow rollout whose acceptance is scored")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed rollouts per method and cell, round-robin (fastest kept)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--profile-only", action="store_true",
@@ -266,15 +287,14 @@ def main() -> None:
                 if args.max_tokens and batch * length > args.max_tokens:
                     skipped.append((batch, length))
                     continue
-                for method in args.methods:
-                    row = bench.run_cell(method, batch, length, configs[method],
-                                         args.alpha_rows)
-                    if method in ("none", "sparrow"):
-                        row["pred_step_s"] = bench.predicted_step(batch, length,
-                                                                  configs[method], machine)
+                for row in bench.run_cells(batch, length, configs, args.repeats,
+                                           args.alpha_rows):
+                    if row["method"] in ("none", "sparrow"):
+                        row["pred_step_s"] = bench.predicted_step(
+                            batch, length, configs[row["method"]], machine)
                     rows.append(row)
-                    print(f"  [{time.perf_counter() - wall:6.0f}s] {method:>7} b{batch:<3} "
-                          f"n{length:<5} {row['tok_s']:8.1f} tok/s  "
+                    print(f"  [{time.perf_counter() - wall:6.0f}s] {row['method']:>7} "
+                          f"b{batch:<3} n{length:<5} {row['tok_s']:8.1f} tok/s  "
                           f"compile {row['compile_s']:.1f}s", file=sys.stderr, flush=True)
         hf = (setup.run_child("torch", tmp, args, __file__)
               if args.hf_lengths and not args.profile_only else [])
