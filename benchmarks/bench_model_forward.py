@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +46,9 @@ def peak_rss_mib() -> float:
 
 def time_forward(run, repeats: int) -> list[float]:
     """Seconds per call of ``run()`` (which must block until done), after one warm-up."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return times
+    from decode_setup import time_calls
+
+    return time_calls(run, repeats)
 
 
 def torch_worker(path: str, tokens: np.ndarray, repeats: int):

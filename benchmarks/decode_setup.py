@@ -92,19 +92,24 @@ def torch_generate(path: Path, cells: list[tuple[int, int, int]]) -> list[dict]:
     return out
 
 
+def time_calls(run, repeats: int) -> list[float]:
+    """Seconds per call of ``run()`` (which must block until done), after one warm-up."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def measure_machine() -> dict:
     """Memory bandwidth (numpy copy, jax read) and fp32 matmul throughput of this machine."""
     import jax
     import jax.numpy as jnp
 
-    def median_time(fn, repeats=5):
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def median_time(fn):
+        return statistics.median(time_calls(fn, 5))
 
     n = 64 * 2**20  # 256 MiB of float32
     src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
