@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +46,9 @@ def peak_rss_mib() -> float:
 
 def time_forward(run, repeats: int) -> list[float]:
     """Seconds per call of ``run()`` (which must block until done), after one warm-up."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return times
+    from decode_setup import time_calls
+
+    return time_calls(run, repeats)
 
 
 def torch_worker(path: str, tokens: np.ndarray, repeats: int):
@@ -100,15 +95,9 @@ def worker(args) -> None:
 
 
 def build_checkpoint(path: Path, batch: int, seq: int) -> int:
-    import torch
-    import transformers
+    from decode_setup import save_random_model
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
-    model.save_pretrained(path)
-    tokens = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (batch, seq))
-    np.save(path / "tokens.npy", tokens.astype(np.int32))
+    model = save_random_model(path, "Llama", CONFIG, "tokens.npy", (batch, seq))
     return sum(p.numel() for p in model.parameters())
 
 

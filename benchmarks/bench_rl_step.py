@@ -49,10 +49,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def build(path: Path) -> None:
-    """The bench model (written by ``bench_decode.build_checkpoint`` in a child process, so
+    """The bench model (written by ``decode_setup.build_checkpoint`` in a child process, so
     torch never enters the measured processes) plus the task tokenizer."""
     code = ("import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
-            "import bench_decode; bench_decode.build_checkpoint(Path(sys.argv[3]), 1); "
+            "import decode_setup; decode_setup.build_checkpoint(Path(sys.argv[3]), 1); "
             "from sparse_rl_jax.task_tokenizer import build_task_tokenizer; "
             "build_task_tokenizer(sys.argv[3])")
     subprocess.run([sys.executable, "-c", code, str(HERE), str(ROOT), str(path)], check=True,

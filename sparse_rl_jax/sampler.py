@@ -1,7 +1,9 @@
 """Batched rollouts with a fixed-size, score-evicted KV cache.
 
-``generate`` runs a jitted prefill over left-padded prompts (once per prompt, however many
-samples are drawn from it), then a jitted ``lax.while_loop`` decode whose KV state is donated.
+``generate`` = :func:`bucket_prompts`, then :func:`prefill` (jitted, over left-padded prompts,
+once per prompt however many samples are drawn from it), then :func:`decode` (a jitted
+``lax.while_loop`` whose KV state is donated); the three are public for callers that time or
+trace the halves apart.
 Every decode step writes one token per row, and the cache is compressed back to ``budget``
 slots whenever it fills (``kv_state.maybe_compress``). The sampler records the log-prob of each
 sampled token under the policy that produced it, and the eviction record that makes that policy
@@ -67,8 +69,28 @@ class Rollout(NamedTuple):
     page_record: jax.Array
 
 
-class _Loop(NamedTuple):
-    """Carry of the decode ``while_loop`` (``N`` rows, ``M`` response slots)."""
+class Prefilled(NamedTuple):
+    """What :func:`prefill` hands to :func:`decode` (``N = B * num_samples`` rows).
+
+    Attributes:
+      state: the KV state after the prompt, fanned out to ``N`` rows.
+      first: ``[N]`` int32 token 0 of each response (drawn from the prompt's last logits).
+      first_logp: ``[N]`` float32 its log-prob.
+      resident: ``[N]`` int32 resident KV tokens per layer and head after prefill.
+      lengths: ``[N]`` int32 real prompt tokens of each row.
+      compressions: ``[]`` int32 1 when prefill compressed the cache, else 0.
+    """
+
+    state: kv_state.SparseKVState
+    first: jax.Array
+    first_logp: jax.Array
+    resident: jax.Array
+    lengths: jax.Array
+    compressions: jax.Array
+
+
+class DecodeLoop(NamedTuple):
+    """Carry (and result) of :func:`decode`'s ``while_loop``: ``N`` rows, ``M`` response slots."""
 
     state: kv_state.SparseKVState
     step: jax.Array  # [] tokens sampled so far per row
@@ -139,8 +161,21 @@ def _resident(state: kv_state.SparseKVState) -> jax.Array:
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "sampling", "compression", "max_len")
 )
-def _prefill(graphdef, params, prompt, prompt_mask, key, *, sampling, compression, max_len):
-    """Prefill ``B`` prompts once, fan out to ``N = B * num_samples`` rows, draw token 0."""
+def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingConfig,
+            compression: CompressionConfig, max_len: int) -> Prefilled:
+    """Prefills ``B`` prompts once, fans out to ``N = B * num_samples`` rows, draws token 0.
+
+    Args:
+      graphdef, params: ``nnx.split(model)`` of a ``models.Decoder``.
+      prompt: ``[B, P]`` int32 left-padded prompt tokens (already bucketed, see
+        :func:`bucket_prompts`); prompt_mask: ``[B, P]`` int32, 1 on real tokens.
+      key: PRNG key of token 0.
+      sampling, compression: as :func:`generate` (static).
+      max_len: ``P + sampling.max_new_tokens``, the positions the cache must hold (static).
+
+    Returns:
+      A :class:`Prefilled` for :func:`decode`. Jitted: one compile per prompt width.
+    """
     model = nnx.merge(graphdef, params)
     cfg = model.config
     b, p = prompt.shape
@@ -187,88 +222,100 @@ def _prefill(graphdef, params, prompt, prompt_mask, key, *, sampling, compressio
         page_keys=fan_out(state.page_keys, 1),
     )
     tokens, logp = sample_tokens(key, fan_out(logits, 0), sampling)
-    lengths = fan_out(prompt_mask.sum(axis=1), 0)
-    return state, tokens, logp, fan_out(resident, 0), lengths, compressed
+    return Prefilled(state=state, first=tokens, first_logp=logp, resident=fan_out(resident, 0),
+                     lengths=fan_out(prompt_mask.sum(axis=1), 0), compressions=compressed)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "sampling", "compression"), donate_argnums=(2,)
-)
-def _decode(graphdef, params, state, first, first_logp, resident0, lengths, compressed, key, *,
-            sampling, compression):
-    """The decode loop: feed the newest token, sample the next, compress when full."""
+def _step(model, c: DecodeLoop, *, lengths, slot_offset, sampling: SamplingConfig,
+          compression: CompressionConfig) -> DecodeLoop:
+    """One decode forward: feed ``c.last``, sample the next token of every active row."""
+    positions = (lengths + c.step - 1)[:, None]
+    pages = None
+    if compression.page_sparse:
+        pages = PageSparsity(
+            page_keys=c.state.page_keys,
+            budget=schedule_budget(compression, positions[:, 0] + 1),
+            slot_offset=slot_offset, page_size=compression.page_size,
+            max_k=compression.max_pages_k, dense_layers=compression.dense_layers)
+    out = model(c.last[:, None], positions, cache=c.state.cache, return_queries=1,
+                return_logits=False, pages=pages)
+    state = kv_state.advance(c.state, out.cache, out.queries)
+    active = ~c.done
+    page_record = c.page_record
+    if compression.page_sparse:
+        state = state.replace(page_keys=refresh_page_keys(
+            state.page_keys, state.cache, slot_offset,
+            positions // compression.page_size, compression.page_size))
+        if page_record.shape[-1]:
+            chosen = jnp.where(active[None, :, None, None], out.pages, -1)
+            page_record = jax.lax.dynamic_update_slice(
+                page_record, chosen[:, :, :, None], (0, 0, 0, c.step - 1, 0))
+    resident = _resident(state)
+    key, sub = jax.random.split(c.key)
+    token, logp = sample_tokens(sub, model.unembed(out.hidden[:, 0]), sampling)
+    token = jnp.where(active, token, sampling.pad_id)
+    logp = jnp.where(active, logp, 0.0)
+    return c._replace(
+        state=state,
+        step=c.step + 1,
+        last=token,
+        done=c.done | _is_eos(token, sampling.eos_ids),
+        response=jax.lax.dynamic_update_slice(c.response, token[:, None], (0, c.step)),
+        logp=jax.lax.dynamic_update_slice(c.logp, logp[:, None], (0, c.step)),
+        kv_sum=c.kv_sum + jnp.where(active, resident, 0),
+        kv_peak=jnp.where(active, jnp.maximum(c.kv_peak, resident), c.kv_peak),
+        forwards=c.forwards + active,
+        key=key,
+        page_record=page_record,
+    )
+
+
+def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: SamplingConfig,
+                compression: CompressionConfig) -> DecodeLoop:
+    """The decode loop, not jitted (:func:`decode` is its jit; call this to trace a fresh one).
+
+    Feeds the newest token, samples the next, compresses the cache whenever it fills, until
+    every row emitted an EOS id or ``sampling.max_new_tokens`` tokens exist.
+
+    Args:
+      graphdef, params: ``nnx.split(model)``.
+      prefilled: :func:`prefill`'s result (``N`` rows).
+      key: PRNG key of tokens ``1 .. M-1``.
+      sampling, compression: the same configs :func:`prefill` got.
+
+    Returns:
+      The final :class:`DecodeLoop` (``response [N, M]``, ``logp [N, M]``, ``done [N]``, ...).
+    """
     model = nnx.merge(graphdef, params)
-    n = first.shape[0]
-    m = sampling.max_new_tokens
-    done = _is_eos(first, sampling.eos_ids)
-    cfg = model.config
-    slot_offset = state.cache.index - lengths  # [N] slot of position 0 (left padding)
+    state, lengths = prefilled.state, prefilled.lengths
+    n, m, cfg = prefilled.first.shape[0], sampling.max_new_tokens, model.config
     selected = middle_slots(compression.max_pages_k, state.page_keys.shape[3]) + 3
     keep_record = compression.page_sparse and sampling.record_evictions
     record_shape = (cfg.num_layers, n, cfg.num_kv_heads) + ((m, selected) if keep_record
                                                              else (0, 0))
-    loop = _Loop(
+    loop = DecodeLoop(
         state=state,
         step=jnp.ones((), jnp.int32),
-        last=first,
-        done=done,
-        response=jnp.full((n, m), sampling.pad_id, jnp.int32).at[:, 0].set(first),
-        logp=jnp.zeros((n, m), jnp.float32).at[:, 0].set(first_logp),
-        kv_sum=resident0.astype(jnp.float32),
-        kv_peak=resident0,
+        last=prefilled.first,
+        done=_is_eos(prefilled.first, sampling.eos_ids),
+        response=jnp.full((n, m), sampling.pad_id, jnp.int32).at[:, 0].set(prefilled.first),
+        logp=jnp.zeros((n, m), jnp.float32).at[:, 0].set(prefilled.first_logp),
+        kv_sum=prefilled.resident.astype(jnp.float32),
+        kv_peak=prefilled.resident,
         forwards=jnp.ones((n,), jnp.int32),
-        compressions=compressed,
+        compressions=prefilled.compressions,
         key=key,
         page_record=jnp.full(record_shape, -1, jnp.int32),
     )
-
+    slot_offset = state.cache.index - lengths  # [N] slot of position 0 (left padding)
+    step = functools.partial(_step, model, lengths=lengths, slot_offset=slot_offset,
+                             sampling=sampling, compression=compression)
     capacity = state.cache.capacity
 
-    def running(c: _Loop):
+    def running(c: DecodeLoop):
         return (c.step < m) & ~jnp.all(c.done)
 
-    def step(c: _Loop):
-        positions = (lengths + c.step - 1)[:, None]
-        pages = None
-        if compression.page_sparse:
-            pages = PageSparsity(
-                page_keys=c.state.page_keys,
-                budget=schedule_budget(compression, positions[:, 0] + 1),
-                slot_offset=slot_offset, page_size=compression.page_size,
-                max_k=compression.max_pages_k, dense_layers=compression.dense_layers)
-        out = model(c.last[:, None], positions, cache=c.state.cache, return_queries=1,
-                    return_logits=False, pages=pages)
-        state = kv_state.advance(c.state, out.cache, out.queries)
-        active = ~c.done
-        page_record = c.page_record
-        if compression.page_sparse:
-            state = state.replace(page_keys=refresh_page_keys(
-                state.page_keys, state.cache, slot_offset,
-                positions // compression.page_size, compression.page_size))
-            if keep_record:
-                chosen = jnp.where(active[None, :, None, None], out.pages, -1)
-                page_record = jax.lax.dynamic_update_slice(
-                    page_record, chosen[:, :, :, None], (0, 0, 0, c.step - 1, 0))
-        resident = _resident(state)
-        key, sub = jax.random.split(c.key)
-        token, logp = sample_tokens(sub, model.unembed(out.hidden[:, 0]), sampling)
-        token = jnp.where(active, token, sampling.pad_id)
-        logp = jnp.where(active, logp, 0.0)
-        return c._replace(
-            state=state,
-            step=c.step + 1,
-            last=token,
-            done=c.done | _is_eos(token, sampling.eos_ids),
-            response=jax.lax.dynamic_update_slice(c.response, token[:, None], (0, c.step)),
-            logp=jax.lax.dynamic_update_slice(c.logp, logp[:, None], (0, c.step)),
-            kv_sum=c.kv_sum + jnp.where(active, resident, 0),
-            kv_peak=jnp.where(active, jnp.maximum(c.kv_peak, resident), c.kv_peak),
-            forwards=c.forwards + active,
-            key=key,
-            page_record=page_record,
-        )
-
-    def fill_then_compress(c: _Loop):
+    def fill_then_compress(c: DecodeLoop):
         # Decode until the cache is full, then compress once. Keeping the compression out of
         # the per-token loop body lets XLA update the KV buffers in place (a lax.cond next
         # to the cache writes makes it copy the whole cache every step).
@@ -278,8 +325,12 @@ def _decode(graphdef, params, state, first, first_logp, resident0, lengths, comp
         return c._replace(state=state,
                           compressions=c.compressions + (state.cache.index != before))
 
-    final = jax.lax.while_loop(running, fill_then_compress, loop)
-    return final
+    return jax.lax.while_loop(running, fill_then_compress, loop)
+
+
+decode = jax.jit(decode_loop, static_argnames=("graphdef", "sampling", "compression"),
+                 donate_argnums=(2,))
+decode.__doc__ = """Jitted :func:`decode_loop`; the ``prefilled`` argument is donated."""
 
 
 def generate(
@@ -307,14 +358,12 @@ def generate(
     prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     max_len = prompt.shape[1] + sampling.max_new_tokens
     k_prefill, k_decode = jax.random.split(key)
-    state, first, first_logp, resident0, lengths, compressed = _prefill(
+    prefilled = prefill(
         graphdef, params, jnp.asarray(prompt), jnp.asarray(prompt_mask), k_prefill,
         sampling=sampling, compression=compression, max_len=max_len,
     )
-    loop = _decode(
-        graphdef, params, state, first, first_logp, resident0, lengths, compressed, k_decode,
-        sampling=sampling, compression=compression,
-    )
+    loop = decode(graphdef, params, prefilled, k_decode, sampling=sampling,
+                  compression=compression)
     n = sampling.num_samples
     steps = jnp.arange(sampling.max_new_tokens)
     response_len = jnp.where(
@@ -323,7 +372,7 @@ def generate(
         loop.step,
     )
     response_mask = (steps[None, :] < response_len[:, None]).astype(jnp.int32)
-    plen = lengths.astype(jnp.float32)
+    plen = jnp.asarray(np.repeat(prompt_mask.sum(axis=1), n), jnp.float32)  # prefilled is donated
     forwards = loop.forwards.astype(jnp.float32)
     # A dense cache holds every past token: plen at prefill, then plen + i at forward i.
     dense_peak = plen + forwards - 1

@@ -11,6 +11,7 @@ from jax import lax
 from models.cache import init_cache
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compile_count import count_compiles
 
 L, B, HQ, HKV, D = 2, 2, 4, 2, 8
 
@@ -151,18 +152,18 @@ def test_repeated_compressions_compile_once():
         cfg, num_layers=L, batch=B, num_heads=HQ, num_kv_heads=HKV, head_dim=D, max_len=64
     )
     compressions = 0
-    for t in range(30):
-        k, v, q = _tokens(rng, 1)
-        before = int(state.cache.index)
-        state = jstep(state, k, v, np.full((B, 1), t, np.int32), q)
-        compressions += int(state.cache.index) <= before
+    with count_compiles() as compiles:
+        for t in range(30):
+            k, v, q = _tokens(rng, 1)
+            before = int(state.cache.index)
+            state = jstep(state, k, v, np.full((B, 1), t, np.int32), q)
+            compressions += int(state.cache.index) <= before
+        jcompress = jax.jit(kv_state.compress, static_argnums=1)
+        for _ in range(3):
+            state = jcompress(state, cfg)
     assert compressions >= 9
-    assert len(traces) == 1 and jstep._cache_size() == 1
-
-    jcompress = jax.jit(kv_state.compress, static_argnums=1)
-    for _ in range(3):
-        state = jcompress(state, cfg)
-    assert jcompress._cache_size() == 1
+    assert len(traces) == 1 and compiles["jit(step)"] == 1
+    assert compiles["jit(compress)"] == 1
 
 
 def test_none_matches_dense_cache():

@@ -15,7 +15,8 @@ from flax import nnx
 import models
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression import CompressionConfig
-from sparse_rl_jax.sampler import _decode, _prefill, bucket_prompts, generate
+from sparse_rl_jax.compile_count import count_compiles
+from sparse_rl_jax.sampler import bucket_prompts, generate
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import score
 from sparse_rl_jax.token_sampling import sample_tokens
@@ -111,11 +112,13 @@ def test_repeated_calls_with_same_bucket_do_not_recompile(tiny):
     _, graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=6, prompt_bucket=16)
     compression = CompressionConfig(method="snapkv", budget=12, buffer=4, window=4)
-    generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
-    sizes = (_prefill._cache_size(), _decode._cache_size())
+    with count_compiles() as first:
+        generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
     shorter = np.where(mask[:, 2:] > 0, prompt[:, 2:] + 1, 0).astype(np.int32)
-    generate(graphdef, params, shorter, mask[:, 2:], jax.random.key(4), sampling, compression)
-    assert (_prefill._cache_size(), _decode._cache_size()) == sizes
+    with count_compiles() as again:
+        generate(graphdef, params, shorter, mask[:, 2:], jax.random.key(4), sampling, compression)
+    assert first["jit(prefill)"] <= 1 and first["jit(decode_loop)"] <= 1
+    assert again["jit(prefill)"] == 0 and again["jit(decode_loop)"] == 0, again
 
 
 def test_prompt_longer_than_capacity_is_an_error(tiny):

@@ -17,6 +17,7 @@ from models.attention import reference_attention
 from models.cache import KVCache
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
 from sparse_rl_jax.acceptance import score_acceptance
+from sparse_rl_jax.compile_count import count_compiles
 from sparse_rl_jax.compression import SPARROW_PRESETS, CompressionConfig
 from sparse_rl_jax.config_io import ConfigError, from_dict
 from sparse_rl_jax.page_sparsity import refresh_page_keys, schedule_budget
@@ -224,3 +225,17 @@ def test_dense_regime_equals_dense_sampler(tmp_path_factory):
                              sparse.response, page_record=sparse.page_record, page_size=4)
     np.testing.assert_allclose(np.asarray(alpha)[np.asarray(sparse.response_mask) > 0], 1.0,
                                atol=1e-5)
+
+
+def test_decode_compiles_once_per_schedule(tmp_path_factory):
+    """k changes between bins inside one rollout (and rollouts repeat) without recompiling the
+    decode loop: one compile per schedule (the schedule is part of the static config)."""
+    graphdef, params = _tiny(tmp_path_factory, 4, 2)
+    prompt, mask = left_padded_batch(np.random.default_rng(1), [11, 5], width=11)
+    sampling = SamplingConfig(max_new_tokens=22, prompt_bucket=4)  # lengths 13 .. 34 cross 32
+    with count_compiles() as compiles:
+        for seed in (1, 2):
+            r = generate(graphdef, params, prompt, mask, jax.random.key(seed), sampling, SPARROW)
+    used = (np.asarray(r.page_record)[1, 0, 0] >= 0).sum(-1)  # layer 1, row 0, head 0: [M]
+    assert {1 + 1 + 2, 1 + 3 + 2} <= set(used.tolist())  # k = 1, then k = 3 in one rollout
+    assert compiles["jit(decode_loop)"] == 1, compiles
