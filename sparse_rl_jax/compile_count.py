@@ -18,7 +18,8 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 @contextlib.contextmanager
 def count_compiles() -> Iterator[collections.Counter]:
-    """Yields a ``Counter``: ``"jit(<function name>)"`` (e.g. ``"jit(decode_loop)"``) -> XLA compilations that
+    """Yields a ``Counter``: ``"jit(<function name>)"`` (e.g. ``"jit(decode_loop)"``) -> XLA
+    compilations (or loads from the persistent compilation cache) that
     happened inside the block (eager ops count too, as ``jit(<primitive>)``).
 
     Example::

@@ -185,7 +185,8 @@ def write_table(rows: list[EvalRow], path: str | Path) -> str:
 
 def eval_set(cfg) -> tuple[list[str], list[str]]:
     """The eval prompts and answers of a ``RunConfig``: ``eval.tfds`` or ``eval.jsonl`` if set,
-    else held-out problems of the shipped task (``eval.task_seed``), ``eval.num_prompts`` of them."""
+    else held-out problems of the shipped task (``eval.task_seed``); ``eval.num_prompts`` of
+    them."""
     from sparse_rl_jax.datasets import load_jsonl
     from sparse_rl_jax.task import TaskDataset
 
