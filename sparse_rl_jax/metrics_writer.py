@@ -4,8 +4,8 @@ Layout under ``run_dir``::
 
     metrics.jsonl   one JSON object per logged step: {"step": s, "<name>": float, ...}
     tb/             TensorBoard event files (tensorboardX), one scalar per metric, tagged
-                    "<group>/<name>" (``tb_tag``: rollout/, loss/, kv/, correction/, eval/,
-                    time/) so TensorBoard shows one section per group
+                    "<group>/<name>" (``tb_tag``: rollout/, loss/, kv/, correction/, time/;
+                    eval/ metrics are named so already) so TensorBoard shows one section per group
     wandb/          with ``wandb``: the W&B run (same "<group>/<name>" keys, the run config
                     logged once at its start; ``WANDB_MODE=offline`` keeps it local)
 
@@ -33,19 +33,21 @@ TB_DIR = "tb"
 
 
 TB_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("eval", ("eval_",)),
     ("time", ("time_", "tokens_per_second")),
     ("kv", ("kv_", "dense_kv_", "compressions")),
     ("correction", ("rejection_rate", "veto_", "token_mask_", "is_", "kept_token_",
                     "mismatch_", "all_rejected", "effective_")),
     ("loss", ("loss", "pg_", "clip_", "ppo_", "grad_", "ratio_", "log_ratio_", "kl", "lr",
-              "entropy", "skipped_updates")),
+              "entropy", "skipped_updates", "distill_")),
 )
-"""(group, metric-name prefixes) in order; ``*_share`` metrics go to time/, the rest to rollout/."""
+"""(group, metric-name prefixes) in order; a name that already has a group (``eval/...``)
+keeps it, ``*_share`` metrics go to time/, the rest to rollout/."""
 
 
 def tb_tag(name: str) -> str:
     """The TensorBoard tag of metric ``name``: ``"<group>/<name>"`` (see ``TB_GROUPS``)."""
+    if "/" in name:
+        return name
     if name.endswith("_share"):
         return f"time/{name}"
     for group, prefixes in TB_GROUPS:

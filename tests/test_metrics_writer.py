@@ -82,7 +82,8 @@ def test_jsonl_round_trip_and_tensorboard_scalars(tmp_path):
     ("loss", "loss/loss"), ("clip_fraction", "loss/clip_fraction"), ("grad_norm", "loss/grad_norm"),
     ("kv_token_savings", "kv/kv_token_savings"), ("dense_kv_peak_tokens", "kv/dense_kv_peak_tokens"),
     ("rejection_rate", "correction/rejection_rate"), ("mismatch_k3", "correction/mismatch_k3"),
-    ("eval_pass1_dense", "eval/eval_pass1_dense"), ("rollout_share", "time/rollout_share"),
+    ("eval/dense_pass_at_1", "eval/dense_pass_at_1"), ("eval/sparse_gap", "eval/sparse_gap"),
+    ("distill_kl", "loss/distill_kl"), ("rollout_share", "time/rollout_share"),
     ("time_step", "time/time_step"),
 ])
 def test_tensorboard_tags_are_grouped(name, tag):
