@@ -76,7 +76,8 @@ class WarmStartConfig:
     Attributes:
       hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: Qwen2-shaped
         architecture of the tiny model.
-      steps, batch_size, lr: the supervised stage (AdamW, cosine decay).
+      steps, batch_size, lr: the supervised stage (AdamW, linear warmup then cosine decay;
+        steps >= 2).
       seed: initialisation and data seed of the warm start.
     """
 
@@ -92,8 +93,10 @@ class WarmStartConfig:
 
     def __post_init__(self):
         _require_counts("warm_start", self, ("hidden_size", "num_layers", "num_heads",
-                                             "num_kv_heads", "intermediate_size", "steps",
-                                             "batch_size"))
+                                             "num_kv_heads", "intermediate_size", "batch_size"))
+        _require("warm_start", "steps", isinstance(self.steps, int) and self.steps >= 2,
+                 "must be an int >= 2 (the schedule warms up for at least one step, then "
+                 "decays)", self.steps)
         _require("warm_start", "num_heads", self.num_heads % self.num_kv_heads == 0,
                  f"must be a multiple of num_kv_heads={self.num_kv_heads}", self.num_heads)
         _require("warm_start", "hidden_size", self.hidden_size % self.num_heads == 0,
