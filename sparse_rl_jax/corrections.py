@@ -91,7 +91,8 @@ def _normalize(weights: jax.Array, valid: jax.Array, cfg: CorrectionConfig
 
 def _metrics(cfg: CorrectionConfig, log_r_tok, r, weights, valid, token_mask, seq_mask,
              veto) -> dict[str, jax.Array]:
-    """`compute_corrections`'s metrics except `is_norm_factor` (see there); arrays `[B, T]` / `[B]`."""
+    """`compute_corrections`'s metrics except `is_norm_factor` (see there); arrays `[B, T]`
+    (`veto`, `seq_mask`: `[B]`)."""
     has_tokens = jnp.any(valid, axis=1)
     kept = token_mask & seq_mask[:, None]
     truncates = cfg.kind in ("tis", "sparse_rl")
@@ -120,13 +121,14 @@ def compute_corrections(
     loss_mask: nonzero/True on response tokens that enter the loss.
 
     Per kind (with `r` the ratio of `cfg.level`): `none` and `shadow_mask` weight 1; `tis`
-    weight `min(r, is_upper)`; `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`; `sparse_rl` weight
-    `min(r, is_upper)`, reject `r` outside `[rs_lower, rs_upper]`, veto sequences with any valid
-    token `r_t < veto_threshold`. Rejection is per token at the token level and per sequence
-    otherwise. With `cfg.normalize` the weights are divided by their mean over all loss-mask
-    tokens (token level) or over the per-sequence weights of non-empty sequences (sequence /
-    geometric), unless that mean is below 1e-8. Every per-token log ratio is clamped before the
-    level aggregate (so +-inf inputs cannot produce inf - inf), and the aggregate is clamped again.
+    weight `min(r, is_upper)`; `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`;
+    `sparse_rl` weight `min(r, is_upper)`, reject `r` outside `[rs_lower, rs_upper]`, veto
+    sequences with any valid token `r_t < veto_threshold`. Rejection is per token at the token
+    level and per sequence otherwise. With `cfg.normalize` the weights are divided by their
+    mean over all loss-mask tokens (token level) or over the per-sequence weights of non-empty
+    sequences (sequence / geometric), unless that mean is below 1e-8. Every per-token log ratio
+    is clamped before the level aggregate (so +-inf inputs cannot produce inf - inf), and the
+    aggregate is clamped again. A wrongly shaped input raises ValueError naming it.
 
     metrics (float32 scalars; "sequences" are those with at least one loss-mask token):
       rejection_rate        fraction of sequences dropped whole (seq_mask False)

@@ -176,12 +176,13 @@ def kl_penalty(log_ratio: jax.Array, kind: str) -> jax.Array:
     return jnp.exp(-log_ratio) - 1.0 + log_ratio
 
 
-def check_loss_batch(batch: LossBatch, b: int, t: int) -> None:
-    """Raise ValueError naming the leaf of `batch` that is not `[B, T]` / `[B]` = `[b]`."""
-    for name in ("logp_old_dense", "loss_mask", "is_weights", "token_mask", "logp_ref"):
-        check_shape(f"batch.{name}", getattr(batch, name), B=b, T=t)
-    for name in ("advantages", "seq_mask"):
-        check_shape(f"batch.{name}", getattr(batch, name), B=b)
+def check_loss_batch(batch: LossBatch, b: int, t: int, name: str = "batch") -> None:
+    """Raise ValueError naming the leaf of `batch` (`{name}.advantages`, ...) that is not
+    `[B, T]` = `[b, t]` (or `[B]` = `[b]` for the per-sequence leaves)."""
+    for leaf in ("logp_old_dense", "loss_mask", "is_weights", "token_mask", "logp_ref"):
+        check_shape(f"{name}.{leaf}", getattr(batch, leaf), B=b, T=t)
+    for leaf in ("advantages", "seq_mask"):
+        check_shape(f"{name}.{leaf}", getattr(batch, leaf), B=b)
 
 
 def _check_inputs(logp_new, batch, cfg, entropy, logp_dense, kl_full) -> None:
