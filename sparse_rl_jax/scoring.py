@@ -7,8 +7,8 @@ at training lengths on an accelerator (XLA's CPU fused attention does).
 The LM head is applied in chunks along the response axis under ``jax.checkpoint``, so neither
 the forward nor the backward pass holds ``[B, T, V]`` float32 logits at once.
 
-Array names in the chunk math carry their shape (``logp_NxCxV``): N rows, C response columns
-of a chunk, V vocabulary, P prompt and M response columns, H hidden size.
+Array names carry their shape where it is not obvious (``logp_NxCxV``): N rows, C response
+columns of a chunk, V vocabulary, S = P + M prompt and response columns.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _response_hidden(model, prompt, prompt_mask, response, eviction_record, page
     else:
         # The fused backend wants right-padded rows: rotate each row's left padding to its end.
         padding_Nx1 = p - prompt_mask.astype(jnp.int32).sum(axis=1, keepdims=True)
-        cols_1xS = jnp.arange(p + m, dtype=jnp.int32)[None, :]  # S = P + M columns
+        cols_1xS = jnp.arange(p + m, dtype=jnp.int32)[None, :]
         to_right_NxS = (cols_1xS + padding_Nx1) % (p + m)
         hidden = model(jnp.take_along_axis(tokens, to_right_NxS, axis=1),
                        jnp.take_along_axis(positions, to_right_NxS, axis=1),
