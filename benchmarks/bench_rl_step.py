@@ -110,19 +110,17 @@ def worker(args) -> None:
     Path(args.out, f"result_{args.method}.json").write_text(json.dumps(result))
 
 
-def update_grid(args) -> None:
-    """Prints the remat x micro-batch table of one update (see the module docstring)."""
-    sys.path.insert(0, str(ROOT))
-    import jax
+def _grid_model_and_batch(args):
+    """``(model, minibatch)`` of ``--update-grid``: a Qwen2-shaped decoder of
+    ``--layers`` x ``--hidden`` (random fp32 weights, optional LoRA) and ``--minibatch``
+    random sequences of 32 prompt + ``--max-new-tokens`` response tokens."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     import models
     from sparse_rl_jax.grpo_loss import LossBatch
-    from sparse_rl_jax.loss_config import GRPOLossConfig
-    from sparse_rl_jax.optim import OptimConfig, make_optimizer
-    from sparse_rl_jax.train_step import Minibatch, update_step
+    from sparse_rl_jax.train_step import Minibatch
 
     n, p, m = args.minibatch, 32, args.max_new_tokens
     heads = args.hidden // 64
@@ -143,39 +141,47 @@ def update_grid(args) -> None:
         LossBatch(logp_old_dense=jnp.full((n, m), -9.0), loss_mask=mask, token_mask=mask,
                   advantages=jnp.asarray(rng.normal(size=n), jnp.float32),
                   is_weights=jnp.ones((n, m)), seq_mask=jnp.ones((n,), bool)))
+    return model, batch
+
+
+def _grid_cell(graphdef, params, batch, micro: int) -> dict:
+    """Compile and time one update (``micro`` rows per micro-batch, 0 = all): its compile
+    seconds, median step seconds of 3 after a warm-up, and XLA's temp / peak MiB (None
+    where the backend reports no memory analysis)."""
+    import jax
+
+    import models
+    from decode_setup import time_calls
+    from sparse_rl_jax.loss_config import GRPOLossConfig
+    from sparse_rl_jax.optim import OptimConfig, make_optimizer
+    from sparse_rl_jax.train_step import update_step
+
     optimizer = make_optimizer(OptimConfig(lr=1e-5))
-    loss_cfg = GRPOLossConfig()
-    rows = []
-    for remat in args.remat:
-        model.remat = remat
-        graphdef, params = nnx.split(model)
-        for micro in args.micro:
-            step = jax.jit(lambda pr, s, b, micro=micro, graphdef=graphdef: update_step(
-                graphdef, pr, s, b, loss_cfg=loss_cfg, optimizer=optimizer, chunk_size=64,
-                micro_batch_size=micro or None))
-            opt_state = optimizer.init(models.split_trainable(params)[0])
-            start = time.perf_counter()
-            compiled = step.lower(params, opt_state, batch).compile()
-            compile_s = time.perf_counter() - start
-            stats = compiled.memory_analysis()
-            jax.block_until_ready(compiled(params, opt_state, batch))
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                jax.block_until_ready(compiled(params, opt_state, batch))
-                times.append(time.perf_counter() - start)
-            temp = peak = None
-            if stats is not None:
-                temp = stats.temp_size_in_bytes / 2**20
-                peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-                        + stats.temp_size_in_bytes - stats.alias_size_in_bytes) / 2**20
-            rows.append(dict(remat=remat, micro=micro or n, temp=temp, peak=peak,
-                             step=statistics.median(times), compile=compile_s))
-    params_m = sum(x.size for x in jax.tree.leaves(nnx.state(model))) / 1e6
+    step = jax.jit(lambda pr, s, b: update_step(
+        graphdef, pr, s, b, loss_cfg=GRPOLossConfig(), optimizer=optimizer, chunk_size=64,
+        micro_batch_size=micro or None))
+    opt_state = optimizer.init(models.split_trainable(params)[0])
+    start = time.perf_counter()
+    compiled = step.lower(params, opt_state, batch).compile()
+    compile_s = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    times = time_calls(lambda: jax.block_until_ready(compiled(params, opt_state, batch)), 3)
+    temp = peak = None
+    if stats is not None:
+        temp = stats.temp_size_in_bytes / 2**20
+        peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                + stats.temp_size_in_bytes - stats.alias_size_in_bytes) / 2**20
+    return dict(temp=temp, peak=peak, step=statistics.median(times), compile=compile_s)
+
+
+def _print_grid(args, rows: list[dict], params_m: float) -> None:
+    """The ``--update-grid`` table: one row per remat x micro-batch cell, ratios vs the first."""
+    import jax
+
     print(f"one update: Qwen2-shaped {params_m:.1f}M params ({args.layers} layers x hidden "
           f"{args.hidden}, vocab 8192), fp32, "
           f"{f'LoRA rank {args.lora_rank} on every projection, ' if args.lora_rank else ''}"
-          f"{n} sequences x ({p} + {m}) tokens, AdamW, "
+          f"{args.minibatch} sequences x (32 + {args.max_new_tokens}) tokens, AdamW, "
           f"{jax.devices()[0].device_kind} ({os.cpu_count()} host cores); step s = median of 3 "
           "after a warm-up; memory from XLA memory_analysis (MiB); ratios vs remat none, "
           "whole minibatch")
@@ -191,6 +197,24 @@ def update_grid(args) -> None:
                else f"{'n/a':>10}{'n/a':>10}")
         print(f"{r['remat']:<14}{r['micro']:>6}{mem}{ratio}{r['step']:>8.3f}"
               f"{r['step'] / base['step']:>11.2f}{r['compile']:>10.1f}")
+
+
+def update_grid(args) -> None:
+    """Prints the remat x micro-batch table of one update (see the module docstring)."""
+    sys.path.insert(0, str(ROOT))
+    import jax
+    from flax import nnx
+
+    model, batch = _grid_model_and_batch(args)
+    rows = []
+    for remat in args.remat:
+        model.remat = remat
+        graphdef, params = nnx.split(model)
+        for micro in args.micro:
+            cell = _grid_cell(graphdef, params, batch, micro)
+            rows.append(dict(remat=remat, micro=micro or args.minibatch, **cell))
+    params_m = sum(x.size for x in jax.tree.leaves(nnx.state(model))) / 1e6
+    _print_grid(args, rows, params_m)
 
 
 def main() -> None:

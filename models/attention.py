@@ -16,6 +16,10 @@ Three backends compute it (``attention(..., backend=...)``):
   right-padded: keys are the queries and each row's positions are ``0, 1, ..., n - 1``
   followed by ``-1`` padding. No expiry or extra mask.
 - ``"reference"``: the naive einsum over all ``[T, S]`` pairs, the test oracle.
+
+Array names in the score math carry their shape (``logits_BxKxGxTxS``): B rows, T queries
+(of a block, inside the blockwise backend), S keys (likewise), K = Hkv KV heads, G query
+heads per KV head, D head dim.
 """
 
 from __future__ import annotations
@@ -112,13 +116,13 @@ def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None) -> j
     :func:`attention`."""
     b, t, hq, d = q.shape
     hkv = k.shape[1]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    logits = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    logits = logits * (d ** -0.5)
-    visible = visibility(q_pos, k_pos, k_expiry, mask)[:, :, None]  # [B, Hkv, 1, T, S]
-    probs = masked_softmax(logits, visible)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    q_BxTxKxGxD = q.reshape(b, t, hkv, hq // hkv, d)
+    logits_BxKxGxTxS = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxD, k,
+                                  preferred_element_type=jnp.float32) * (d ** -0.5)
+    visible_BxKx1xTxS = visibility(q_pos, k_pos, k_expiry, mask)[:, :, None]
+    probs_BxKxGxTxS = masked_softmax(logits_BxKxGxTxS, visible_BxKx1xTxS)
+    out_BxTxKxGxD = jnp.einsum("bkgts,bksd->btkgd", probs_BxKxGxTxS.astype(v.dtype), v)
+    return out_BxTxKxGxD.reshape(b, t, hq, d).astype(q.dtype)
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
@@ -246,15 +250,16 @@ def _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
             visible = _block_visibility(qp, kp, ke, mb)
 
             def compute(carry):
-                m, l, acc = carry
-                logits = jnp.where(visible, _scores(qb, kb, scale), -jnp.inf)
-                m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-                shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p = jnp.exp(logits - shift[..., None])
-                corr = jnp.exp(m - shift)
-                pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(vb.dtype), vb,
-                                preferred_element_type=jnp.float32)
-                return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+                m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxD = carry
+                logits_BxKxGxTxS = jnp.where(visible, _scores(qb, kb, scale), -jnp.inf)
+                m_new = jnp.maximum(m_BxKxGxT, jnp.max(logits_BxKxGxTxS, axis=-1))
+                shift_BxKxGxT = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p_BxKxGxTxS = jnp.exp(logits_BxKxGxTxS - shift_BxKxGxT[..., None])
+                corr_BxKxGxT = jnp.exp(m_BxKxGxT - shift_BxKxGxT)
+                pv_BxKxGxTxD = jnp.einsum("bkgts,bksd->bkgtd", p_BxKxGxTxS.astype(vb.dtype), vb,
+                                          preferred_element_type=jnp.float32)
+                return (m_new, l_BxKxGxT * corr_BxKxGxT + jnp.sum(p_BxKxGxTxS, axis=-1),
+                        acc_BxKxGxTxD * corr_BxKxGxT[..., None] + pv_BxKxGxTxD)
 
             return (_skip_empty(visible, compute, carry) if many else compute(carry)), None
 
@@ -299,14 +304,17 @@ def _flash_bwd(bq, bk, residuals, d_out):
             visible = _block_visibility(qp, kp, ke, mb)
 
             def compute(_):
-                logits = _scores(qb, kb, scale)
-                p = jnp.where(visible, jnp.exp(logits - lseb[..., None]), 0.0)
-                dv = jnp.einsum("bkgts,bkgtd->bksd", p, dob)
-                dp = jnp.einsum("bkgtd,bksd->bkgts", dob, vb, preferred_element_type=jnp.float32)
-                ds = p * (dp - deltab[..., None]) * scale
-                dq_add = jnp.einsum("bkgts,bksd->bkgtd", ds, kb, preferred_element_type=jnp.float32)
-                dk = jnp.einsum("bkgts,bkgtd->bksd", ds, qb, preferred_element_type=jnp.float32)
-                return dq_add, dk, dv
+                logits_BxKxGxTxS = _scores(qb, kb, scale)
+                p_BxKxGxTxS = jnp.where(visible, jnp.exp(logits_BxKxGxTxS - lseb[..., None]), 0.0)
+                dv_BxKxSxD = jnp.einsum("bkgts,bkgtd->bksd", p_BxKxGxTxS, dob)
+                dp_BxKxGxTxS = jnp.einsum("bkgtd,bksd->bkgts", dob, vb,
+                                          preferred_element_type=jnp.float32)
+                ds_BxKxGxTxS = p_BxKxGxTxS * (dp_BxKxGxTxS - deltab[..., None]) * scale
+                dq_BxKxGxTxD = jnp.einsum("bkgts,bksd->bkgtd", ds_BxKxGxTxS, kb,
+                                          preferred_element_type=jnp.float32)
+                dk_BxKxSxD = jnp.einsum("bkgts,bkgtd->bksd", ds_BxKxGxTxS, qb,
+                                        preferred_element_type=jnp.float32)
+                return dq_BxKxGxTxD, dk_BxKxSxD, dv_BxKxSxD
 
             zeros = (jnp.zeros(dq.shape, jnp.float32), jnp.zeros(kb.shape, jnp.float32),
                      jnp.zeros(vb.shape, jnp.float32))

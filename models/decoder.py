@@ -22,6 +22,7 @@ from models.cache import KVCache
 from models.config import ModelConfig
 from models.page_sparse import PageSparsity, page_sparse_attention
 from models.rope import apply_rope, inv_frequencies
+from models.shapes import check_shape
 
 _INIT = nnx.initializers.normal(0.02)
 REMAT_POLICIES = ("none", "full", "dots_saveable")
@@ -268,24 +269,11 @@ class Decoder(nnx.Module):
             the output's ``pages`` holds what each layer attended to.
         """
         cfg = self.config
-        b, t = tokens.shape
+        check_shape("tokens", tokens, dtype=int, B=None, T=None)
+        t = tokens.shape[1]
         positions = _resolve_positions(tokens, positions, attention_mask, cache)
-        num_keys = t if cache is None else cache.capacity
-        _check_shape("key_expiry", key_expiry, (cfg.num_layers, b, cfg.num_kv_heads, num_keys))
-        if mask is not None and (mask.ndim != 5 or mask.shape[0] not in (1, cfg.num_layers)
-                                 or mask.shape[1] != b or mask.shape[2] not in (1, cfg.num_kv_heads)
-                                 or mask.shape[3:] != (t, num_keys)):
-            raise ValueError(f"mask: expected shape [L|1, B, Hkv|1, T, S] = "
-                             f"[{cfg.num_layers}|1, {b}, {cfg.num_kv_heads}|1, {t}, {num_keys}], "
-                             f"got {mask.shape}")
-        if not 0 <= return_queries <= t:
-            raise ValueError(f"return_queries: must be in [0, T={t}], got {return_queries}")
-        _check_cache_room(cache, t)
-        if attention_backend == "fused" and cache is not None:
-            raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
-        if pages is not None and (cache is None or t != 1):
-            raise ValueError(f"pages: page-sparse attention needs a cache and one token per row "
-                             f"(T=1), got T={t}, cache={'set' if cache is not None else None}")
+        _check_call(cfg, tokens, cache, key_expiry, mask, return_queries, attention_backend,
+                    pages)
 
         layer_graph, layer_params = nnx.split(self.layers)
         shared_mask = mask[0] if mask is not None and mask.shape[0] == 1 else None
@@ -331,22 +319,37 @@ def _resolve_positions(tokens, positions, attention_mask, cache) -> jax.Array:
     """``[B, T]`` int32 positions with ``-1`` on padding."""
     if positions is None:
         if attention_mask is not None:
-            _check_shape("attention_mask", attention_mask, tokens.shape)
+            check_shape("attention_mask", attention_mask, B=tokens.shape[0], T=tokens.shape[1])
             positions = jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1
         else:
             offset = 0 if cache is None else cache.index
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]) + offset, tokens.shape)
-    _check_shape("positions", positions, tokens.shape)
+    check_shape("positions", positions, B=tokens.shape[0], T=tokens.shape[1])
     positions = positions.astype(jnp.int32)
     if attention_mask is not None:
-        _check_shape("attention_mask", attention_mask, tokens.shape)
+        check_shape("attention_mask", attention_mask, B=tokens.shape[0], T=tokens.shape[1])
         positions = jnp.where(attention_mask.astype(bool), positions, -1)
     return positions
 
 
-def _check_shape(name: str, x: jax.Array | None, expected: tuple[int, ...]) -> None:
-    if x is not None and tuple(x.shape) != tuple(expected):
-        raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(x.shape)}")
+def _check_call(cfg: ModelConfig, tokens, cache, key_expiry, mask, return_queries: int,
+                attention_backend: str, pages) -> None:
+    """Reject :meth:`Decoder.__call__` arguments that do not fit ``tokens [B, T]`` (ValueError
+    naming the argument) before any compute."""
+    b, t = tokens.shape
+    num_keys = t if cache is None else cache.capacity
+    check_shape("key_expiry", key_expiry, L=cfg.num_layers, B=b, Hkv=cfg.num_kv_heads,
+                S=num_keys)
+    check_shape("mask", mask, L={1, cfg.num_layers}, B=b,
+                Hkv={1, cfg.num_kv_heads}, T=t, S=num_keys)
+    if not 0 <= return_queries <= t:
+        raise ValueError(f"return_queries: must be in [0, T={t}], got {return_queries}")
+    _check_cache_room(cache, t)
+    if attention_backend == "fused" and cache is not None:
+        raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
+    if pages is not None and (cache is None or t != 1):
+        raise ValueError(f"pages: page-sparse attention needs a cache and one token per row "
+                         f"(T=1), got T={t}, cache={'set' if cache is not None else None}")
 
 
 def _check_cache_room(cache: KVCache | None, t: int) -> None:

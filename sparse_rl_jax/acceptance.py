@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.shapes import check_shape
 from sparse_rl_jax.scoring import _map_chunks, _response_hidden
 
 BIN_TOKENS = 2000  # Sparrow's bins of response position
@@ -115,8 +116,8 @@ def acceptance_percentile_per_bin(
       alpha: ``[N, M]`` per-token acceptance; mask: ``[N, M]`` 1 on response tokens.
     """
     alpha, mask = np.asarray(alpha, np.float64), np.asarray(mask).astype(bool)
-    if alpha.shape != mask.shape or alpha.ndim != 2:
-        raise ValueError(f"alpha {alpha.shape} and mask {mask.shape} must both be [N, M]")
+    check_shape("alpha", alpha, N=None, M=None)
+    check_shape("mask", mask, N=alpha.shape[0], M=alpha.shape[1])
     out = []
     for start in range(0, alpha.shape[1], bin_tokens):
         values = alpha[:, start:start + bin_tokens][mask[:, start:start + bin_tokens]]

@@ -22,6 +22,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from models.shapes import check_shape
+
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 SCALES = ("group", "batch", "none")
 # The scale each estimator uses when ``scale`` is left unset.
@@ -74,8 +76,7 @@ class AdvantageConfig:
 
 
 def _check_inputs(rewards: jax.Array, group_size: int) -> int:
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards must have shape [N], got {tuple(rewards.shape)}")
+    check_shape("rewards", rewards, N=None)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     n = rewards.shape[0]
@@ -147,8 +148,7 @@ def compute_advantages(
     n = _check_inputs(rewards, group_size)
     rewards = rewards.astype(jnp.float32)
     valid = jnp.ones((n,), jnp.bool_) if valid is None else jnp.asarray(valid, jnp.bool_)
-    if valid.shape != (n,):
-        raise ValueError(f"valid must have shape [{n}], got {tuple(valid.shape)}")
+    check_shape("valid", valid, N=n)
     uses_group = cfg.estimator != "reinforce_pp"
     if uses_group and group_size == 1:
         warnings.warn(f"advantage.estimator={cfg.estimator!r} with groups of one sample: no "
@@ -156,9 +156,10 @@ def compute_advantages(
         return jnp.zeros((n,), jnp.float32)
 
     if cfg.estimator.startswith("reinforce_pp"):
-        if response_mask is None or response_mask.shape[0] != n:
+        if response_mask is None:
             raise ValueError(f"advantage.estimator={cfg.estimator!r} needs response_mask "
                              f"[{n}, T] (whitening over valid tokens)")
+        check_shape("response_mask", response_mask, N=n, T=None)
         x = rewards if cfg.estimator == "reinforce_pp" else _group_centered(
             rewards, group_size).reshape(n)
         lengths = jnp.sum(jnp.asarray(response_mask) != 0, axis=1).astype(jnp.float32)

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.shapes import check_shape
 from sparse_rl_jax.loss_config import CorrectionConfig
 from sparse_rl_jax.masked_math import (
     as_mask,
-    check_shape,
     masked_max,
     masked_mean,
     masked_min,
@@ -55,6 +55,62 @@ def _level_log_ratio(log_r_tok: jax.Array, valid: jax.Array, level: str, clamp: 
     return jnp.where(valid, per_seq[:, None], 0.0)
 
 
+def _weights_and_rejection(r: jax.Array, cfg: CorrectionConfig) -> tuple[jax.Array, jax.Array]:
+    """The IS weight and the rejection flag `[B, T]` of `cfg.kind` at ratios `r` `[B, T]`."""
+    no_rejection = jnp.zeros(r.shape, jnp.bool_)
+    if cfg.kind in ("none", "shadow_mask"):
+        return jnp.ones_like(r), no_rejection
+    if cfg.kind == "tis":
+        return jnp.minimum(r, cfg.is_upper), no_rejection
+    if cfg.kind == "mis":
+        return r, (r < cfg.is_lower) | (r > cfg.is_upper)
+    return jnp.minimum(r, cfg.is_upper), (r < cfg.rs_lower) | (r > cfg.rs_upper)  # sparse_rl
+
+
+def _veto(log_r_tok: jax.Array, valid: jax.Array, cfg: CorrectionConfig) -> jax.Array:
+    """`[B]` bool: `sparse_rl` sequences with a valid token whose `r_t < veto_threshold`."""
+    if cfg.kind != "sparse_rl" or cfg.veto_threshold is None:
+        return jnp.zeros(valid.shape[:1], jnp.bool_)
+    return jnp.any(valid & (log_r_tok < math.log(cfg.veto_threshold)), axis=1)
+
+
+def _normalize(weights: jax.Array, valid: jax.Array, cfg: CorrectionConfig
+               ) -> tuple[jax.Array, jax.Array]:
+    """`(weights / factor, factor)`: with `cfg.normalize` the factor is the weights' mean
+    (over loss-mask tokens, or over non-empty sequences' means off the token level), 1 when
+    that mean is below `NORMALIZE_MIN_MEAN` or normalisation is off."""
+    if not cfg.normalize:
+        return weights, jnp.ones((), jnp.float32)
+    if cfg.level == "token":
+        mean = masked_mean(weights, valid)
+    else:
+        mean = masked_mean(masked_mean(weights, valid, axis=1), jnp.any(valid, axis=1))
+    factor = jnp.where(mean < NORMALIZE_MIN_MEAN, 1.0, mean)
+    return weights / factor, factor
+
+
+def _metrics(cfg: CorrectionConfig, log_r_tok, r, weights, valid, token_mask, seq_mask,
+             veto) -> dict[str, jax.Array]:
+    """`compute_corrections`'s metrics except `is_norm_factor` (see there); arrays `[B, T]`
+    (`veto`, `seq_mask`: `[B]`)."""
+    has_tokens = jnp.any(valid, axis=1)
+    kept = token_mask & seq_mask[:, None]
+    truncates = cfg.kind in ("tis", "sparse_rl")
+    return {
+        "rejection_rate": masked_mean(~seq_mask, has_tokens),
+        "veto_fraction": masked_mean(veto, has_tokens),
+        "token_mask_fraction": masked_mean(~token_mask, valid),
+        "kept_token_fraction": masked_mean(kept, valid),
+        "is_truncated_fraction": (masked_mean(r > cfg.is_upper, valid) if truncates
+                                  else jnp.zeros((), jnp.float32)),
+        "mismatch_k3": masked_mean(jnp.exp(log_r_tok) - log_r_tok - 1.0, valid),
+        "log_ratio_mean": masked_mean(log_r_tok, valid),
+        "log_ratio_max": masked_max(log_r_tok, valid),
+        "log_ratio_min": masked_min(log_r_tok, valid),
+        "is_weight_mean": masked_mean(weights, kept),
+    }
+
+
 def compute_corrections(
     logp_old_dense: jax.Array, logp_sparse: jax.Array, loss_mask: jax.Array, cfg: CorrectionConfig
 ) -> Corrections:
@@ -65,13 +121,14 @@ def compute_corrections(
     loss_mask: nonzero/True on response tokens that enter the loss.
 
     Per kind (with `r` the ratio of `cfg.level`): `none` and `shadow_mask` weight 1; `tis`
-    weight `min(r, is_upper)`; `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`; `sparse_rl` weight
-    `min(r, is_upper)`, reject `r` outside `[rs_lower, rs_upper]`, veto sequences with any valid
-    token `r_t < veto_threshold`. Rejection is per token at the token level and per sequence
-    otherwise. With `cfg.normalize` the weights are divided by their mean over all loss-mask
-    tokens (token level) or over the per-sequence weights of non-empty sequences (sequence /
-    geometric), unless that mean is below 1e-8. Every per-token log ratio is clamped before the
-    level aggregate (so +-inf inputs cannot produce inf - inf), and the aggregate is clamped again.
+    weight `min(r, is_upper)`; `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`;
+    `sparse_rl` weight `min(r, is_upper)`, reject `r` outside `[rs_lower, rs_upper]`, veto
+    sequences with any valid token `r_t < veto_threshold`. Rejection is per token at the token
+    level and per sequence otherwise. With `cfg.normalize` the weights are divided by their
+    mean over all loss-mask tokens (token level) or over the per-sequence weights of non-empty
+    sequences (sequence / geometric), unless that mean is below 1e-8. Every per-token log ratio
+    is clamped before the level aggregate (so +-inf inputs cannot produce inf - inf), and the
+    aggregate is clamped again. A wrongly shaped input raises ValueError naming it.
 
     metrics (float32 scalars; "sequences" are those with at least one loss-mask token):
       rejection_rate        fraction of sequences dropped whole (seq_mask False)
@@ -86,74 +143,28 @@ def compute_corrections(
       is_weight_mean        mean final weight over kept tokens
       is_norm_factor        the divisor applied by normalisation (1 when off or skipped)
     """
+    check_shape("logp_old_dense", logp_old_dense, dtype=float, B=None, T=None)
     b, t = logp_old_dense.shape
-    check_shape("logp_old_dense", logp_old_dense, (b, t))
-    check_shape("logp_sparse", logp_sparse, (b, t))
-    check_shape("loss_mask", loss_mask, (b, t))
+    check_shape("logp_sparse", logp_sparse, dtype=float, B=b, T=t)
+    check_shape("loss_mask", loss_mask, B=b, T=t)
     valid = as_mask(loss_mask)
     clamp = float(cfg.log_ratio_clamp)
 
     log_r_tok = jax.lax.stop_gradient(safe_log_ratio(logp_old_dense, logp_sparse, valid, clamp))
-    log_r = _level_log_ratio(log_r_tok, valid, cfg.level, clamp)
-    r = jnp.exp(log_r)
-    has_tokens = jnp.any(valid, axis=1)
-
-    no_rejection = jnp.zeros_like(valid)
-    if cfg.kind in ("none", "shadow_mask"):
-        weights, reject = jnp.ones_like(r), no_rejection
-    elif cfg.kind == "tis":
-        weights, reject = jnp.minimum(r, cfg.is_upper), no_rejection
-    elif cfg.kind == "mis":
-        weights, reject = r, (r < cfg.is_lower) | (r > cfg.is_upper)
-    else:  # sparse_rl
-        weights, reject = jnp.minimum(r, cfg.is_upper), (r < cfg.rs_lower) | (r > cfg.rs_upper)
+    r = jnp.exp(_level_log_ratio(log_r_tok, valid, cfg.level, clamp))
+    weights, reject = _weights_and_rejection(r, cfg)
     reject = reject & valid
-
-    if cfg.kind == "sparse_rl" and cfg.veto_threshold is not None:
-        catastrophic = valid & (log_r_tok < math.log(cfg.veto_threshold))
-        veto = jnp.any(catastrophic, axis=1)
-    else:
-        veto = jnp.zeros((b,), jnp.bool_)
-
+    veto = _veto(log_r_tok, valid, cfg)
     if cfg.level == "token":
-        token_mask = valid & ~reject
-        seq_mask = ~veto
+        token_mask, seq_mask = valid & ~reject, ~veto
     else:
-        token_mask = valid
-        seq_mask = ~(veto | jnp.any(reject, axis=1))
-
-    weights = jnp.where(valid, weights, 0.0)
-    norm_factor = jnp.ones((), jnp.float32)
-    if cfg.normalize:
-        if cfg.level == "token":
-            mean = masked_mean(weights, valid)
-        else:
-            mean = masked_mean(masked_mean(weights, valid, axis=1), has_tokens)
-        norm_factor = jnp.where(mean < NORMALIZE_MIN_MEAN, 1.0, mean)
-        weights = weights / norm_factor
-
-    kept = token_mask & seq_mask[:, None]
-    metrics = {
-        "rejection_rate": masked_mean(~seq_mask, has_tokens),
-        "veto_fraction": masked_mean(veto, has_tokens),
-        "token_mask_fraction": masked_mean(~token_mask, valid),
-        "kept_token_fraction": masked_mean(kept, valid),
-        "is_truncated_fraction": (
-            masked_mean(r > cfg.is_upper, valid)
-            if cfg.kind in ("tis", "sparse_rl")
-            else jnp.zeros((), jnp.float32)
-        ),
-        "mismatch_k3": masked_mean(jnp.exp(log_r_tok) - log_r_tok - 1.0, valid),
-        "log_ratio_mean": masked_mean(log_r_tok, valid),
-        "log_ratio_max": masked_max(log_r_tok, valid),
-        "log_ratio_min": masked_min(log_r_tok, valid),
-        "is_weight_mean": masked_mean(weights, kept),
-        "is_norm_factor": norm_factor,
-    }
-    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        token_mask, seq_mask = valid, ~(veto | jnp.any(reject, axis=1))
+    weights, norm_factor = _normalize(jnp.where(valid, weights, 0.0), valid, cfg)
+    metrics = _metrics(cfg, log_r_tok, r, weights, valid, token_mask, seq_mask, veto)
+    metrics["is_norm_factor"] = norm_factor
     return Corrections(
         weights=jax.lax.stop_gradient(weights.astype(jnp.float32)),
         token_mask=token_mask,
         seq_mask=seq_mask,
-        metrics=metrics,
+        metrics={k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()},
     )

@@ -1,16 +1,45 @@
-"""The PPO-clipped GRPO objective with correction weights/masks and an optional reference KL."""
+"""The PPO-clipped GRPO objective with correction weights/masks and an optional reference KL.
+
+Per token: `w_t * L_t` with `rho_t = exp(clamp(logp_new - logp_old_dense))` and
+  ppo_clip: `L_t = max(-rho_t A, -clip(rho_t, 1 - eps_low, 1 + eps_high) A)`; with `clip_c`
+    (dual-clip) `L_t = min(L_t, -clip_c A)` where `A < 0`.
+  cispo: `L_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A log rho_t` (every token keeps a
+    gradient; same gradient as verl's `... * log_prob`, whose value differs by a constant).
+  ratio_level sequence (GSPO-token): `rho_t` is replaced by `sg(s) * pi(o_t) / sg(pi(o_t))`
+    with `s = exp(mean over the sequence's kept tokens of log rho_t)`: its value is the
+    sequence ratio (so clipping is per sequence), its gradient `s * grad log pi(o_t)`.
+Corrections compose the same way in every variant: the IS weight `w_t` multiplies `L_t`,
+rejected tokens and sequences leave the effective mask (and, for the sequence ratio, the mean
+that defines `s`); the KL, distillation and entropy terms use the same mask and aggregation.
+The policy term is aggregated by `cfg.aggregation` over the effective mask
+`loss_mask * token_mask * seq_mask` and divided as `cfg.seq_denominator` says (see
+`aggregate`; default `all`: rejected sequences/tokens stay in the denominator, as in the
+official code); plus `kl_coef * KL(pi_theta || pi_ref)` when `logp_ref` is given and
+`kl_coef > 0`; minus the entropy bonus `entropy_coef * aggregate(entropy)`.
+
+Shadow-mask training (`correction.kind: shadow_mask`) passes `logp_new` = the sparse
+(eviction-record replay) log-probs under the params being trained and `batch.logp_old_dense`
+= the sampler's own log-probs, so the ratio is on-policy at the first update, plus
+`logp_dense` for the distillation term `cfg.distill_coef * aggregate(KL)`: `distill_kind: k3`
+uses the k3 estimator of KL(pi_sparse || pi_dense) at the sampled tokens, `exp(-d) - 1 + d`
+with `d = logp_new - logp_dense`; `full` uses `kl_full`, the exact per-position
+KL(pi_dense || pi_sparse) over the vocabulary (`scoring.shadow_logprobs`). The teacher side is
+stop-gradient; the KL is aggregated like the policy term.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.shapes import check_shape
 from sparse_rl_jax.corrections import Corrections
 from sparse_rl_jax.loss_config import GRPOLossConfig
 from sparse_rl_jax.masked_math import (
     as_mask,
-    check_shape,
     masked_count,
     masked_max,
     masked_mean,
@@ -147,6 +176,99 @@ def kl_penalty(log_ratio: jax.Array, kind: str) -> jax.Array:
     return jnp.exp(-log_ratio) - 1.0 + log_ratio
 
 
+def check_loss_batch(batch: LossBatch, b: int, t: int, name: str = "batch") -> None:
+    """Raise ValueError naming the leaf of `batch` (`{name}.advantages`, ...) that is not
+    `[B, T]` = `[b, t]` (or `[B]` = `[b]` for the per-sequence leaves)."""
+    for leaf in ("logp_old_dense", "loss_mask", "is_weights", "token_mask", "logp_ref"):
+        check_shape(f"{name}.{leaf}", getattr(batch, leaf), B=b, T=t)
+    for leaf in ("advantages", "seq_mask"):
+        check_shape(f"{name}.{leaf}", getattr(batch, leaf), B=b)
+
+
+def _check_inputs(logp_new, batch, cfg, entropy, logp_dense, kl_full) -> None:
+    """Shapes of `grpo_loss`'s arrays, and the inputs `cfg`'s terms need (ValueError)."""
+    check_shape("logp_new", logp_new, dtype=float, B=None, T=None)
+    b, t = logp_new.shape
+    check_loss_batch(batch, b, t)
+    for name, x in (("entropy", entropy), ("logp_dense", logp_dense), ("kl_full", kl_full)):
+        check_shape(name, x, B=b, T=t)
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("GRPOLossConfig.entropy_coef > 0 needs the per-token entropy "
+                         "(score with with_entropy=True)")
+    if cfg.distill_coef > 0 and logp_dense is None:
+        raise ValueError("GRPOLossConfig.distill_coef > 0 needs logp_dense (shadow_mask training)")
+    if cfg.distill_kind == "full" and logp_dense is not None and kl_full is None:
+        raise ValueError("GRPOLossConfig.distill_kind='full' needs kl_full "
+                         "(scoring.shadow_logprobs(..., with_kl=True))")
+
+
+def _policy_term(logp_new, batch: LossBatch, mask, cfg: GRPOLossConfig
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`w_t * L_t` `[B, T]` of `cfg.policy_loss` (module docstring) and the ratio metrics."""
+    sg = jax.lax.stop_gradient
+    clamp = float(cfg.log_ratio_clamp)
+    adv = jnp.where(mask, sg(batch.advantages).astype(jnp.float32)[:, None], 0.0)
+    weights = jnp.where(mask, sg(batch.is_weights).astype(jnp.float32), 0.0)
+    log_rho = safe_log_ratio(logp_new, sg(batch.logp_old_dense), mask, clamp)
+    if cfg.ratio_level == "sequence":  # GSPO-token: value s_i, gradient s_i * grad log pi_t
+        log_s = jnp.clip(masked_mean(log_rho, mask, axis=1), -clamp, clamp)
+        log_rho = jnp.where(mask, sg(log_s)[:, None] + log_rho - sg(log_rho), 0.0)
+    rho = jnp.exp(log_rho)
+    clipped_rho = jnp.clip(rho, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    unclipped = -rho * adv
+    clipped = -clipped_rho * adv
+    if cfg.policy_loss == "cispo":
+        policy = -sg(clipped_rho) * adv * log_rho
+    else:
+        policy = jnp.maximum(unclipped, clipped)
+        if cfg.clip_c is not None:  # dual-clip: bound the loss of negative advantages
+            policy = jnp.where(adv < 0, jnp.minimum(policy, -cfg.clip_c * adv), policy)
+    n_tokens = masked_count(mask)
+    metrics = {
+        "clip_fraction": masked_mean(
+            clipped_rho != rho if cfg.policy_loss == "cispo" else clipped > unclipped, mask),
+        "ppo_kl": masked_mean(-log_rho, mask),
+        "ratio_mean": masked_mean(rho, mask),
+        "ratio_std": jnp.sqrt(masked_mean(jnp.square(rho - masked_mean(rho, mask)), mask)),
+        "log_ratio_abs_max": masked_max(jnp.abs(log_rho), mask),
+        "advantage_mean": masked_mean(adv, mask),
+        "effective_tokens": n_tokens,
+        "effective_sequences": masked_count(jnp.any(mask, axis=1)),
+        "all_rejected": (n_tokens == 0).astype(jnp.float32),
+    }
+    return weights * policy, metrics
+
+
+def _add_penalties(loss, logp_new, batch: LossBatch, mask, cfg: GRPOLossConfig, reduce,
+                   entropy, logp_dense, kl_full) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`loss` plus the reference KL and distillation terms, minus the entropy bonus (each
+    where its input is given), and their metrics; `reduce` aggregates `[B, T]` values."""
+    sg = jax.lax.stop_gradient
+    clamp = float(cfg.log_ratio_clamp)
+    metrics = {}
+    if batch.logp_ref is not None:
+        log_ref_ratio = safe_log_ratio(logp_new, sg(batch.logp_ref), mask, clamp)
+        metrics["kl_loss"] = reduce(kl_penalty(log_ref_ratio, cfg.kl_kind))
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * metrics["kl_loss"]
+    if logp_dense is not None:
+        distill_k3 = kl_penalty(safe_log_ratio(logp_new, sg(logp_dense), mask, clamp), "k3")
+        per_token = distill_k3
+        if cfg.distill_kind == "full":
+            per_token = jnp.where(mask, kl_full.astype(jnp.float32), 0.0)
+        metrics["distill_kl"] = reduce(per_token)
+        metrics["distill_k3"] = masked_mean(distill_k3, mask)
+        metrics["distill_coef"] = jnp.asarray(cfg.distill_coef, jnp.float32)
+        if cfg.distill_coef > 0:
+            loss = loss + cfg.distill_coef * metrics["distill_kl"]
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(sg(entropy).astype(jnp.float32), mask)
+        if cfg.entropy_coef > 0:
+            metrics["entropy_loss"] = reduce(jnp.where(mask, entropy.astype(jnp.float32), 0.0))
+            loss = loss - cfg.entropy_coef * metrics["entropy_loss"]
+    return loss, metrics
+
+
 def grpo_loss(
     logp_new: jax.Array,
     batch: LossBatch,
@@ -159,36 +281,12 @@ def grpo_loss(
     """GRPO loss (scalar) and metrics; differentiable w.r.t. `logp_new` `[B, T]` (and, with
     `entropy_coef`, `entropy`; with `distill_kind: full`, `kl_full`).
 
-    Per token: `w_t * L_t` with `rho_t = exp(clamp(logp_new - logp_old_dense))` and
-      ppo_clip: `L_t = max(-rho_t A, -clip(rho_t, 1 - eps_low, 1 + eps_high) A)`; with
-        `clip_c` (dual-clip) `L_t = min(L_t, -clip_c A)` where `A < 0`.
-      cispo: `L_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A log rho_t` (every token
-        keeps a gradient; same gradient as verl's `... * log_prob`, whose value differs by
-        a constant).
-      ratio_level sequence (GSPO-token): `rho_t` is replaced by `sg(s) * pi(o_t) / sg(pi(o_t))`
-        with `s = exp(mean over the sequence's kept tokens of log rho_t)`: its value is the
-        sequence ratio (so clipping is per sequence), its gradient `s * grad log pi(o_t)`.
-    Corrections compose the same way in every variant: the IS weight `w_t` multiplies `L_t`,
-    rejected tokens and sequences leave the effective mask (and, for the sequence ratio, the
-    mean that defines `s`); the KL, distillation and entropy terms use the same mask and
-    aggregation. The policy term is aggregated by `cfg.aggregation` over the effective mask
-    `loss_mask * token_mask * seq_mask` and divided as `cfg.seq_denominator` says (see
-    `aggregate`; default `all`: rejected sequences/tokens stay in the denominator, as in the
-    official code); plus `kl_coef * KL(pi_theta || pi_ref)` when `logp_ref` is given and
-    `kl_coef > 0`; minus the entropy bonus `entropy_coef * aggregate(entropy)`. When no
-    token is valid (e.g. every sequence rejected) the loss is exactly 0 with zero gradient
-    and `metrics["all_rejected"] == 1`. `cfg` is static under jit.
+    The objective, its variants and the shadow-mask distillation term are in the module
+    docstring. When no token is valid (e.g. every sequence rejected) the loss is exactly 0
+    with zero gradient and `metrics["all_rejected"] == 1`. `cfg` is static under jit; a
+    wrongly shaped array raises ValueError naming it.
 
-    Shadow-mask training (`correction.kind: shadow_mask`) passes `logp_new` = the sparse
-    (eviction-record replay) log-probs under the params being trained and
-    `batch.logp_old_dense` = the sampler's own log-probs, so the ratio is on-policy at the
-    first update, plus `logp_dense` for the distillation term
-    `cfg.distill_coef * aggregate(KL)`: `distill_kind: k3` uses the k3 estimator of
-    KL(pi_sparse || pi_dense) at the sampled tokens, `exp(-d) - 1 + d` with
-    `d = logp_new - logp_dense`; `full` uses `kl_full`, the exact per-position
-    KL(pi_dense || pi_sparse) over the vocabulary (`scoring.shadow_logprobs`). The teacher
-    side is stop-gradient; the KL is aggregated like the policy term.
-
+    batch: the `LossBatch` of `logp_new`'s rows (leaves `[B, T]` / `[B]`).
     entropy: optional `[B, T]` per-token entropy of the current policy: reported, and with
       `entropy_coef > 0` the (differentiable) bonus.
     logp_dense: optional `[B, T]` dense log-probs of the current policy (the teacher).
@@ -205,95 +303,16 @@ def grpo_loss(
       gap of the current policy), distill_k3 (token mean of the k3 estimate) and distill_coef,
       effective_tokens / effective_sequences (counts), all_rejected (0/1).
     """
-    b, t = logp_new.shape
-    check_shape("batch.logp_old_dense", batch.logp_old_dense, (b, t))
-    check_shape("batch.advantages", batch.advantages, (b,))
-    check_shape("batch.loss_mask", batch.loss_mask, (b, t))
-    check_shape("batch.is_weights", batch.is_weights, (b, t))
-    check_shape("batch.token_mask", batch.token_mask, (b, t))
-    check_shape("batch.seq_mask", batch.seq_mask, (b,))
-    if batch.logp_ref is not None:
-        check_shape("batch.logp_ref", batch.logp_ref, (b, t))
-    if entropy is not None:
-        check_shape("entropy", entropy, (b, t))
-    if logp_dense is not None:
-        check_shape("logp_dense", logp_dense, (b, t))
-    if kl_full is not None:
-        check_shape("kl_full", kl_full, (b, t))
-    if cfg.entropy_coef > 0 and entropy is None:
-        raise ValueError("GRPOLossConfig.entropy_coef > 0 needs the per-token entropy "
-                         "(score with with_entropy=True)")
-    if cfg.distill_coef > 0 and logp_dense is None:
-        raise ValueError("GRPOLossConfig.distill_coef > 0 needs logp_dense (shadow_mask training)")
-    if cfg.distill_kind == "full" and logp_dense is not None and kl_full is None:
-        raise ValueError("GRPOLossConfig.distill_kind='full' needs kl_full "
-                         "(scoring.shadow_logprobs(..., with_kl=True))")
-
-    sg = jax.lax.stop_gradient
+    _check_inputs(logp_new, batch, cfg, entropy, logp_dense, kl_full)
     valid, mask = _masks(batch)
-    clamp = float(cfg.log_ratio_clamp)
-    adv = jnp.where(mask, sg(batch.advantages).astype(jnp.float32)[:, None], 0.0)
-    weights = jnp.where(mask, sg(batch.is_weights).astype(jnp.float32), 0.0)
-
-    log_rho = safe_log_ratio(logp_new, sg(batch.logp_old_dense), mask, clamp)
-    if cfg.ratio_level == "sequence":  # GSPO-token: value s_i, gradient s_i * grad log pi_t
-        log_s = jnp.clip(masked_mean(log_rho, mask, axis=1), -clamp, clamp)
-        log_rho = jnp.where(mask, sg(log_s)[:, None] + log_rho - sg(log_rho), 0.0)
-    rho = jnp.exp(log_rho)
-    clipped_rho = jnp.clip(rho, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    unclipped = -rho * adv
-    clipped = -clipped_rho * adv
-    if cfg.policy_loss == "cispo":
-        policy = -sg(clipped_rho) * adv * log_rho
-    else:
-        policy = jnp.maximum(unclipped, clipped)
-        if cfg.clip_c is not None:  # dual-clip: bound the loss of negative advantages
-            policy = jnp.where(adv < 0, jnp.minimum(policy, -cfg.clip_c * adv), policy)
-    pg_per_token = weights * policy
-    pg_loss = aggregate(pg_per_token, mask, valid, cfg.aggregation, cfg.seq_denominator, norm)
-    loss = pg_loss
-
-    n_tokens = masked_count(mask)
-    metrics = {
-        "pg_loss": pg_loss,
-        "clip_fraction": masked_mean(
-            clipped_rho != rho if cfg.policy_loss == "cispo" else clipped > unclipped, mask),
-        "ppo_kl": masked_mean(-log_rho, mask),
-        "ratio_mean": masked_mean(rho, mask),
-        "ratio_std": jnp.sqrt(masked_mean(jnp.square(rho - masked_mean(rho, mask)), mask)),
-        "log_ratio_abs_max": masked_max(jnp.abs(log_rho), mask),
-        "advantage_mean": masked_mean(adv, mask),
-        "effective_tokens": n_tokens,
-        "effective_sequences": masked_count(jnp.any(mask, axis=1)),
-        "all_rejected": (n_tokens == 0).astype(jnp.float32),
-    }
-    if batch.logp_ref is not None:
-        log_ref_ratio = safe_log_ratio(logp_new, sg(batch.logp_ref), mask, clamp)
-        kl_loss = aggregate(kl_penalty(log_ref_ratio, cfg.kl_kind), mask, valid,
-                            cfg.aggregation, cfg.seq_denominator, norm)
-        metrics["kl_loss"] = kl_loss
-        if cfg.kl_coef > 0:
-            loss = loss + cfg.kl_coef * kl_loss
-    if logp_dense is not None:
-        distill_k3 = kl_penalty(safe_log_ratio(logp_new, sg(logp_dense), mask, clamp), "k3")
-        per_token = distill_k3
-        if cfg.distill_kind == "full":
-            per_token = jnp.where(mask, kl_full.astype(jnp.float32), 0.0)
-        distill = aggregate(per_token, mask, valid, cfg.aggregation, cfg.seq_denominator, norm)
-        metrics["distill_kl"] = distill
-        metrics["distill_k3"] = masked_mean(distill_k3, mask)
-        metrics["distill_coef"] = jnp.asarray(cfg.distill_coef, jnp.float32)
-        if cfg.distill_coef > 0:
-            loss = loss + cfg.distill_coef * distill
-    if entropy is not None:
-        metrics["entropy"] = masked_mean(sg(entropy).astype(jnp.float32), mask)
-        if cfg.entropy_coef > 0:
-            ent = jnp.where(mask, entropy.astype(jnp.float32), 0.0)
-            ent_loss = aggregate(ent, mask, valid, cfg.aggregation, cfg.seq_denominator, norm)
-            metrics["entropy_loss"] = ent_loss
-            loss = loss - cfg.entropy_coef * ent_loss
-    metrics["loss"] = loss
-    metrics = {k: sg(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+    reduce = functools.partial(aggregate, kept=mask, valid=valid, mode=cfg.aggregation,
+                               denominator=cfg.seq_denominator, norm=norm)
+    pg_per_token, ratio_metrics = _policy_term(logp_new, batch, mask, cfg)
+    pg_loss = reduce(pg_per_token)
+    loss, penalty_metrics = _add_penalties(pg_loss, logp_new, batch, mask, cfg, reduce,
+                                           entropy, logp_dense, kl_full)
+    metrics = {"pg_loss": pg_loss, **ratio_metrics, **penalty_metrics, "loss": loss}
+    metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
     return loss, metrics
 
 

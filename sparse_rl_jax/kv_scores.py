@@ -8,6 +8,9 @@ Geometry shared by every function (one layer):
 Empty slots take part in nothing (no softmax, mean or similarity sees them) and score
 ``-inf``. Window slots also score ``-inf``: selection keeps them unconditionally. Every score
 is float32 and finite on valid non-window slots, so ranking never sees NaN.
+
+Array names carry their shape (``probs_BxKxWxC``): B rows, K = Hkv KV heads, G query heads per
+KV head, W window queries, C cache slots, D head dim.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ _SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency sc
 
 
 def _slot_masks(pos: jax.Array, index: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
-    """``(valid [B, Hkv, C], non_window [C])``: slot holds a token / slot is older than the window."""
+    """``(valid [B, Hkv, C], non_window [C])``: the slot holds a token / the slot is older
+    than the window."""
     slot = jnp.arange(pos.shape[-1])
     valid = (pos >= 0) & (slot < index)
     return valid, slot < index - window
@@ -62,9 +66,9 @@ def _group_logits(queries: jax.Array, keys: jax.Array) -> jax.Array:
     hkv = keys.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    q = queries.astype(jnp.float32).reshape(b, hkv, hq // hkv, w, d)
-    k = keys.astype(jnp.float32)
-    return jnp.einsum("bhgwd,bhcd->bhgwc", q, k) / jnp.sqrt(jnp.float32(d))
+    q_BxKxGxWxD = queries.astype(jnp.float32).reshape(b, hkv, hq // hkv, w, d)
+    k_BxKxCxD = keys.astype(jnp.float32)
+    return jnp.einsum("bkgwd,bkcd->bkgwc", q_BxKxGxWxD, k_BxKxCxD) / jnp.sqrt(jnp.float32(d))
 
 
 def importance(
@@ -81,21 +85,23 @@ def importance(
     group's query heads.
     """
     w = queries.shape[2]
-    valid, non_window = _slot_masks(pos, index, w)
-    qpos = _window_positions(pos, index, w)  # [B, Hkv, w]
-    q_ok = (qpos >= 0)[..., None]  # [B, Hkv, w, 1]
-    logits = _group_logits(queries, keys)  # [B, Hkv, G, w, C]
-    kept = valid & non_window  # [B, Hkv, C]
+    valid_BxKxC, non_window = _slot_masks(pos, index, w)
+    qpos_BxKxW = _window_positions(pos, index, w)
+    q_ok_BxKxWx1 = (qpos_BxKxW >= 0)[..., None]
+    logits_BxKxGxWxC = _group_logits(queries, keys)
+    kept_BxKxC = valid_BxKxC & non_window
     if cfg.importance == "sparse_rl":
-        pooled = _reduce_group(logits, cfg.gqa_pool, axis=2)  # [B, Hkv, w, C]
-        probs = masked_softmax(pooled, kept[:, :, None, :])
-        scores = masked_mean(probs, q_ok, axis=2)  # [B, Hkv, C]
-        return _pool_slots(scores, cfg.pool, cfg.pool_kernel)
-    visible = valid[:, :, None, :] & (pos[:, :, None, :] <= qpos[..., None])  # [B, Hkv, w, C]
-    probs = masked_softmax(logits, visible[:, :, None])  # [B, Hkv, G, w, C]
-    probs = jnp.where(kept[:, :, None, None, :], probs, 0.0)
-    scores = masked_mean(probs, q_ok[:, :, None], axis=3)  # [B, Hkv, G, C]
-    return _reduce_group(_pool_slots(scores, cfg.pool, cfg.pool_kernel), cfg.gqa_pool, axis=2)
+        logits_BxKxWxC = _reduce_group(logits_BxKxGxWxC, cfg.gqa_pool, axis=2)
+        probs_BxKxWxC = masked_softmax(logits_BxKxWxC, kept_BxKxC[:, :, None, :])
+        scores_BxKxC = masked_mean(probs_BxKxWxC, q_ok_BxKxWx1, axis=2)
+        return _pool_slots(scores_BxKxC, cfg.pool, cfg.pool_kernel)
+    causal_BxKxWxC = pos[:, :, None, :] <= qpos_BxKxW[..., None]
+    visible_BxKxWxC = valid_BxKxC[:, :, None, :] & causal_BxKxWxC
+    probs_BxKxGxWxC = masked_softmax(logits_BxKxGxWxC, visible_BxKxWxC[:, :, None])
+    probs_BxKxGxWxC = jnp.where(kept_BxKxC[:, :, None, None, :], probs_BxKxGxWxC, 0.0)
+    scores_BxKxGxC = masked_mean(probs_BxKxGxWxC, q_ok_BxKxWx1[:, :, None], axis=3)
+    return _reduce_group(_pool_slots(scores_BxKxGxC, cfg.pool, cfg.pool_kernel), cfg.gqa_pool,
+                         axis=2)
 
 
 def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: float) -> jax.Array:
@@ -110,21 +116,30 @@ def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: flo
     than masking and reducing ``S``; gathers/scatters into ``[C, C]`` are slow on XLA:CPU).
     """
     c = keys.shape[2]
-    valid, _ = _slot_masks(pos, index, 0)
-    k = keys.astype(jnp.float32)
-    k = jnp.where(valid[..., None], k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + 1e-8), 0.0)
-    sim = jnp.einsum("bhid,bhjd->bhij", k, k)  # [B, Hkv, C, C]
+    valid_BxKxC, _ = _slot_masks(pos, index, 0)
+    k_BxKxCxD = keys.astype(jnp.float32)
+    norm_BxKxCx1 = jnp.linalg.norm(k_BxKxCxD, axis=-1, keepdims=True) + 1e-8
+    k_BxKxCxD = jnp.where(valid_BxKxC[..., None], k_BxKxCxD / norm_BxKxCx1, 0.0)
+    sim_BxKxCxC = jnp.einsum("bkid,bkjd->bkij", k_BxKxCxD, k_BxKxCxD)
     slot = jnp.arange(c)
-    dup = (sim > threshold) & valid[..., None, :] & (slot[:, None] != slot[None, :])
+    dup_BxKxCxC = ((sim_BxKxCxC > threshold) & valid_BxKxC[..., None, :]
+                   & (slot[:, None] != slot[None, :]))
     # float slot ids (exact below 2**24): XLA:CPU vectorises a float max, not an int one
-    newest = jnp.max(jnp.where(dup, slot.astype(jnp.float32), -1.0), axis=-1).astype(jnp.int32)
-    partner = jnp.take_along_axis(k, jnp.maximum(newest, 0)[..., None], axis=-2)  # [B, Hkv, C, D]
-    zeroed = jnp.where(newest >= 0, jnp.sum(k * partner, axis=-1), 0.0)  # S[i, newest_i]; 0 if none
+    newest_BxKxC = jnp.max(jnp.where(dup_BxKxCxC, slot.astype(jnp.float32), -1.0),
+                           axis=-1).astype(jnp.int32)
+    partner_BxKxCxD = jnp.take_along_axis(k_BxKxCxD, jnp.maximum(newest_BxKxC, 0)[..., None],
+                                          axis=-2)
+    # S[i, newest_i] (0 when row i has no near-duplicate)
+    zeroed_BxKxC = jnp.where(newest_BxKxC >= 0,
+                             jnp.sum(k_BxKxCxD * partner_BxKxCxD, axis=-1), 0.0)
     # per column j: the sum of the S[i, j] zeroed in rows i (a fused compare-reduce, no scatter)
-    removed = jnp.sum(jnp.where(newest[..., :, None] == slot, zeroed[..., :, None], 0.0), axis=-2)
-    col_sum = jnp.einsum("bhd,bhjd->bhj", jnp.sum(k, axis=2), k) - jnp.sum(k * k, axis=-1)
-    count = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1).astype(jnp.float32)
-    return masked_softmax((col_sum - removed) / count, valid)
+    removed_BxKxC = jnp.sum(jnp.where(newest_BxKxC[..., :, None] == slot,
+                                      zeroed_BxKxC[..., :, None], 0.0), axis=-2)
+    k_sum_BxKxD = jnp.sum(k_BxKxCxD, axis=2)
+    col_sum_BxKxC = (jnp.einsum("bkd,bkjd->bkj", k_sum_BxKxD, k_BxKxCxD)
+                     - jnp.sum(k_BxKxCxD * k_BxKxCxD, axis=-1))
+    count = jnp.maximum(jnp.sum(valid_BxKxC, axis=-1, keepdims=True), 1).astype(jnp.float32)
+    return masked_softmax((col_sum_BxKxC - removed_BxKxC) / count, valid_BxKxC)
 
 
 def streaming_scores(pos: jax.Array, index: jax.Array, num_sinks: int) -> jax.Array:

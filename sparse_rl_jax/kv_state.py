@@ -16,6 +16,7 @@ from flax import struct
 from jax import lax
 
 from models.cache import KVCache, init_cache
+from models.shapes import check_shape
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.kv_scores import slot_scores
 from sparse_rl_jax.kv_selection import select_slots
@@ -244,13 +245,13 @@ def visibility_from_record(evicted_at: jax.Array, positions: jax.Array) -> jax.A
     Returns the model's ``key_expiry``: key ``s`` is visible to query ``t`` iff
     ``0 <= positions[s] <= t < expiry[s]``; padding and out-of-record columns get ``NEVER``.
     """
+    check_shape("evicted_at", evicted_at, L=None, B=None, Hkv=None, T=None)
     n_layers, batch, heads, total = evicted_at.shape
     if total == 0:
         raise ValueError(
             "the eviction record is empty: sample with SamplingConfig(record_evictions=True) "
             "to replay the sparse context")
-    if positions.ndim != 2 or positions.shape[0] != batch:
-        raise ValueError(f"positions {positions.shape} must be [B={batch}, S]")
+    check_shape("positions", positions, B=batch, S=None)
     inside = (positions >= 0) & (positions < total)
     idx = jnp.broadcast_to(
         jnp.where(inside, positions, 0)[None, :, None, :],

@@ -10,12 +10,6 @@ import jax
 import jax.numpy as jnp
 
 
-def check_shape(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
-    """Raise ValueError naming tensor `name` unless `x.shape == shape` (static, works under jit)."""
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-
-
 def as_mask(x: jax.Array) -> jax.Array:
     """Boolean view of a 0/1 (or bool) mask: nonzero means valid."""
     x = jnp.asarray(x)

@@ -85,6 +85,82 @@ def _lm_head_chunk(cfg: ModelConfig, rows: int, chunk: int) -> int:
     return 3 * rows * chunk * cfg.vocab_size * _F32
 
 
+def _check_args(kind: str, remat: str, **sizes) -> None:
+    """ValueError naming the first bad argument of :func:`estimate` (``batch`` may be 0)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {remat!r}")
+    for name, value in sizes.items():
+        smallest = 0 if name == "batch" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
+            raise ValueError(f"{name}: must be an int >= {smallest}, got {value!r}")
+
+
+def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
+                   compression: CompressionConfig | None, dtype, num_samples: int,
+                   record_evictions: bool) -> dict[str, int]:
+    """The parts of a rollout's peak (:func:`estimate` ``kind="rollout"``), in bytes."""
+    itemsize = np.dtype(dtype).itemsize
+    total_len = prompt_len + new_tokens
+    compression = compression or CompressionConfig(method="none")
+    slots = compression.cache_capacity(total_len)
+    prompts = -(-batch // num_samples)
+    kv, heads = cfg.num_kv_heads, cfg.num_heads
+    ring = cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
+    record = cfg.num_layers * batch * kv * total_len * 4 if record_evictions else 0
+    similarity = 2 * batch * kv * slots * slots * _F32 if compression.compresses else 0
+    return {
+        "weights": param_count(cfg) * itemsize,
+        "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype),
+        "query_ring": ring,
+        "eviction_record": record,
+        "prefill": _layer_activations(cfg, prompts, prompt_len, itemsize)
+        + _attention_block(cfg, prompts, prompt_len, slots),
+        "decode_step": 2 * batch * cfg.vocab_size * _F32
+        + _attention_block(cfg, batch, 1, slots) + batch * new_tokens * 8,
+        "compression": similarity,
+    }
+
+
+def _scoring_parts(cfg: ModelConfig, batch: int, total_len: int, chunk: int,
+                   itemsize: int) -> dict[str, int]:
+    """The parts of a teacher-forced forward's peak (``kind="score"``), in bytes."""
+    return {
+        "weights": param_count(cfg) * itemsize,
+        "activations": _layer_activations(cfg, batch, total_len, itemsize)
+        + _attention_block(cfg, batch, total_len, total_len),
+        "lm_head_chunk": _lm_head_chunk(cfg, batch, chunk),
+        "hidden": batch * total_len * cfg.hidden_size * itemsize,
+    }
+
+
+def _residual_width(cfg: ModelConfig, remat: str, total_len: int, itemsize: int) -> int:
+    """Elements per token and layer that the backward pass finds saved under ``remat``."""
+    if remat == "full":
+        return cfg.hidden_size
+    if remat == "dots_saveable":
+        width = 3 * cfg.hidden_size + cfg.num_heads * cfg.head_dim
+        width += 2 * cfg.num_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size
+        return width + cfg.num_heads * total_len * _F32 // itemsize  # attention scores
+    width = 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim
+    return width + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+
+
+def _with_backward(parts: dict[str, int], cfg: ModelConfig, batch: int, total_len: int,
+                   chunk: int, itemsize: int, remat: str) -> dict[str, int]:
+    """The forward's ``parts`` grown to an update's (``kind="update"``): saved residuals, one
+    layer's backward, a second LM-head chunk, gradients and the AdamW state."""
+    residual_width = _residual_width(cfg, remat, total_len, itemsize)
+    parts = dict(parts)
+    parts["residuals"] = cfg.num_layers * batch * total_len * residual_width * itemsize
+    parts["activations"] *= 2  # one layer's backward next to its recomputed forward
+    parts["lm_head_chunk"] += _lm_head_chunk(cfg, batch, chunk)
+    parts["grads"] = parts["weights"]
+    parts["optimizer"] = 2 * param_count(cfg) * _F32
+    return parts
+
+
 def estimate(
     kind: str,
     cfg: ModelConfig,
@@ -116,62 +192,18 @@ def estimate(
         (``none``: its activations; ``full``: its input only; ``dots_saveable``: its matmul
         outputs, the attention scores included).
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {remat!r}")
-    for name, value in (("batch", batch), ("prompt_len", prompt_len),
-                        ("new_tokens", new_tokens), ("num_samples", num_samples),
-                        ("logp_chunk", logp_chunk)):
-        smallest = 0 if name == "batch" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
-            raise ValueError(f"{name}: must be an int >= {smallest}, got {value!r}")
+    _check_args(kind, remat, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                num_samples=num_samples, logp_chunk=logp_chunk)
     itemsize = np.dtype(dtype).itemsize
-    weights = param_count(cfg) * itemsize
-    total_len = prompt_len + new_tokens
     if kind == "rollout":
-        compression = compression or CompressionConfig(method="none")
-        slots = compression.cache_capacity(total_len)
-        prompts = -(-batch // num_samples)
-        kv, heads = cfg.num_kv_heads, cfg.num_heads
-        ring = cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
-        record = cfg.num_layers * batch * kv * total_len * 4 if record_evictions else 0
-        similarity = 2 * batch * kv * slots * slots * _F32 if compression.compresses else 0
-        parts = {
-            "weights": weights,
-            "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype),
-            "query_ring": ring,
-            "eviction_record": record,
-            "prefill": _layer_activations(cfg, prompts, prompt_len, itemsize)
-            + _attention_block(cfg, prompts, prompt_len, slots),
-            "decode_step": 2 * batch * cfg.vocab_size * _F32
-            + _attention_block(cfg, batch, 1, slots) + batch * new_tokens * 8,
-            "compression": similarity,
-        }
-        return MemoryEstimate(kind, batch, parts)
-    chunk = min(logp_chunk, new_tokens)
-    parts = {
-        "weights": weights,
-        "activations": _layer_activations(cfg, batch, total_len, itemsize)
-        + _attention_block(cfg, batch, total_len, total_len),
-        "lm_head_chunk": _lm_head_chunk(cfg, batch, chunk),
-        "hidden": batch * total_len * cfg.hidden_size * itemsize,
-    }
-    if kind == "update":
-        if remat == "full":
-            residual_width = cfg.hidden_size
-        elif remat == "dots_saveable":
-            residual_width = 3 * cfg.hidden_size + cfg.num_heads * cfg.head_dim
-            residual_width += 2 * cfg.num_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size
-            residual_width += cfg.num_heads * total_len * _F32 // itemsize  # attention scores
-        else:
-            residual_width = 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim
-            residual_width += 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
-        parts["residuals"] = cfg.num_layers * batch * total_len * residual_width * itemsize
-        parts["activations"] *= 2  # one layer's backward next to its recomputed forward
-        parts["lm_head_chunk"] += _lm_head_chunk(cfg, batch, chunk)
-        parts["grads"] = weights
-        parts["optimizer"] = 2 * param_count(cfg) * _F32
+        parts = _rollout_parts(cfg, batch, prompt_len, new_tokens, compression, dtype,
+                               num_samples, record_evictions)
+    else:
+        parts = _scoring_parts(cfg, batch, prompt_len + new_tokens,
+                               min(logp_chunk, new_tokens), itemsize)
+        if kind == "update":
+            parts = _with_backward(parts, cfg, batch, prompt_len + new_tokens,
+                                   min(logp_chunk, new_tokens), itemsize, remat)
     return MemoryEstimate(kind, batch, parts)
 
 

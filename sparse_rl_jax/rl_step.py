@@ -18,10 +18,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models.shapes import check_shape
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.advantages import compute_advantages
 from sparse_rl_jax.collect import collect_rollouts, jitted_corrections, score_all, timed
-from sparse_rl_jax.grpo_loss import LossBatch
+from sparse_rl_jax.grpo_loss import LossBatch, check_loss_batch
 from sparse_rl_jax.prompt_source import PromptSource
 from sparse_rl_jax.run_config import RunConfig
 from sparse_rl_jax.sampling_config import SamplingConfig
@@ -111,16 +112,31 @@ def collect(ctx: StepContext, params, position: int
     return full, metrics, clock
 
 
+def check_minibatch(full: Minibatch) -> None:
+    """Raise ValueError naming the leaf of ``full`` that is not ``[N, P]`` (prompt, prompt
+    mask), ``[N, M]`` int (response), ``[N, M]`` / ``[N]`` (loss) or ``[N, L, Hkv, P + M]``
+    (eviction record)."""
+    check_shape("full.response", full.response, dtype=int, N=None, M=None)
+    n, m = full.response.shape
+    check_shape("full.prompt", full.prompt, dtype=int, N=n, P=None)
+    p = full.prompt.shape[1]
+    check_shape("full.prompt_mask", full.prompt_mask, N=n, P=p)
+    check_loss_batch(full.loss, n, m, name="full.loss")
+    check_shape("full.eviction_record", full.eviction_record, N=n, L=None, Hkv=None, T=p + m)
+
+
 def update(ctx: StepContext, params, opt_state, full: Minibatch, step: int):
     """The second half of an RL step: ``full``'s rows in a ``(trainer.seed, step)`` order,
     one optimizer update per ``trainer.minibatch_size`` of them (``ctx.update``).
 
-    ``params`` and ``opt_state`` are donated: use the returned ones.
+    ``params`` and ``opt_state`` are donated: use the returned ones. A leaf of ``full`` of
+    the wrong shape raises ValueError naming it (:func:`check_minibatch`).
 
     Returns:
       ``(params, opt_state, metrics)``: update metrics averaged over the minibatches (Python
       floats) and ``skipped_updates`` (minibatches with every token rejected).
     """
+    check_minibatch(full)
     micro = planned_micro_batch(ctx, params, full)
     order = np.random.default_rng([ctx.cfg.trainer.seed, step]).permutation(
         full.response.shape[0])

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 
+from models.shapes import check_shape
 from sparse_rl_jax.acceptance import acceptance_percentile_per_bin
-from sparse_rl_jax.masked_math import as_mask, check_shape, masked_count
+from sparse_rl_jax.masked_math import as_mask, masked_count
 
 
 def repetition_flags(
@@ -27,7 +27,7 @@ def repetition_flags(
     if max_period < 1 or repeats < 1:
         raise ValueError(f"max_period and repeats must be >= 1, got {max_period}, {repeats}")
     n, t = tokens.shape
-    check_shape("response_mask", response_mask, (n, t))
+    check_shape("response_mask", response_mask, N=n, T=t)
     window = repeats * max_period
     if window > t:
         return jnp.zeros((n,), jnp.bool_)
@@ -46,10 +46,11 @@ def repetition_flags(
 def kv_token_savings(sparse_resident: jax.Array, dense_resident: jax.Array) -> jax.Array:
     """`1 - sum(sparse_resident) / sum(dense_resident)` (0 when the dense total is 0).
 
-    Inputs of equal shape, e.g. the sampler's per-sequence mean (or peak) resident KV tokens of
-    the compressed cache and of the dense equivalent.
+    Inputs `[N]`, e.g. the sampler's per-sequence mean (or peak) resident KV tokens of the
+    compressed cache and of the dense equivalent.
     """
-    check_shape("sparse_resident", sparse_resident, tuple(dense_resident.shape))
+    check_shape("dense_resident", dense_resident, N=None)
+    check_shape("sparse_resident", sparse_resident, N=dense_resident.shape[0])
     dense = jnp.sum(dense_resident.astype(jnp.float32))
     sparse = jnp.sum(sparse_resident.astype(jnp.float32))
     return jnp.where(dense > 0, 1.0 - sparse / jnp.where(dense > 0, dense, 1.0), 0.0)
@@ -69,15 +70,15 @@ def rollout_metrics(
     """Scalar float32 statistics of one rollout batch of N responses.
 
     rewards `[N]`; tokens, response_mask `[N, T]`; truncated `[N]` bool (hit the length limit
-    without EOS); sparse_resident / dense_resident: optional equal-shape KV residency arrays.
+    without EOS); sparse_resident / dense_resident: optional `[N]` KV residency arrays.
     Returns reward_mean, reward_std (population, ddof=0), response_length_mean/max,
     truncated_fraction, repetition_fraction (`repetition_flags`), and kv_token_savings when
     both residency arrays are given.
     """
     n, t = tokens.shape
-    check_shape("rewards", rewards, (n,))
-    check_shape("response_mask", response_mask, (n, t))
-    check_shape("truncated", truncated, (n,))
+    check_shape("rewards", rewards, N=n)
+    check_shape("response_mask", response_mask, N=n, T=t)
+    check_shape("truncated", truncated, N=n)
     if (sparse_resident is None) != (dense_resident is None):
         raise ValueError("sparse_resident and dense_resident must be given together")
     lengths = masked_count(as_mask(response_mask), axis=1)
@@ -105,7 +106,8 @@ def acceptance_metrics(alpha, response_mask, threshold: float = 0.86) -> dict[st
     whose p5 is under ``threshold``).
     """
     alpha, mask = np.asarray(alpha, np.float64), np.asarray(response_mask).astype(bool)
-    check_shape("response_mask", mask, alpha.shape)
+    check_shape("alpha", alpha, N=None, M=None)
+    check_shape("response_mask", mask, N=alpha.shape[0], M=alpha.shape[1])
     values = alpha[mask]
     if values.size == 0:
         return {}

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from models.page_sparse import PageSparsity, middle_slots
+from models.shapes import check_shape
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression import CompressionConfig
 from sparse_rl_jax.page_sparsity import refresh_page_keys, schedule_budget
@@ -124,11 +125,9 @@ def bucket_prompts(
       capped at the cache capacity.
     """
     prompt = np.asarray(prompt)
+    check_shape("prompt", prompt, dtype=int, B=None, P=None)
     mask = np.asarray(prompt_mask).astype(np.int32)
-    if prompt.ndim != 2 or prompt.shape != mask.shape:
-        raise ValueError(
-            f"prompt {prompt.shape} and prompt_mask {mask.shape} must both be [B, P]"
-        )
+    check_shape("prompt_mask", mask, B=prompt.shape[0], P=prompt.shape[1])
     if np.any(np.diff(mask, axis=1) < 0):
         raise ValueError("prompt_mask: prompts must be left-padded (zeros before the tokens)")
     lengths = mask.sum(axis=1)
@@ -176,9 +175,11 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
     Returns:
       A :class:`Prefilled` for :func:`decode`. Jitted: one compile per prompt width.
     """
+    check_shape("prompt", prompt, dtype=int, B=None, P=None)
+    b, p = prompt.shape
+    check_shape("prompt_mask", prompt_mask, B=b, P=p)
     model = nnx.merge(graphdef, params)
     cfg = model.config
-    b, p = prompt.shape
     if compression.page_sparse and any(i >= cfg.num_layers for i in compression.dense_layers):
         raise ValueError(f"CompressionConfig.dense_layers={compression.dense_layers} names a "
                          f"layer the model ({cfg.num_layers} layers) does not have")
@@ -286,9 +287,12 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
     Returns:
       The final :class:`DecodeLoop` (``response [N, M]``, ``logp [N, M]``, ``done [N]``, ...).
     """
+    n = prefilled.first.shape[0]
+    for name in ("first", "first_logp", "resident", "lengths"):
+        check_shape(f"prefilled.{name}", getattr(prefilled, name), N=n)
     model = nnx.merge(graphdef, params)
     state, lengths = prefilled.state, prefilled.lengths
-    n, m, cfg = prefilled.first.shape[0], sampling.max_new_tokens, model.config
+    m, cfg = sampling.max_new_tokens, model.config
     selected = middle_slots(compression.max_pages_k, state.page_keys.shape[3]) + 3
     keep_record = compression.page_sparse and sampling.record_evictions
     record_shape = (cfg.num_layers, n, cfg.num_kv_heads) + ((m, selected) if keep_record
@@ -316,9 +320,7 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
         return (c.step < m) & ~jnp.all(c.done)
 
     def fill_then_compress(c: DecodeLoop):
-        # Decode until the cache is full, then compress once. Keeping the compression out of
-        # the per-token loop body lets XLA update the KV buffers in place (a lax.cond next
-        # to the cache writes makes it copy the whole cache every step).
+        # Decode until the cache is full, then compress once (why: kv_state.maybe_compress).
         c = jax.lax.while_loop(lambda c: running(c) & (c.state.cache.index < capacity), step, c)
         before = c.state.cache.index
         state = kv_state.maybe_compress(c.state, compression)

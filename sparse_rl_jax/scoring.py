@@ -6,6 +6,9 @@ at training lengths on an accelerator (XLA's CPU fused attention does).
 
 The LM head is applied in chunks along the response axis under ``jax.checkpoint``, so neither
 the forward nor the backward pass holds ``[B, T, V]`` float32 logits at once.
+
+Array names carry their shape where it is not obvious (``logp_NxCxV``): N rows, C response
+columns of a chunk, V vocabulary, S = P + M prompt and response columns.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.shapes import check_shape
 from sparse_rl_jax.kv_state import visibility_from_record
 from sparse_rl_jax.page_sparsity import mask_from_page_record
 
@@ -47,10 +51,10 @@ def _log_softmax(model, hidden):
     return jax.nn.log_softmax(model.unembed(hidden).astype(jnp.float32), axis=-1)
 
 
-def _pick_stats(logprobs, targets, with_entropy):
+def _pick_stats(logp_NxCxV, targets, with_entropy):
     """log p(target) ``[N, c]`` (and the entropy) from log-probabilities ``[N, c, V]``."""
-    logp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logprobs) * logprobs, axis=-1) if with_entropy else None
+    logp = jnp.take_along_axis(logp_NxCxV, targets[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_NxCxV) * logp_NxCxV, axis=-1) if with_entropy else None
     return logp, entropy
 
 
@@ -62,15 +66,20 @@ def _chunk_stats(model, hidden, targets, with_entropy):
 def _response_hidden(model, prompt, prompt_mask, response, eviction_record, page_record=None,
                      page_size=16):
     """Final hidden state ``[N, M, H]`` that predicts each response token (teacher forcing)."""
-    p, m = prompt.shape[1], response.shape[1]
+    check_shape("prompt", prompt, dtype=int, N=None, P=None)
+    n, p = prompt.shape
+    check_shape("prompt_mask", prompt_mask, N=n, P=p)
+    check_shape("response", response, dtype=int, N=n, M=None)
+    m = response.shape[1]
     tokens = jnp.concatenate([prompt, response], axis=1).astype(jnp.int32)
     positions = sequence_positions(prompt_mask, m)
     if eviction_record is not None and page_record is not None:
         raise ValueError("score: pass eviction_record or page_record, not both")
     if page_record is not None:
-        if page_record.ndim != 5 or page_record.shape[3] != m:
-            raise ValueError(f"page_record {page_record.shape} must be [L, N, Hkv, M={m}, K] "
-                             "(sample with SamplingConfig(record_evictions=True))")
+        if page_record.ndim == 5 and page_record.shape[3] == 0 and m > 0:
+            raise ValueError("page_record is empty: sample with "
+                             "SamplingConfig(record_evictions=True) to replay the sparse context")
+        check_shape("page_record", page_record, L=None, N=n, Hkv=None, M=m, K=None)
         mask = mask_from_page_record(page_record, positions,
                                      prompt_mask.astype(jnp.int32).sum(axis=1), page_size)
         hidden = model(tokens, positions, mask=mask, return_logits=False).hidden
@@ -79,13 +88,14 @@ def _response_hidden(model, prompt, prompt_mask, response, eviction_record, page
         hidden = model(tokens, positions, key_expiry=key_expiry, return_logits=False).hidden
     else:
         # The fused backend wants right-padded rows: rotate each row's left padding to its end.
-        shift = p - prompt_mask.astype(jnp.int32).sum(axis=1, keepdims=True)  # [N, 1]
-        cols = jnp.arange(p + m, dtype=jnp.int32)[None, :]
-        to_right = (cols + shift) % (p + m)
-        hidden = model(jnp.take_along_axis(tokens, to_right, axis=1),
-                       jnp.take_along_axis(positions, to_right, axis=1),
+        padding_Nx1 = p - prompt_mask.astype(jnp.int32).sum(axis=1, keepdims=True)
+        cols_1xS = jnp.arange(p + m, dtype=jnp.int32)[None, :]
+        to_right_NxS = (cols_1xS + padding_Nx1) % (p + m)
+        hidden = model(jnp.take_along_axis(tokens, to_right_NxS, axis=1),
+                       jnp.take_along_axis(positions, to_right_NxS, axis=1),
                        return_logits=False, attention_backend="fused").hidden
-        hidden = jnp.take_along_axis(hidden, ((cols - shift) % (p + m))[..., None], axis=1)
+        to_left_NxS = (cols_1xS - padding_Nx1) % (p + m)
+        hidden = jnp.take_along_axis(hidden, to_left_NxS[..., None], axis=1)
     # Column P-1+j predicts response token j.
     return hidden[:, p - 1 : p - 1 + m]
 
@@ -165,10 +175,11 @@ class ShadowScores(NamedTuple):
 
 def _shadow_chunk(student, teacher, h_sparse, h_dense, targets, with_kl, with_entropy):
     """Sparse/dense log p(target) (and the vocabulary KL, the sparse entropy) for one chunk."""
-    ls, ld = _log_softmax(student, h_sparse), _log_softmax(teacher, h_dense)
-    logp_sparse, entropy = _pick_stats(ls, targets, with_entropy)
-    logp_dense, _ = _pick_stats(ld, targets, False)
-    kl = jnp.sum(jnp.exp(ld) * (ld - ls), axis=-1) if with_kl else None
+    sparse_NxCxV, dense_NxCxV = _log_softmax(student, h_sparse), _log_softmax(teacher, h_dense)
+    logp_sparse, entropy = _pick_stats(sparse_NxCxV, targets, with_entropy)
+    logp_dense, _ = _pick_stats(dense_NxCxV, targets, False)
+    kl = (jnp.sum(jnp.exp(dense_NxCxV) * (dense_NxCxV - sparse_NxCxV), axis=-1) if with_kl
+          else None)
     return logp_sparse, logp_dense, kl, entropy
 
 

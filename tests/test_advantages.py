@@ -174,7 +174,7 @@ def test_bad_inputs_name_the_problem():
         group_advantages(np.zeros(6, np.float32), 4)
     with pytest.raises(ValueError, match="group_size must be an int >= 1"):
         group_advantages(np.zeros(6, np.float32), 0)
-    with pytest.raises(ValueError, match=r"rewards must have shape \[N\]"):
+    with pytest.raises(ValueError, match=r"rewards: expected \[N\] = \[\*\], got \[2, 4\]"):
         group_advantages(np.zeros((2, 4), np.float32), 4)
     with pytest.raises(ValueError, match="needs response_mask"):
         compute_advantages(np.zeros(4, np.float32), 2, AdvantageConfig("reinforce_pp"))

@@ -174,9 +174,12 @@ def test_bad_shapes_and_overflow_are_rejected_before_compute(tiny):
     tokens = np.zeros((2, 5), np.int32)
     with pytest.raises(ValueError, match="exceeds capacity 4"):
         model(tokens, cache=new_cache(model, batch=2, capacity=4))
-    with pytest.raises(ValueError, match=r"key_expiry: expected shape \(2, 2, 2, 5\)"):
+    expiry_error = r"key_expiry: expected \[L, B, Hkv, S\] = \[2, 2, 2, 5\], got \[2, 2, 2, 4\]"
+    with pytest.raises(ValueError, match=expiry_error):
         model(tokens, key_expiry=np.zeros((2, 2, 2, 4), np.int32))
-    with pytest.raises(ValueError, match="mask: expected shape"):
+    mask_error = (r"mask: expected \[L, B, Hkv, T, S\] = \[1\|2, 2, 1\|2, 5, 5\], "
+                  r"got \[1, 2, 1, 5, 6\]")
+    with pytest.raises(ValueError, match=mask_error):
         model(tokens, mask=np.ones((1, 2, 1, 5, 6), bool))
     with pytest.raises(ValueError, match="return_queries"):
         model(tokens, return_queries=6)

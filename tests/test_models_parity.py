@@ -70,7 +70,7 @@ def test_default_positions():
     np.testing.assert_array_equal(np.asarray(masked), np.where(mask == 1, 5, -1))
     arange = _resolve_positions(tokens, None, None, None)
     np.testing.assert_array_equal(np.asarray(arange), np.tile(np.arange(6), (2, 1)))
-    with pytest.raises(ValueError, match="positions: expected shape"):
+    with pytest.raises(ValueError, match=r"positions: expected \[B, T\] = \[2, 6\], got \[2, 5\]"):
         _resolve_positions(tokens, np.zeros((2, 5), np.int32), None, None)
 
 
