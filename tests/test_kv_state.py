@@ -10,7 +10,7 @@ from jax import lax
 
 from models.cache import init_cache
 from sparse_rl_jax import kv_state
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.compile_count import count_compiles
 
 L, B, HQ, HKV, D = 2, 2, 4, 2, 8
