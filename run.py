@@ -12,7 +12,10 @@ Overrides are dotted ``key=value`` pairs (values parsed as YAML). ``--distribute
 ``jax.distributed.initialize()`` first (multi-host GPU / TPU pods).
 
 Bad input (config, model, tokenizer, data, run directory) prints one ``config error:`` or
-``error:`` line and exits with 2, before anything is written; ``--debug`` shows the traceback.
+``error:`` line and exits with 2, before anything is written; so does a checkpoint save that
+fails (a full disk); ``--debug`` shows the traceback. ``--take-over`` lets ``train`` take
+over a run directory whose lock a run on another host left (one that crashed, or a directory
+moved here).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="call jax.distributed.initialize() (multi-host)")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error instead of one line")
+    parser.add_argument("--take-over", action="store_true",
+                        help="train: take over a run directory whose lock a run on another "
+                             "host left (use only when that run is gone)")
     argv = list(argv)
     if argv and argv[0] not in COMMANDS and "=" not in argv[0] and not argv[0].startswith("-"):
         parser.error(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (or "
@@ -59,6 +65,15 @@ def _fail(prefix: str, err: BaseException, debug: bool) -> int:
     print(f"{prefix}: {' '.join([first, '; '.join(line.strip() for line in rest)]).strip()}",
           file=sys.stderr)
     return 2
+
+
+def _drop_closed_loop_noise(unraisable) -> None:
+    """``sys.unraisablehook`` without ``--debug``: ignores the ``RuntimeError: Event loop is
+    closed`` that orbax's background writers leave behind when a checkpoint save fails (the
+    failure itself is reported as one ``error:`` line); anything else goes to the default."""
+    value = unraisable.exc_value
+    if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+        sys.__unraisablehook__(unraisable)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    if not args.debug:
+        sys.unraisablehook = _drop_closed_loop_noise
     if args.distributed:  # before anything else touches the JAX backend
         try:
             jax.distributed.initialize()
@@ -107,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from sparse_rl_jax.trainer import train
 
-            train(cfg)
+            train(cfg, take_over=args.take_over)
             print(f"done: metrics, plots and checkpoints in {cfg.run_dir}")
         else:
             from sparse_rl_jax.evaluation import run_eval

@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from models.decoder import Decoder
 from models.gguf import checkpoint_dir
+from models.json_file import read_json
 from models.lora import ATTENTION_TARGETS, adapted, merge_lora
 from models.partitioning import is_layer_stacked, make_mesh, param_shardings, path_str
 
@@ -69,10 +70,7 @@ def read_config(path: str | Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"config.json not found in checkpoint directory {path}")
-    try:
-        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-        raise ValueError(f"{config_file}: invalid JSON: {e}") from e
+    hf_config = read_json(config_file)
     if not isinstance(hf_config, dict):
         raise ValueError(f"{config_file}: must hold a JSON object")
     model_type = hf_config.get("model_type")

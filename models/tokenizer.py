@@ -2,28 +2,34 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from models.gguf import checkpoint_dir
+from models.json_file import read_json
 
 
 # Checkpoints that declare these classes ship their whole tokenizer in tokenizer.json.
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+# The JSON files a tokenizer is read from (each checked first, so a broken one is named).
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                        "added_tokens.json", "generation_config.json")
 # A directory needs one of these file sets to hold a tokenizer.
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"),
                    ("vocab.txt",))
 
 
 def _check_tokenizer_files(path: Path) -> None:
-    """FileNotFoundError naming the files a tokenizer needs when ``path`` has none of them."""
-    if any(all((path / name).is_file() for name in names) for names in TOKENIZER_FILES):
-        return
-    wanted = " or ".join(" + ".join(names) for names in TOKENIZER_FILES)
-    raise FileNotFoundError(f"no tokenizer in {path}: expected {wanted}")
+    """FileNotFoundError naming the files a tokenizer needs when ``path`` has none of them;
+    ValueError naming a tokenizer JSON file that is not valid JSON."""
+    if not any(all((path / name).is_file() for name in names) for names in TOKENIZER_FILES):
+        wanted = " or ".join(" + ".join(names) for names in TOKENIZER_FILES)
+        raise FileNotFoundError(f"no tokenizer in {path}: expected {wanted}")
+    for name in TOKENIZER_JSON_FILES:
+        if (path / name).is_file():
+            read_json(path / name)
 
 
 def _load_hf_tokenizer(path: Path):
@@ -34,7 +40,7 @@ def _load_hf_tokenizer(path: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     config = path / "tokenizer_config.json"
-    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    declared = read_json(config).get("tokenizer_class") if config.is_file() else None
     if declared in GENERIC_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -59,7 +65,7 @@ class Tokenizer:
         eos = [self.hf.eos_token_id]
         generation_config = path / "generation_config.json"
         if generation_config.is_file():
-            extra = json.loads(generation_config.read_text()).get("eos_token_id")
+            extra = read_json(generation_config).get("eos_token_id")
             eos += extra if isinstance(extra, list) else [extra]
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos if i is not None))
         pad = self.hf.pad_token_id

@@ -13,7 +13,10 @@ every item is complete, so a process killed during a save leaves the previous ch
 intact; unfinished temporary directories are ignored by :meth:`Checkpointer.latest_step` and
 removed when the next :class:`Checkpointer` opens the directory. Saves are asynchronous: the
 arrays are copied off the device before :meth:`Checkpointer.save` returns and written in the
-background; :meth:`Checkpointer.wait` blocks until the last save is committed.
+background; :meth:`Checkpointer.wait` blocks until the last save is committed and
+:meth:`Checkpointer.check` raises at once if it has already failed (one ``CheckpointError``
+naming the step, ``checkpoint_errors``). Matching a stored state to a restore target (leaf
+names, typed keys, shapes, finiteness) is ``checkpoint_layout``.
 """
 
 from __future__ import annotations
@@ -24,78 +27,20 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from sparse_rl_jax.checkpoint_errors import CheckpointError, OrbaxErrorLog, save_error
+from sparse_rl_jax.checkpoint_layout import (check_layout, flat_shapes, from_raw,
+                                             nonfinite_leaves, prng_impls, raw_target, to_raw)
+
+__all__ = ["CheckpointError", "Checkpointer"]
 
 PyTree = Any
 
 _STATE = "state"
 _META = "meta"
 _PRNG = "prng_impls"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable, or does not match the requested state."""
-
-
-def _path_name(path: tuple[Any, ...]) -> str:
-    """Render a pytree key path as ``a/0/b`` (the same for a namedtuple and orbax's dict)."""
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
-def _is_prng_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _key_dtype(impl: str) -> Any:
-    """The typed-key dtype that ``jax.random.key(..., impl=impl)`` produces."""
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-def _key_data_shape(impl: str) -> tuple[int, ...]:
-    """Trailing shape of ``jax.random.key_data`` for one key of this impl (e.g. (2,))."""
-    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
-
-
-def _to_abstract(leaf: Any) -> Any:
-    """A restore target for one leaf: arrays become ShapeDtypeStructs that keep their sharding.
-
-    Leaves without a sharding restore onto the first local device.
-    """
-    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None:
-            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-    return leaf
-
-
-def _flat_shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {_path_name(path): tuple(np.shape(leaf)) for path, leaf in leaves}
-
-
-def _nonfinite_leaves(tree: PyTree) -> list[str]:
-    """Names of the floating-point leaves of ``tree`` that hold a NaN or an infinity."""
-    flags = jax.tree.map(
-        lambda x: bool(jax.numpy.all(jax.numpy.isfinite(x)))
-        if jax.numpy.issubdtype(getattr(x, "dtype", np.int32), np.inexact) else True, tree)
-    return [_path_name(path) for path, ok in jax.tree_util.tree_flatten_with_path(flags)[0]
-            if not ok]
 
 
 def _check_json(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,7 +71,9 @@ class Checkpointer:
       read_only: open an existing directory for restoring only (evaluation); the directory
         must exist and :meth:`save` is refused.
 
-    Use as a context manager or call :meth:`close` so background writes finish.
+    Use as a context manager or call :meth:`close` so background writes finish. While it is
+    open, orbax's own error log of a failed save is held back and attached to the
+    CheckpointError instead (``checkpoint_errors.OrbaxErrorLog``).
     """
 
     def __init__(
@@ -169,6 +116,9 @@ class Checkpointer:
             )
         finally:
             absl_log.removeFilter(_drop_read_only_notice)
+        self._saving: int | None = None  # the step of the last save started
+        self._orbax_log = OrbaxErrorLog(self.directory)
+        self._orbax_log.attach()
 
     # -- queries -------------------------------------------------------------------------
 
@@ -238,40 +188,29 @@ class Checkpointer:
             )
         if not force and not self._manager.should_save(step):
             return False
-        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-        impls = {
-            _path_name(path): str(jax.random.key_impl(leaf))
-            for path, leaf in leaves
-            if _is_prng_key(leaf)
-        }
-        raw_state = jax.tree.map(
-            lambda leaf: jax.random.key_data(leaf) if _is_prng_key(leaf) else leaf, state
-        )
+        self.wait()  # the previous save is committed, or its failure is raised naming it
+        self._saving = step
         try:
             return self._manager.save(
                 step,
                 args=ocp.args.Composite(
                     **{
-                        _STATE: ocp.args.StandardSave(raw_state),
+                        _STATE: ocp.args.StandardSave(to_raw(state)),
                         _META: ocp.args.JsonSave(meta),
-                        _PRNG: ocp.args.JsonSave(impls),
+                        _PRNG: ocp.args.JsonSave(prng_impls(state)),
                     }
                 ),
                 force=True,
             )
-        except Exception as err:  # an earlier async write or this one failed (disk, perms)
+        except Exception as err:  # this save could not start (disk, permissions)
             raise self._save_error(err) from err
 
     def _save_error(self, err: BaseException) -> CheckpointError:
-        """A save failure as a CheckpointError; orbax keeps the unfinished write in a
-        temporary directory, so committed checkpoints stay intact and restorable."""
-        steps = sorted(self._manager.all_steps())
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        full = any(s in str(err) for s in ("RESOURCE_EXHAUSTED", "No space", "too large",
-                                           "ENOSPC", "EFBIG"))
-        return CheckpointError(
-            f"saving a checkpoint in {self.directory} failed{' (disk full?)' if full else ''}: "
-            f"{reason}; committed checkpoints: {steps}")
+        """A failed save (the last one started) as a CheckpointError naming its step; orbax
+        keeps the unfinished write in a temporary directory, so committed checkpoints stay
+        intact and restorable."""
+        committed = [s for s in self._manager.all_steps() if s != self._saving]
+        return save_error(self.directory, err, self._saving, sorted(committed), self._orbax_log)
 
     # -- restore -------------------------------------------------------------------------
 
@@ -301,8 +240,8 @@ class Checkpointer:
         if stored is None:
             raise CheckpointError(f"{where} has no '{_STATE}' item")
         stored_tree = stored.tree if hasattr(stored, "tree") else stored
-        target = self._raw_target(abstract_state, impls, where)
-        self._check_layout(_flat_shapes(stored_tree), _flat_shapes(target), where)
+        target = raw_target(abstract_state, impls, where)
+        check_layout(flat_shapes(stored_tree), flat_shapes(target), where)
         try:
             restored = self._manager.restore(
                 step,
@@ -315,15 +254,7 @@ class Checkpointer:
             )
         except Exception as err:  # orbax/tensorstore raise many types; name the checkpoint
             raise CheckpointError(f"{where} could not be restored: {err}") from err
-        state = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: (
-                jax.random.wrap_key_data(leaf, impl=impls[_path_name(path)])
-                if _path_name(path) in impls
-                else leaf
-            ),
-            restored[_STATE],
-        )
-        return state, dict(restored[_META])
+        return from_raw(restored[_STATE], impls), dict(restored[_META])
 
     def restore_newest_good(
         self, abstract_state: PyTree, log: Callable[[str], None] = print
@@ -331,33 +262,36 @@ class Checkpointer:
         """:meth:`restore` of the newest step that restores, skipping corrupt newer ones.
 
         A step is corrupt when it cannot be read or matched to ``abstract_state``, or when a
-        floating-point leaf holds NaN or inf (a flipped bit). Each skipped step is logged with why and moved to ``<directory>.corrupt/<step>``
-        (kept for inspection, out of the step listing, so the run can save that step again).
+        floating-point leaf holds NaN or inf (a flipped bit). Each skipped step is moved to
+        ``<directory>.corrupt/<step>`` (kept for inspection, out of the step listing, so the
+        run can save that step again) and logged with where it went and why.
 
         Raises:
-          CheckpointError: no step restores (the message lists every step's reason).
+          CheckpointError: no step restores (the message lists every step's reason; nothing
+            is moved).
         """
         self._manager.wait_until_finished()
-        reasons = []
+        reasons = {}
         for step in reversed(self.all_steps()):
             try:
                 restored = self.restore(abstract_state, step=step)
-                bad = _nonfinite_leaves(restored[0])
+                bad = nonfinite_leaves(restored[0])
                 if bad:
                     raise CheckpointError(f"checkpoint step {step} in {self.directory}: "
                                           f"leaves {bad} hold NaN or inf")
             except CheckpointError as err:
-                reasons.append(str(err))
-                log(f"warning: skipping checkpoint step {step}: {err}")
+                reasons[step] = str(err)
                 continue
-            for bad in self.all_steps():
-                if bad > step:
-                    self._set_aside(bad)
+            for bad, reason in reasons.items():
+                log(f"warning: skipping checkpoint step {bad} (moved to "
+                    f"{self._set_aside(bad)}): {reason}")
             return restored
         raise CheckpointError(f"no checkpoint in {self.directory} restores: " +
-                              "; ".join(reasons))
+                              "; ".join(reasons.values()))
 
-    def _set_aside(self, step: int) -> None:
+    def _set_aside(self, step: int) -> str:
+        """Moves step ``step`` to ``<directory>.corrupt/`` (never over an earlier one there);
+        returns where it went."""
         aside = f"{self.directory}.corrupt"
         os.makedirs(aside, exist_ok=True)
         target = os.path.join(aside, str(step))
@@ -367,61 +301,17 @@ class Checkpointer:
             target = os.path.join(aside, f"{step}.{suffix}")
         os.replace(os.path.join(self.directory, str(step)), target)
         self._manager.reload()
-
-    @staticmethod
-    def _raw_target(abstract_state: PyTree, impls: Mapping[str, str], where: str) -> PyTree:
-        """The restore target with typed keys replaced by their key_data layout."""
-
-        def convert(path: tuple[Any, ...], leaf: Any) -> Any:
-            name = _path_name(path)
-            if _is_prng_key(leaf):
-                if name not in impls:
-                    raise CheckpointError(
-                        f"{where}: leaf '{name}' is a typed PRNG key in the target but was not "
-                        "saved as one"
-                    )
-                if _key_dtype(impls[name]) != leaf.dtype:
-                    raise CheckpointError(
-                        f"{where}: leaf '{name}' was saved with PRNG impl {impls[name]!r} but "
-                        f"the target has dtype {leaf.dtype}"
-                    )
-                leaf = jax.ShapeDtypeStruct(
-                    leaf.shape + _key_data_shape(impls[name]),
-                    jax.numpy.uint32,
-                    sharding=getattr(leaf, "sharding", None),
-                )
-            elif name in impls:
-                raise CheckpointError(
-                    f"{where}: leaf '{name}' was saved as a typed PRNG key ({impls[name]}) but "
-                    f"the target has dtype {getattr(leaf, 'dtype', type(leaf).__name__)}"
-                )
-            return _to_abstract(leaf)
-
-        return jax.tree_util.tree_map_with_path(convert, abstract_state)
-
-    @staticmethod
-    def _check_layout(
-        stored: Mapping[str, tuple[int, ...]], wanted: Mapping[str, tuple[int, ...]], where: str
-    ) -> None:
-        missing = sorted(set(wanted) - set(stored))
-        extra = sorted(set(stored) - set(wanted))
-        problems = []
-        if missing:
-            problems.append(f"leaves in the target but not in the checkpoint: {missing}")
-        if extra:
-            problems.append(f"leaves in the checkpoint but not in the target: {extra}")
-        for name in sorted(set(stored) & set(wanted)):
-            if stored[name] != wanted[name]:
-                problems.append(
-                    f"leaf '{name}' has shape {stored[name]} in the checkpoint but "
-                    f"{wanted[name]} in the target"
-                )
-        if problems:
-            raise CheckpointError(
-                f"{where} does not match the target state: " + "; ".join(problems)
-            )
+        return target
 
     # -- lifecycle -----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raises CheckpointError if a background save has already failed (e.g. the disk
+        filled); returns at once while the last save is still being written."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as err:
+            raise self._save_error(err) from err
 
     def wait(self) -> None:
         """Block until the last save is committed (and old steps are deleted).
@@ -439,6 +329,8 @@ class Checkpointer:
             self._manager.close()
         except Exception as err:
             raise self._save_error(err) from err
+        finally:
+            self._orbax_log.detach()
 
     def __enter__(self) -> Checkpointer:
         return self

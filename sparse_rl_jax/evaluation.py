@@ -18,6 +18,7 @@ import numpy as np
 
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.policy import load_policy, resolve_sampling
+from sparse_rl_jax.prompt_source import eval_examples
 from sparse_rl_jax.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.rollout_metrics import kv_token_savings
 from sparse_rl_jax.sampler import Rollout, generate
@@ -183,22 +184,10 @@ def write_table(rows: list[EvalRow], path: str | Path) -> str:
     return text
 
 
-def eval_set(cfg) -> tuple[list[str], list[str]]:
-    """The eval prompts and answers of a ``RunConfig``: ``eval.tfds`` or ``eval.jsonl`` if set,
-    else held-out problems of the shipped task (``eval.task_seed``); ``eval.num_prompts`` of
-    them."""
-    from sparse_rl_jax.datasets import load_jsonl
-    from sparse_rl_jax.task import TaskDataset
-
-    if cfg.eval.tfds is not None:
-        from sparse_rl_jax.tfds_builder import open_examples  # imports tensorflow_datasets
-
-        items = open_examples(cfg.eval.tfds, cfg.eval.jsonl)[: cfg.eval.num_prompts]
-    elif cfg.eval.jsonl is not None:
-        items = list(load_jsonl(cfg.eval.jsonl))[: cfg.eval.num_prompts]
-    else:
-        task = dataclasses.replace(cfg.data.task, seed=cfg.eval.task_seed)
-        items = TaskDataset(task, cfg.eval.num_prompts)[:]
+def eval_set(cfg, tokenizer=None) -> tuple[list[str], list[str]]:
+    """The eval prompts and answers of a ``RunConfig`` (``prompt_source.eval_examples``;
+    ``tokenizer``, a ``transformers`` tokenizer, renders a chat template)."""
+    items = eval_examples(cfg, tokenizer)
     return [x.prompt for x in items], [x.answer for x in items]
 
 
@@ -208,7 +197,7 @@ def run_eval(cfg, checkpoint: str | None = None, log: Callable[[str], None] = pr
     from sparse_rl_jax.rewards import get_reward_fn
 
     graphdef, params, tokenizer = load_policy(cfg, checkpoint, log)
-    prompts, answers = eval_set(cfg)
+    prompts, answers = eval_set(cfg, tokenizer.hf)
     rows = evaluate(
         graphdef, params, tokenizer, prompts, answers, get_reward_fn(cfg.data.reward),
         resolve_sampling(cfg, tokenizer), cfg.compression, samples=cfg.eval.samples,

@@ -230,7 +230,9 @@ class MetricsWriter:
 
         ``step`` must exceed every step already in the log; metric names are non-empty strings
         other than "step". All values are validated before anything is written. Non-finite
-        values are kept (written as NaN / Infinity, which Python's json reads back).
+        values (the loss of an update skipped as non-finite) are kept in ``metrics.jsonl``
+        (written as NaN / Infinity, which Python's json reads back) but not sent to
+        TensorBoard or W&B, whose charts they would break.
         """
         if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
             raise TypeError(f"metrics step must be an int, got {step!r}")
@@ -249,12 +251,13 @@ class MetricsWriter:
             values[name] = to_float(name, value)
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         self._file.flush()
+        charted = {tb_tag(name): value for name, value in values.items() if np.isfinite(value)}
         if self._tb is not None:
-            for name, value in values.items():
-                self._tb.add_scalar(tb_tag(name), value, step)
+            for tag, value in charted.items():
+                self._tb.add_scalar(tag, value, step)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({tb_tag(name): value for name, value in values.items()}, step=step)
+            self._wandb.log(charted, step=step)
         self._last_step = step
         return values
 

@@ -1,4 +1,5 @@
-"""Prompts and gold answers for RL step ``s``: a pure function of the config and ``s``.
+"""Prompts and gold answers for RL step ``s`` (a pure function of the config and ``s``), and
+the eval set.
 
 Because batch ``s`` depends only on the data seed and ``s``, a resumed run sees exactly the
 prompts an uninterrupted run would have seen, with no iterator state to checkpoint.
@@ -6,6 +7,7 @@ prompts an uninterrupted run would have seen, with no iterator state to checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 from sparse_rl_jax.datasets import EpochShuffle, gather, load_jsonl
@@ -57,3 +59,19 @@ class PromptSource:
         else:
             items = gather(self.dataset, self.order.batch_indices(position))
         return PromptBatch([item.prompt for item in items], [item.answer for item in items])
+
+
+def eval_examples(cfg: Any, tokenizer: Any = None) -> list:
+    """The eval set of a ``RunConfig``: the first ``eval.num_prompts`` examples of
+    ``eval.tfds`` (written from ``eval.jsonl`` first when both are set) or ``eval.jsonl``
+    (``path:line`` in each ``meta``; a malformed record raises ``RecordError`` naming them),
+    else held-out problems of the shipped task (``eval.task_seed``). Each item has
+    ``prompt`` and ``answer``; ``tokenizer`` (``transformers``) renders a chat template."""
+    if cfg.eval.tfds is not None:
+        from sparse_rl_jax.tfds_builder import open_examples  # imports tensorflow_datasets
+
+        return list(open_examples(cfg.eval.tfds, cfg.eval.jsonl, tokenizer)[: cfg.eval.num_prompts])
+    if cfg.eval.jsonl is not None:
+        return list(load_jsonl(cfg.eval.jsonl, tokenizer))[: cfg.eval.num_prompts]
+    task = dataclasses.replace(cfg.data.task, seed=cfg.eval.task_seed)
+    return list(TaskDataset(task, cfg.eval.num_prompts)[:])

@@ -100,20 +100,29 @@ def _alive(pid: Any) -> bool:
     return True
 
 
-def check_not_locked(run_dir: Path) -> dict[str, Any] | None:
-    """Raises RunDirError when a live run (this host) or a run on another host holds the
-    lock; returns the stale owner (a dead pid) that may be taken over, or None."""
+def check_not_locked(run_dir: Path, take_over: bool = False) -> dict[str, Any] | None:
+    """Raises RunDirError when a live run on this host holds the lock, or a run on another
+    host does (whether that one is alive cannot be told from here) unless ``take_over``;
+    returns the owner that may be taken over (a dead pid here, or any with ``take_over``),
+    or None."""
     owner = _lock_owner(run_dir / LOCK) if (run_dir / LOCK).exists() else None
     if owner is None:
         return None
-    here = owner.get("host") == socket.gethostname()
+    host = socket.gethostname()
+    here = owner.get("host") == host
     if here and owner.get("pid") == os.getpid():
         return None
-    if not here or _alive(owner.get("pid")):
+    if here and _alive(owner.get("pid")):
         raise RunDirError(
             f"run_dir={str(run_dir)!r} is in use by another run (pid {owner.get('pid')} on "
-            f"{owner.get('host')}, lock file {run_dir / LOCK}); wait for it or use a new "
-            "run_dir (delete the lock file only if that run is gone)")
+            f"{host}, lock file {run_dir / LOCK}); wait for it or use a new run_dir")
+    if not here and not take_over:
+        raise RunDirError(
+            f"run_dir={str(run_dir)!r} is locked by a run on another host (pid "
+            f"{owner.get('pid')} on {owner.get('host')}, lock file {run_dir / LOCK}); this "
+            f"host ({host}) cannot tell whether it is still running. If it is gone (it "
+            "crashed, or the directory was copied or moved here), run the same command with "
+            "--take-over; otherwise wait for it or use a new run_dir")
     return owner
 
 
@@ -145,8 +154,8 @@ class RunDir:
             lock.unlink(missing_ok=True)
 
 
-def check_resumable(run_dir: Path, config_hash: str,
-                    checkpoint_hash: Callable[[], str | None]) -> dict[str, Any] | None:
+def check_resumable(run_dir: Path, config_hash: str, checkpoint_hash: Callable[[], str | None],
+                    take_over: bool = False) -> dict[str, Any] | None:
     """Reads ``run_dir`` (writing nothing) and refuses it when it cannot hold this run.
 
     Args:
@@ -154,6 +163,8 @@ def check_resumable(run_dir: Path, config_hash: str,
       config_hash: this run's config hash.
       checkpoint_hash: returns the config hash stored with the newest checkpoint (None if
         there is none); asked only for a directory without a manifest (older runs).
+      take_over: a lock left by a run on another host may be taken over (see
+        :func:`check_not_locked`).
 
     Returns:
       The manifest, or None for a new or manifest-less directory.
@@ -165,7 +176,7 @@ def check_resumable(run_dir: Path, config_hash: str,
     check_run_dir_path(run_dir)
     if not run_dir.is_dir():
         return None
-    check_not_locked(run_dir)
+    check_not_locked(run_dir, take_over)
     manifest = read_manifest(run_dir)
     stored = manifest["config_hash"] if manifest else checkpoint_hash()
     if stored is not None and stored != config_hash:
@@ -181,9 +192,11 @@ def check_resumable(run_dir: Path, config_hash: str,
     return manifest
 
 
-def open_run_dir(run_dir: Path, config_hash: str, manifest: dict[str, Any] | None) -> RunDir:
+def open_run_dir(run_dir: Path, config_hash: str, manifest: dict[str, Any] | None,
+                 take_over: bool = False) -> RunDir:
     """Creates ``run_dir`` if needed and takes its lock (``run.lock`` with host and pid); a
-    lock left by a dead process is taken over. Call :func:`check_resumable` first."""
+    lock left by a dead process (or, with ``take_over``, by a run on another host) is taken
+    over. Call :func:`check_resumable` first."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -193,7 +206,7 @@ def open_run_dir(run_dir: Path, config_hash: str, manifest: dict[str, Any] | Non
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
-        check_not_locked(run_dir)  # another run may have started since the first check
+        check_not_locked(run_dir, take_over)  # another run may have started since
         _atomic_write(lock, mine)  # a stale lock: take it over
     except OSError as e:
         raise RunDirError(f"run_dir={str(run_dir)!r} is not writable: {e.strerror}") from e

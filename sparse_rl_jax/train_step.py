@@ -4,8 +4,9 @@ A pure function of ``(params, opt_state, minibatch)``; the caller jits it with s
 params' own, the batch split over the ``data``/``fsdp`` mesh axes). A minibatch in which every
 token is rejected leaves params and optimizer state untouched (no Adam moment drift), and the
 metrics say so (``all_rejected == 1``). Likewise an update whose loss or gradient is not
-finite is skipped inside the jitted step (``nonfinite_update == 1``), so a NaN never reaches
-the params, the optimizer state or a checkpoint.
+finite, or that would make a parameter or an optimizer-state value non-finite (an overflow),
+is skipped inside the jitted step (``nonfinite_update == 1``), so a NaN never reaches the
+params, the optimizer state or a checkpoint.
 
 With LoRA adapters on the policy (``models.lora``) only the adapter params are
 differentiated and updated, and the optimizer state covers them alone; the base weights pass
@@ -135,7 +136,8 @@ def update_step(
 
     Returns:
       ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` and
-      ``nonfinite_update``, 1.0 when the update was skipped for a non-finite loss/gradient).
+      ``nonfinite_update``, 1.0 when the update was skipped for a non-finite loss, gradient,
+      or updated parameter / optimizer-state value).
     """
     n = batch.response.shape[0]
     trainable, frozen = split_trainable(params)
@@ -149,18 +151,28 @@ def update_step(
                                                  chunk_size=chunk_size)
     metrics["grad_norm"] = optax.global_norm(grads)
     nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]))
-    metrics["nonfinite_update"] = nonfinite.astype(jnp.float32)
 
     def apply(operand):
+        """The update, or (when it makes a value non-finite) the old state and True."""
         p, s = operand
-        updates, s = optimizer.update(grads, s, p)
-        return optax.apply_updates(p, updates), s
+        updates, new_s = optimizer.update(grads, s, p)
+        new = (optax.apply_updates(p, updates), new_s)
+        finite = all_finite(new)
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, operand), ~finite
 
-    trainable, opt_state = jax.lax.cond(
-        (metrics["all_rejected"] > 0) | nonfinite, lambda operand: operand, apply,
-        (trainable, opt_state)
-    )
+    (trainable, opt_state), overflow = jax.lax.cond(
+        (metrics["all_rejected"] > 0) | nonfinite,
+        lambda operand: (operand, jnp.zeros((), bool)), apply, (trainable, opt_state))
+    metrics["nonfinite_update"] = (nonfinite | overflow).astype(jnp.float32)
     return nnx.merge_state(trainable, frozen), opt_state, metrics
+
+
+def all_finite(tree) -> jax.Array:
+    """A bool scalar: every floating-point value of ``tree`` is finite (one reduction per
+    leaf, fused by XLA)."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+             if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.ones((), bool)
 
 
 def init_optimizer(optimizer: optax.GradientTransformation, params, mesh):

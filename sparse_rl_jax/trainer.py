@@ -27,13 +27,14 @@ from flax import nnx
 import models
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.config_io import save_config, to_dict
-from sparse_rl_jax.evaluation import eval_set, pass_at_1_metrics
+from sparse_rl_jax.evaluation import pass_at_1_metrics
 from sparse_rl_jax.metrics_writer import MetricsWriter, WandbRun, read_metrics
 from sparse_rl_jax.optim import make_optimizer
 from sparse_rl_jax.plots import plot_metrics
 from sparse_rl_jax.policy import (abstract_like, export_policy, make_run_mesh, policy_path,
                                   resolve_sampling)
-from sparse_rl_jax.preflight import (checked_prompt_source, default_task_tokenizer,
+from sparse_rl_jax.preflight import (check_sampling_ids, checked_eval_set,
+                                     checked_prompt_source, default_task_tokenizer,
                                      load_checked_policy)
 from sparse_rl_jax.progress import TrainProgress
 from sparse_rl_jax.rewards import get_reward_fn
@@ -45,12 +46,13 @@ from sparse_rl_jax.warm_start import tiny_model_config
 
 
 class NonFiniteError(RuntimeError):
-    """Too many RL steps in a row had a non-finite loss or gradient."""
+    """Too many RL steps in a row had a non-finite loss, gradient or updated params."""
 
 
 @dataclasses.dataclass
 class NonFiniteGuard:
-    """Counts RL steps whose update was skipped for a non-finite loss or gradient.
+    """Counts RL steps whose update was skipped for a non-finite loss, gradient or updated
+    params (``train_step.update_step``).
 
     Attributes:
       limit: this many such steps in a row raise :class:`NonFiniteError`.
@@ -68,8 +70,8 @@ class NonFiniteGuard:
         self.skipped += bool(nonfinite)
         if self.in_a_row >= self.limit:
             raise NonFiniteError(
-                f"step {step}: the loss or gradients were not finite in {self.in_a_row} RL "
-                f"steps in a row (steps {step - self.in_a_row + 1}..{step}; "
+                f"step {step}: the loss, gradients or updated params were not finite in "
+                f"{self.in_a_row} RL steps in a row (steps {step - self.in_a_row + 1}..{step}; "
                 f"trainer.max_nonfinite_steps={self.limit}); those updates were skipped and no "
                 "checkpoint holds them. Lower optim.lr or check the data and model")
 
@@ -121,12 +123,15 @@ def _checkpoint_hash(ckpt_dir: Path) -> str | None:
     return None
 
 
-def _in_training_eval(cfg: RunConfig, ctx: StepContext) -> Callable[..., dict] | None:
-    """``params -> eval/ metrics`` on the configured eval set, or None when ``eval`` asks
-    for no evaluation during training."""
-    if not (cfg.eval.every_steps or cfg.eval.before_train):
+def _in_training_eval(cfg: RunConfig, ctx: StepContext,
+                      eval_data: tuple[list[str], list[str]] | None
+                      ) -> Callable[..., dict] | None:
+    """``params -> eval/ metrics`` on ``eval_data`` (``preflight.checked_eval_set``: the
+    eval set, read and checked before the run directory was written), or None when ``eval``
+    asks for no evaluation during training."""
+    if eval_data is None:
         return None
-    prompts, answers = eval_set(cfg)
+    prompts, answers = eval_data
 
     def evaluate_now(params) -> dict:
         return pass_at_1_metrics(ctx.graphdef, params, ctx.tokenizer, prompts, answers,
@@ -138,30 +143,36 @@ def _in_training_eval(cfg: RunConfig, ctx: StepContext) -> Callable[..., dict] |
 
 
 def _prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
-    """``(tokenizer, model, prompt source)`` with everything checked; the default model is
-    built (in the run directory, so after :func:`_preflight_default`) when ``model.path`` is
-    None."""
+    """``(tokenizer, model, prompt source, eval set)`` with everything checked; the default
+    model is built (in the run directory, so after :func:`_preflight_default`) when
+    ``model.path`` is None."""
     tokenizer, model = load_checked_policy(policy_path(cfg, log), cfg, mesh)
-    source = checked_prompt_source(cfg, tokenizer, model.config.max_position_embeddings)
-    return tokenizer, model, source
+    context = model.config.max_position_embeddings
+    return (tokenizer, model, checked_prompt_source(cfg, tokenizer, context),
+            checked_eval_set(cfg, tokenizer, context))
 
 
 def _preflight_default(cfg: RunConfig) -> None:
-    """Reads the data and checks every prompt against the default model's tokenizer and
-    context before the default model is built (``model.path`` None)."""
+    """Checks ``sampling.eos_ids`` / ``pad_id``, the data, the eval set and every prompt
+    against the default model's tokenizer, vocabulary and context before the default model is
+    built (``model.path`` None)."""
     tokenizer = default_task_tokenizer()
-    context = tiny_model_config(cfg.warm_start, tokenizer.vocab_size, tokenizer.eos_ids[0],
-                                tokenizer.pad_id).max_position_embeddings
-    checked_prompt_source(cfg, tokenizer, context)
+    model_cfg = tiny_model_config(cfg.warm_start, tokenizer.vocab_size, tokenizer.eos_ids[0],
+                                  tokenizer.pad_id)
+    check_sampling_ids(cfg, model_cfg.vocab_size)
+    checked_prompt_source(cfg, tokenizer, model_cfg.max_position_embeddings)
+    checked_eval_set(cfg, tokenizer, model_cfg.max_position_embeddings)
 
 
 def train(cfg: RunConfig, log: Callable[[str], None] = print,
-          on_step: Callable[[int, dict], None] | None = None) -> dict:
+          on_step: Callable[[int, dict], None] | None = None, take_over: bool = False) -> dict:
     """Trains ``cfg``'s policy with GRPO on sparse rollouts; returns the last step's metrics.
 
     ``on_step(step, metrics)``, when given, is called after each step is logged (1-based
     ``step``; ``metrics`` as written to ``metrics.jsonl``), e.g. to record memory or stop
-    criteria in an experiment without patching the loop.
+    criteria in an experiment without patching the loop. ``take_over`` takes over a run
+    directory whose lock a run on another host left (``run.py train --take-over``; whether
+    that run is alive cannot be told from here, so it is refused by default).
 
     Resumes from the newest checkpoint in ``cfg.run_dir/checkpoints`` that restores (its
     manifest's config hash must match), otherwise starts fresh. Nothing in the run directory
@@ -170,7 +181,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
 
     Raises:
       ConfigError, ValueError, FileNotFoundError: bad config, model, tokenizer or data.
-      RunDirError: unusable run directory, another live run on it, or a different config.
+      RunDirError: unusable run directory, another live run on it (or, without
+        ``take_over``, a run on another host), or a different config.
       CheckpointError: no checkpoint restores, or a save failed (e.g. disk full).
       NonFiniteError: ``trainer.max_nonfinite_steps`` non-finite steps in a row.
     """
@@ -180,11 +192,12 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
     reward_fn = get_reward_fn(cfg.data.reward)
     chash = config_hash(cfg)
     lead = jax.process_index() == 0
-    manifest = check_resumable(run_dir, chash, lambda: _checkpoint_hash(run_dir / "checkpoints"))
+    manifest = check_resumable(run_dir, chash, lambda: _checkpoint_hash(run_dir / "checkpoints"),
+                               take_over)
     prepared = _prepare(cfg, mesh, log) if cfg.model.path is not None else None
     if prepared is None:
         _preflight_default(cfg)
-    owner = open_run_dir(run_dir, chash, manifest) if lead else None
+    owner = open_run_dir(run_dir, chash, manifest, take_over) if lead else None
     try:
         if lead:
             owner.write_manifest(manifest.get("last_good_step") if manifest else None)
@@ -196,11 +209,29 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
             owner.close()
 
 
+def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log):
+    """``(params, opt_state, start step, data position, NonFiniteGuard)`` from the newest
+    checkpoint of ``ckpt`` that restores (corrupt newer ones are set aside), or the initial
+    ones at step 0 when there is none."""
+    guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+    if ckpt.latest_step() is None:
+        return params, opt_state, 0, 0, guard
+    state, meta = ckpt.restore_newest_good(
+        abstract_like({"params": params, "opt_state": opt_state}), log)
+    start = meta["step"]
+    guard.skipped = meta.get("skipped_nonfinite_steps", 0)
+    recorded = owner.manifest.get("last_good_step") if owner and owner.manifest else None
+    if recorded is not None and recorded > start:
+        log(f"warning: the manifest records step {recorded} as saved; resuming from {start}")
+    log(f"resumed from step {start} in {cfg.run_dir}")
+    return state["params"], state["opt_state"], start, meta.get("data_position", start), guard
+
+
 def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
     """The loop of :func:`train` once the run directory is owned (``owner``: the lead
     process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
     run_dir = Path(cfg.run_dir)
-    tokenizer, model, source = prepared
+    tokenizer, model, source, eval_data = prepared
     model.remat = cfg.model.remat
     graphdef, params = nnx.split(model)
     del model
@@ -221,28 +252,19 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     chash = config_hash(cfg)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
                         save_every=cfg.trainer.checkpoint_every)
-    start = position = 0
-    guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
-    if ckpt.latest_step() is not None:
-        state, meta = ckpt.restore_newest_good(
-            abstract_like({"params": params, "opt_state": opt_state}), log)
-        params, opt_state, start = state["params"], state["opt_state"], meta["step"]
-        position = meta.get("data_position", start)
-        guard.skipped = meta.get("skipped_nonfinite_steps", 0)
-        recorded = owner.manifest.get("last_good_step") if owner and owner.manifest else None
-        if recorded is not None and recorded > start:
-            log(f"warning: the manifest records step {recorded} as saved; resuming from {start}")
-        log(f"resumed from step {start} in {run_dir}")
+    params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
+                                                         log)
     writer = MetricsWriter(run_dir, resume_step=start if start else None,
                            tensorboard="tensorboard" in cfg.logging.backends,
                            wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None)
-    evaluate_now = _in_training_eval(cfg, ctx)
+    evaluate_now = _in_training_eval(cfg, ctx, eval_data)
     if evaluate_now is not None and cfg.eval.before_train and start == 0:
         writer.log(0, evaluate_now(params))
     metrics: dict = {}
-    pending = None
+    pending = None  # the step of the last save started, until it is known to be committed
     with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
         for step in range(start, cfg.trainer.steps):
+            ckpt.check()  # a save that has already failed stops the run before another step
             params, opt_state, metrics = rl_step(ctx, params, opt_state, step, position)
             position += int(metrics["collect_rounds"])
             done = step + 1
@@ -251,18 +273,19 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                 metrics.update(evaluate_now(params))
             nonfinite = metrics.get("nonfinite_update", 0) > 0
             metrics["skipped_nonfinite_steps"] = guard.skipped + nonfinite
+            ckpt.wait()  # nothing after a failed save is recorded: it stops the run here
+            if owner is not None and pending is not None:
+                owner.write_manifest(pending)
+            pending = None
             writer.log(done, metrics)
             progress.update(done, metrics)
             if on_step is not None:
                 on_step(done, metrics)
             guard.record(done, nonfinite)
-            saved = ckpt.save(done, {"params": params, "opt_state": opt_state},
-                              {"step": done, "config_hash": chash, "data_position": position,
-                               "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped},
-                              force=done == cfg.trainer.steps)
-            if saved:  # orbax commits one save before starting the next
-                if owner is not None and pending is not None:
-                    owner.write_manifest(pending)
+            if ckpt.save(done, {"params": params, "opt_state": opt_state},
+                         {"step": done, "config_hash": chash, "data_position": position,
+                          "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped},
+                         force=done == cfg.trainer.steps):
                 pending = done
     ckpt.close()
     if owner is not None and pending is not None:

@@ -15,7 +15,8 @@ class WarmStartConfig:
     Attributes:
       hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: Qwen2-shaped
         architecture of the tiny model.
-      steps, batch_size, lr: the supervised stage (AdamW, cosine decay).
+      steps, batch_size, lr: the supervised stage (AdamW, linear warmup then cosine decay;
+        steps >= 2).
       seed: initialisation and data seed of the warm start.
     """
 
@@ -31,8 +32,10 @@ class WarmStartConfig:
 
     def __post_init__(self):
         for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                      "intermediate_size", "steps", "batch_size"):
+                      "intermediate_size", "batch_size"):
             check_int(self, field, 1)
+        check_int(self, "steps", 2, "must be an int >= 2 (the schedule warms up for at least "
+                                    "one step, then decays)")
         check(self.num_heads % self.num_kv_heads == 0, self, "num_heads",
               f"must be a multiple of num_kv_heads={self.num_kv_heads}")
         check(self.hidden_size % self.num_heads == 0, self, "hidden_size",

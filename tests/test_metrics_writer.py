@@ -77,6 +77,20 @@ def test_jsonl_round_trip_and_tensorboard_scalars(tmp_path):
     assert len(scalars) == 3 * 5
 
 
+def test_nonfinite_values_stay_in_jsonl_but_not_in_tensorboard(tmp_path, capsys):
+    """A skipped non-finite update's NaN loss is recorded in metrics.jsonl, while
+    TensorBoard gets only the finite values (no NaN chart, no tensorboardX NaN warning)."""
+    with MetricsWriter(tmp_path) as writer:
+        writer.log(1, {"loss": float("nan"), "grad_norm": float("inf"), "reward_mean": 0.5})
+        writer.log(2, {"loss": 0.25, "grad_norm": 1.0, "reward_mean": 0.5})
+    record = read_metrics(tmp_path)[0]
+    assert np.isnan(record["loss"]) and record["grad_norm"] == float("inf")
+    assert _scalars(_read_events(tmp_path / "tb")) == {
+        ("rollout/reward_mean", 1): 0.5, ("loss/loss", 2): 0.25, ("loss/grad_norm", 2): 1.0,
+        ("rollout/reward_mean", 2): 0.5}
+    assert "NaN or Inf" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name, tag", [
     ("reward_mean", "rollout/reward_mean"), ("response_length_mean", "rollout/response_length_mean"),
     ("loss", "loss/loss"), ("clip_fraction", "loss/clip_fraction"), ("grad_norm", "loss/grad_norm"),

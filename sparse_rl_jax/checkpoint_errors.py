@@ -1,0 +1,107 @@
+"""What a failed checkpoint operation looks like to the caller: one :class:`CheckpointError`
+naming the directory, the step and the reason, instead of orbax's own reports.
+
+Orbax writes a checkpoint in background threads; when a write fails (a full disk) each of
+them logs the failure with a full traceback (ERROR records on the ``absl`` logger, and
+asyncio's "exception was never retrieved" for each orbax future: some hundreds of lines)
+before and after the error reaches the caller. :class:`OrbaxErrorLog` holds those records
+back while a :class:`~sparse_rl_jax.checkpoint.Checkpointer` is open and :func:`save_error`
+attaches them to the CheckpointError as a note, so they are still there for whoever prints
+the traceback (``run.py --debug``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+# Substrings of orbax / tensorstore / OS errors that mean the disk (or a quota or a file-size
+# limit) ran out of room.
+DISK_FULL_MARKERS = ("RESOURCE_EXHAUSTED", "No space", "too large", "ENOSPC", "EFBIG",
+                     "Disk quota")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, or does not match the requested state."""
+
+
+_ORBAX = f"{os.sep}orbax{os.sep}"
+# The JSON spec tensorstore appends to its errors (hundreds of characters, no reason in it).
+_TENSORSTORE_SPEC = re.compile(r"\s*\[tensorstore_spec='.*?'\]")
+# Loggers orbax's failures reach: its own (absl) and asyncio's for its unawaited futures.
+_LOGGERS = ("absl", "asyncio")
+
+
+def _from_orbax(record: logging.LogRecord, directory: str) -> bool:
+    """Whether ``record`` was logged inside orbax, carries an exception raised there, or
+    reports an error about a file under ``directory`` (tensorstore's own futures)."""
+    if _ORBAX in record.pathname or directory in record.getMessage():
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if _ORBAX in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class OrbaxErrorLog(logging.Filter):
+    """Holds back orbax's ERROR records about the checkpoints in ``directory`` (use
+    :meth:`attach` / :meth:`detach`); :meth:`take` returns them as text for a
+    CheckpointError's note."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False (held back) for an ERROR record from orbax, True otherwise."""
+        if record.levelno >= logging.ERROR and _from_orbax(record, self.directory):
+            self.records.append(record)
+            return False
+        return True
+
+    def attach(self) -> None:
+        """Starts holding back orbax's error records."""
+        for name in _LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def detach(self) -> None:
+        """Stops holding them back; records no error took are logged now (nothing is lost)."""
+        for name in _LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+        for record in self.take_records():
+            logging.getLogger(record.name).handle(record)
+
+    def take_records(self) -> list[logging.LogRecord]:
+        """The held-back records (oldest first), forgetting them."""
+        records, self.records = self.records, []
+        return records
+
+    def take(self) -> str:
+        """The held-back records formatted with their tracebacks ('' when none)."""
+        formatter = logging.Formatter("%(levelname)s:%(name)s:%(message)s")
+        return "\n".join(formatter.format(record) for record in self.take_records())
+
+
+def save_error(directory: str, err: BaseException, step: int | None,
+               committed: list[int], orbax_log: OrbaxErrorLog) -> CheckpointError:
+    """The CheckpointError for a failed save of ``step`` (None: unknown) in ``directory``:
+    the first line of orbax's error, ``(disk full?)`` when it reads like one, the committed
+    steps (intact: orbax keeps an unfinished write in a temporary directory that is never
+    listed) and what to do; orbax's held-back log is attached as a note."""
+    text = str(err).strip()
+    reason = _TENSORSTORE_SPEC.sub("", text.splitlines()[0]) if text else type(err).__name__
+    full = any(marker in text for marker in DISK_FULL_MARKERS)
+    which = f"checkpoint step {step}" if step is not None else "a checkpoint"
+    resume = (f"; free space and run the same command to resume from step {committed[-1]}"
+              if full and committed else "")
+    error = CheckpointError(
+        f"saving {which} in {directory} failed{' (disk full?)' if full else ''}: {reason}; "
+        f"committed checkpoints: {committed}{resume}")
+    details = orbax_log.take()
+    if details:
+        error.add_note(f"orbax's log of the failure:\n{details}")
+    return error

@@ -1,0 +1,143 @@
+"""Fault matrix, checkpoints (issues 17 and 21): a corrupt newest checkpoint is set aside
+(said which and why) and the run resumes from the one before; a disk that fills during a
+save stops the run at that save with one ``error:`` line, the committed checkpoints intact,
+and the same command resumes from the last of them. Both at the Checkpointer level and
+through the trainer / ``run.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fault_helpers import ROOT, run, run_args
+from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.config_io import load_config
+from sparse_rl_jax.metrics_writer import read_metrics
+from sparse_rl_jax.run_config import RunConfig
+
+pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
+
+# A three-step run of the tiny model, checkpointing every step, light on output.
+TRAIN = ["trainer.steps=3", "trainer.checkpoint_every=1", "trainer.plots=false",
+         "trainer.export_final=false", "logging.backends=[jsonl]"]
+
+
+def _state(value):
+    return {"w": jnp.full((64, 64), value, jnp.float32), "b": jnp.arange(8, dtype=jnp.int32)}
+
+
+@pytest.mark.parametrize("corruption", ["garbage_files", "nan_weights"])
+def test_corrupt_latest_checkpoint_falls_back_and_says_why(tmp_path, corruption):
+    with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
+        for step in (1, 2, 3):
+            value = np.nan if corruption == "nan_weights" and step == 3 else float(step)
+            ckpt.save(step, _state(value), {"step": step})
+    if corruption == "garbage_files":
+        for file in (tmp_path / "ckpt" / "3" / "state").rglob("*"):
+            if file.is_file():
+                file.write_bytes(b"garbage")
+    logs = []
+    with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
+        state, meta = ckpt.restore_newest_good(_state(0.0), log=logs.append)
+        assert meta["step"] == 2 and float(state["w"][0, 0]) == 2.0
+        assert ckpt.all_steps() == [1, 2]
+        ckpt.save(3, _state(30.0), {"step": 3})  # the run can save step 3 again
+    aside = tmp_path / "ckpt.corrupt" / "3"
+    assert len(logs) == 1 and logs[0].startswith(
+        f"warning: skipping checkpoint step 3 (moved to {aside}): "), logs
+    if corruption == "nan_weights":
+        assert "leaves ['w'] hold NaN or inf" in logs[0]
+    assert aside.is_dir()  # kept for inspection
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        assert float(ckpt.restore(_state(0.0))[0]["w"][0, 0]) == 30.0
+
+
+def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path):
+    """RLIMIT_FSIZE makes every write past 64 KiB fail (EFBIG) like a full disk."""
+    big = {"w": jax.random.normal(jax.random.key(0), (256, 256))}  # 256 KiB, incompressible
+    with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
+        ckpt.save(1, big, {"step": 1})
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
+    try:
+        with pytest.raises(CheckpointError, match=r"saving checkpoint step 2 in .* failed") as err:
+            ckpt = Checkpointer(tmp_path / "ckpt", keep=5)
+            try:
+                ckpt.save(2, {"w": big["w"] * 2}, {"step": 2})
+                ckpt.wait()
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+                try:
+                    ckpt.close()
+                except CheckpointError:
+                    pass
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert "(disk full?)" in str(err.value) and "committed checkpoints: [1]" in str(err.value)
+    assert "resume from step 1" in str(err.value)
+    assert any("orbax's log of the failure" in note for note in err.value.__notes__)
+    with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
+        assert ckpt.all_steps() == [1]  # the half-written step 2 is not taken for one
+        state, meta = ckpt.restore_newest_good(big, log=lambda _: None)
+        assert meta["step"] == 1
+        np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(big["w"]))
+
+
+def test_trainer_resumes_past_a_corrupt_newest_checkpoint(tiny, tmp_path):
+    """A finished run whose newest checkpoint (step 2) is garbage: resuming it says which and
+    why, moves it to checkpoints.corrupt/ and continues from step 1."""
+    from sparse_rl_jax.trainer import train
+
+    _, model, data = tiny
+    run_dir = tmp_path / "run"
+    args = run_args(model, data, run_dir)[1:] + TRAIN
+    train(load_config(RunConfig, None, args + ["trainer.steps=2"]), log=lambda _: None)
+    for file in (run_dir / "checkpoints" / "2" / "state").rglob("*"):
+        if file.is_file():
+            file.write_bytes(b"garbage")
+    messages = []
+    train(load_config(RunConfig, None, args), log=messages.append)
+    aside = run_dir / "checkpoints.corrupt" / "2"
+    skipped = [m for m in messages if m.startswith("warning: skipping checkpoint step 2")]
+    assert len(skipped) == 1 and f"(moved to {aside}): checkpoint step 2 in " in skipped[0]
+    assert f"resumed from step 1 in {run_dir}" in messages
+    assert aside.is_dir() and sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "1", "2", "3"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_disk_full_during_a_save_stops_run_py_at_that_save_then_resumes(tiny, tmp_path, capsys):
+    """The disk fills when step 2 is saved (tests/scripts/disk_full_at_save.py): run.py
+    stops there with one short error line (orbax's tracebacks held back), step 3 never runs,
+    checkpoint 1 stays the last committed; the same command then resumes from it."""
+    _, model, data = tiny
+    run_dir = tmp_path / "run"
+    argv = run_args(model, data, run_dir) + TRAIN
+    full = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "disk_full_at_save.py"),
+                           *argv], env=dict(os.environ, DISK_FULL_AT_STEP="2"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    err = full.stderr.strip().splitlines()
+    assert full.returncode == 2 and len(err) <= 2 and "Traceback" not in full.stderr, err
+    assert err[-1].startswith(f"error: saving checkpoint step 2 in {run_dir / 'checkpoints'} "
+                              "failed (disk full?): ") and err[-1].endswith(
+        "committed checkpoints: [1]; free space and run the same command to resume from "
+        "step 1"), err[-1]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]  # stopped at the failed save
+    assert [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()] == ["1"]
+    assert json.loads((run_dir / "manifest.json").read_text())["last_good_step"] == 1
+    assert not (run_dir / "run.lock").exists()
+
+    assert run.main(argv) == 0
+    assert f"resumed from step 1 in {run_dir}" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]

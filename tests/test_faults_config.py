@@ -1,0 +1,88 @@
+"""Fault matrix, config and CLI (issues 17 and 21): a bad config file, override or
+config-level value is one ``config error:`` / ``error:`` line with exit 2 before anything is
+written; ``--debug`` shows the traceback."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from fault_helpers import refused, run, run_args
+
+pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("optim.lr=.inf", "optim.lr: must be a finite number"),
+    ("optim.lr=.nan", "optim.lr: must be a finite number"),
+    ("sampling.temperature=.inf", "sampling.temperature: must be a finite number"),
+    ("warm_start.lr=.inf", "warm_start.lr: must be a finite number"),
+    ("optim.eps=-1", "optim.eps=-1.0 must be > 0"),
+    ("trainer.seed=-1", "trainer.seed=-1 must be an int >= 0"),
+    ("data.shuffle_seed=-1", "data.shuffle_seed=-1 must be an int >= 0"),
+    ("eval.task_seed=-1", "eval.task_seed=-1 must be an int >= 0"),
+    ("warm_start.seed=-1", "warm_start.seed=-1 must be an int >= 0"),
+    ("warm_start.steps=1", "warm_start.steps=1 must be an int >= 2"),
+    ("optim.decay_steps=-1", "optim.decay_steps=-1 must be an int >= 0"),
+    ("trainer.max_nonfinite_steps=0", "trainer.max_nonfinite_steps=0 must be an int >= 1"),
+    ("run_dir=", "run_dir='' must be a directory path"),
+    ("trainer.steps=[1", "override 'trainer.steps=[1': value is not plain YAML"),
+    ("trainer.steps=!!python/object/apply:os.system [touch /tmp/x]", "not plain YAML"),
+    ("trainer.steps=!foo x", "not plain YAML"),
+])
+def test_bad_config_or_override_is_one_config_error_line(capsys, override, expected):
+    refused(capsys, ["config", override], expected, prefix="config error")
+
+
+@pytest.mark.parametrize("base", ["1", "null", "[base.yaml, 1]", "{a: 1}"])
+def test_base_that_is_not_paths_is_a_config_error(tmp_path, capsys, base):
+    (tmp_path / "base.yaml").write_text("trainer: {steps: 3}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base: {base}\n")
+    refused(capsys, ["config", "--config", str(config)], "'base' must be a file path",
+            prefix="config error")
+
+
+def test_non_utf8_config_file_is_a_config_error(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_bytes(b"trainer: {steps: \xff}\n")
+    refused(capsys, ["config", "--config", str(config)], "is not valid YAML",
+            prefix="config error")
+
+
+@pytest.mark.parametrize("extra,expected,prefix", [
+    (["mesh.data=2"], f"not fit the {jax.device_count()} device(s)", "config error"),
+    (["data.reward=bogus"], "reward fn 'bogus' is not registered", "error"),
+    (["--distributed"], "--distributed: cannot initialize (no coordinator found", "error"),
+    (["sampling.eos_ids=[2, 128]"], "sampling.eos_ids=(2, 128): ids must be below the "
+                                    "model's vocab_size=128", "error"),
+    (["sampling.pad_id=999"], "sampling.pad_id=999", "error"),
+])
+def test_run_level_config_errors_before_any_state(tiny, tmp_path, capsys, extra, expected,
+                                                  prefix):
+    _, model, data = tiny
+    refused(capsys, run_args(model, data, tmp_path / "run") + extra, expected, prefix=prefix)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,field", [("sampling.pad_id=999", "sampling.pad_id=999"),
+                                            ("sampling.eos_ids=[2,999]",
+                                             "sampling.eos_ids=(2, 999)")])
+def test_embedded_default_ids_beyond_its_vocab_before_any_state(tmp_path, capsys, override,
+                                                                field):
+    """model.path null: the embedded default's vocabulary (its task tokenizer) is known
+    before it is built, so no config.yaml, manifest or warm start is written."""
+    from sparse_rl_jax.preflight import default_task_tokenizer
+
+    vocab = default_task_tokenizer().vocab_size
+    refused(capsys, ["train", override, "trainer.steps=1", f"run_dir={tmp_path / 'run'}"],
+            f"{field}: ids must be below the model's vocab_size={vocab}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_debug_shows_the_traceback(tiny, tmp_path, capsys):
+    _, model, data = tiny
+    assert run.main(run_args(model, data, tmp_path / "run") + ["--debug", "data.reward=bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert err.strip().splitlines()[-1].startswith("error: reward fn 'bogus'")
