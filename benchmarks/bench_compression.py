@@ -25,7 +25,7 @@ from jax import lax
 
 from models import Decoder, ModelConfig
 from sparse_rl_jax import kv_state
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 
 VARIANTS = [
     ("snapkv", dict(method="snapkv")),

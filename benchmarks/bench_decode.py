@@ -254,7 +254,7 @@ def parse_args() -> argparse.Namespace:
 
 def compression_configs(args) -> dict:
     """``CompressionConfig`` of each ``--methods`` entry."""
-    from sparse_rl_jax.compression import CompressionConfig
+    from sparse_rl_jax.compression_config import CompressionConfig
 
     def config(method: str) -> CompressionConfig:
         if method == "sparrow":

@@ -65,7 +65,7 @@ def worker(args) -> None:
     import jax
 
     import models
-    from sparse_rl_jax.compression import CompressionConfig
+    from sparse_rl_jax.compression_config import CompressionConfig
     from sparse_rl_jax.loss_config import GRPOLossConfig
     from sparse_rl_jax.metrics_writer import read_metrics
     from sparse_rl_jax.prompt_source import PromptSource

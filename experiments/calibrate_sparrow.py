@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
 from sparse_rl_jax.acceptance import acceptance_percentile_per_bin, score_acceptance  # noqa: E402
-from sparse_rl_jax.compression import CompressionConfig  # noqa: E402
+from sparse_rl_jax.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.sampler import generate  # noqa: E402
 from sparse_rl_jax.sampling_config import SamplingConfig  # noqa: E402
 from sparse_rl_jax.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402

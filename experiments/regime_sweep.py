@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sparse_rl_jax.compression import CompressionConfig  # noqa: E402
+from sparse_rl_jax.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
 from sparse_rl_jax.corrections import compute_corrections  # noqa: E402
 from sparse_rl_jax.loss_config import CorrectionConfig  # noqa: E402

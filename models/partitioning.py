@@ -92,17 +92,28 @@ def param_shardings(state: Any, mesh: Mesh) -> Any:
         lambda path, x: NamedSharding(mesh, partition_spec(path_str(path), x.shape, mesh)), state)
 
 
+def mesh_size_error(sizes: dict[str, int]) -> tuple[str, str] | None:
+    """The first bad size of ``{axis: size}`` as ``(axis, rule it breaks)``, or None: each size
+    is a positive int or -1 (the rest of the devices), and at most one is -1."""
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            return name, "must be a positive int or -1"
+    free = [name for name, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        return free[1], f"must not be -1 as {free[0]} is: only one mesh axis may be -1"
+    return None
+
+
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices=None) -> Mesh:
     """A ('data', 'fsdp', 'tensor') mesh over ``devices`` (default all); one size may be -1
     (the rest). Axes are ``Auto`` so jit partitions activations itself."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
-    for name, size in sizes.items():
-        if not isinstance(size, int) or (size < 1 and size != -1):
-            raise ValueError(f"{name}: mesh axis size must be a positive int or -1, got {size!r}")
+    bad = mesh_size_error(sizes)
+    if bad:
+        axis, rule = bad
+        raise ValueError(f"mesh axis {axis}={sizes[axis]!r} {rule}")
     free = [name for name, size in sizes.items() if size == -1]
-    if len(free) > 1:
-        raise ValueError(f"{free[1]}: only one mesh axis may be -1, got -1 for {', '.join(free)}")
     known = math.prod(size for size in sizes.values() if size != -1)
     if free:
         if len(devices) % known:

@@ -13,7 +13,7 @@ The functional API in one namespace::
 
 import models.versions  # noqa: F401  (first: importing models checks the jax/flax pair)
 from sparse_rl_jax.advantages import AdvantageConfig, compute_advantages, group_advantages
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.corrections import Corrections, compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig

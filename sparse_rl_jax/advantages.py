@@ -16,13 +16,13 @@ the tokens equals the per-token definition exactly.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from models.shapes import check_shape
+from sparse_rl_jax.config_checks import check, check_choice, check_number
 
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 SCALES = ("group", "batch", "none")
@@ -56,23 +56,14 @@ class AdvantageConfig:
     eps: float = 1e-6
 
     def __post_init__(self):
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"advantage.estimator must be one of {ESTIMATORS}, got "
-                             f"{self.estimator!r}")
+        check_choice(self, "estimator", ESTIMATORS)
+        check_choice(self, "scale", SCALES, optional=True)
         if self.scale is None:
             object.__setattr__(self, "scale", DEFAULT_SCALE[self.estimator])
-        if self.scale not in SCALES:
-            raise ValueError(f"advantage.scale must be one of {SCALES} or null, got "
-                             f"{self.scale!r}")
-        if self.estimator.startswith("reinforce_pp") and self.scale != "batch":
-            raise ValueError(
-                f"advantage.scale={self.scale!r} is not defined for advantage.estimator="
-                f"{self.estimator!r}: REINFORCE++ whitens over the batch's tokens (scale "
-                "'batch' or unset)")
-        eps = self.eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
-                math.isfinite(eps) and eps > 0):
-            raise ValueError(f"advantage.eps must be a finite number > 0, got {eps!r}")
+        check(not self.estimator.startswith("reinforce_pp") or self.scale == "batch", self,
+              "scale", f"is not defined for estimator={self.estimator!r}: REINFORCE++ whitens "
+                       "over the batch's tokens (scale 'batch' or unset)")
+        check_number(self, "eps", gt=0)
 
 
 def _check_inputs(rewards: jax.Array, group_size: int) -> int:

@@ -16,11 +16,9 @@ from typing import Any, TypeVar
 
 import yaml
 
+from sparse_rl_jax.config_checks import ConfigError, FieldError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config file or override that does not fit the config schema."""
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -119,8 +117,9 @@ def _parse_override(item: str, raw: str) -> Any:
 def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     """Builds dataclass ``cls`` from a nested dict; unknown keys and bad values name the path.
 
-    Validation errors raised by a dataclass's ``__post_init__`` are re-raised as
-    :class:`ConfigError` prefixed with the section path.
+    A :class:`FieldError` raised by ``cls``'s own ``__post_init__`` is re-raised named by the
+    section path (``loss.eps_low``); any other validation error becomes a
+    :class:`ConfigError` prefixed with it.
     """
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
@@ -140,11 +139,14 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         kwargs[name] = _coerce(value, types_[name], f"{prefix}.{name}" if prefix else name)
     try:
         return cls(**kwargs)
+    except FieldError as e:
+        if e.owner != cls.__name__:
+            raise
+        raise e.at(prefix) from e
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
-        where = prefix or cls.__name__
-        raise ConfigError(f"{where}: {e}") from e
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
 
 
 def _section_defaults(cls) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
+from sparse_rl_jax.config_checks import check, check_choice, check_int, check_text
 from sparse_rl_jax.prompts import BOXED_INSTRUCTION, TEMPLATES, check_chat_tokenizer, render_prompt
 from sparse_rl_jax.rewards import Answer, last_boxed
 
@@ -80,32 +81,17 @@ class DatasetConfig:
 
     def __post_init__(self):
         for field in ("path", "prompt_field", "answer_field"):
-            if not isinstance(getattr(self, field), str) or not getattr(self, field):
-                raise ValueError(
-                    f"DatasetConfig.{field}={getattr(self, field)!r} must be a non-empty string"
-                )
-        choices = {"answer_format": ANSWER_FORMATS, "template": TEMPLATES, "on_error": ON_ERROR}
-        for field, allowed in choices.items():
-            if getattr(self, field) not in allowed:
-                raise ValueError(
-                    f"DatasetConfig.{field}={getattr(self, field)!r} must be one of {allowed}"
-                )
-        if not isinstance(self.instruction, str):
-            raise ValueError(f"DatasetConfig.instruction={self.instruction!r} must be a string")
-        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise ValueError(
-                f"DatasetConfig.system_prompt={self.system_prompt!r} must be None or a string"
-            )
-        if self.max_records is not None and (
-            not isinstance(self.max_records, int) or self.max_records < 1
-        ):
-            raise ValueError(f"DatasetConfig.max_records={self.max_records!r} must be None or >= 1")
-        if not isinstance(self.meta_fields, tuple) or not all(
-            isinstance(f, str) for f in self.meta_fields
-        ):
-            raise ValueError(
-                f"DatasetConfig.meta_fields={self.meta_fields!r} must be a tuple of strings"
-            )
+            check_text(self, field)
+        check_choice(self, "answer_format", ANSWER_FORMATS)
+        check_choice(self, "template", TEMPLATES)
+        check_choice(self, "on_error", ON_ERROR)
+        check(isinstance(self.instruction, str), self, "instruction", "must be a string")
+        check(self.system_prompt is None or isinstance(self.system_prompt, str), self,
+              "system_prompt", "must be None or a string")
+        check_int(self, "max_records", 1, optional=True)
+        check(isinstance(self.meta_fields, tuple)
+              and all(isinstance(f, str) for f in self.meta_fields), self, "meta_fields",
+              "must be a tuple of strings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +113,9 @@ class TfdsConfig:
     def __post_init__(self):
         for field in ("name", "split"):
             value = getattr(self, field)
-            if not isinstance(value, str) or not DATASET_NAME_RE.fullmatch(value):
-                raise ValueError(f"TfdsConfig.{field}={value!r} must be lower-case letters, "
-                                 "digits and underscores, starting with a letter")
-        if not isinstance(self.data_dir, str) or not self.data_dir:
-            raise ValueError(f"TfdsConfig.data_dir={self.data_dir!r} must be a non-empty path")
+            check(isinstance(value, str) and bool(DATASET_NAME_RE.fullmatch(value)), self, field,
+                  "must be lower-case letters, digits and underscores, starting with a letter")
+        check_text(self, "data_dir", "must be a non-empty path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,13 +325,9 @@ class EpochShuffle:
     shuffle: bool = True
 
     def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError(f"EpochShuffle.batch_size={self.batch_size} must be >= 1")
-        if self.num_examples < self.batch_size:
-            raise ValueError(
-                f"EpochShuffle.num_examples={self.num_examples} must be >= "
-                f"batch_size={self.batch_size}"
-            )
+        check_int(self, "batch_size", 1)
+        check_int(self, "num_examples", self.batch_size,
+                  f"must be an int >= batch_size={self.batch_size}")
 
     @property
     def batches_per_epoch(self) -> int:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.policy import load_policy, resolve_sampling
 from sparse_rl_jax.prompt_source import eval_examples
 from sparse_rl_jax.rewards import compute_rewards, repeat_answers

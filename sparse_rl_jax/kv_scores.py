@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.attention import masked_softmax
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.masked_math import masked_mean
 
 _SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency score

@@ -17,7 +17,7 @@ from jax import lax
 
 from models.cache import KVCache, init_cache
 from models.shapes import check_shape
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.kv_scores import slot_scores
 from sparse_rl_jax.kv_selection import select_slots
 from sparse_rl_jax.page_sparsity import num_pages

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from models.lora import LORA_TARGETS
+from sparse_rl_jax.config_checks import check, check_int, check_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,22 +29,14 @@ class LoraConfig:
     dropout: float = 0.0
 
     def __post_init__(self):
+        check_int(self, "rank", 1,
+                  "must be an int >= 1 (leave model.lora out to train every weight)")
+        check_number(self, "alpha", gt=0)
         unknown = [name for name in self.targets if name not in LORA_TARGETS]
-        rules = {
-            "rank": (isinstance(self.rank, int) and not isinstance(self.rank, bool)
-                     and self.rank >= 1,
-                     "must be an int >= 1 (leave model.lora out to train every weight)"),
-            "alpha": (self.alpha > 0, "must be > 0"),
-            "targets": (bool(self.targets) and not unknown
-                        and len(set(self.targets)) == len(self.targets),
-                        f"must be distinct projection names among {list(LORA_TARGETS)}"
-                        + (f"; {unknown} name no module" if unknown else "")),
-            "dropout": (0 <= self.dropout < 1, "must be in [0, 1)"),
-        }
-        for field, (ok, why) in rules.items():
-            if not ok:
-                raise ValueError(f"model.lora.{field}={getattr(self, field)!r} {why}")
-        if self.dropout:
-            raise ValueError(f"model.lora.dropout={self.dropout!r} is not supported: only 0.0 "
-                             "(the update has no dropout rng, and rollouts, scoring and the "
-                             "update must compute the same policy)")
+        check(bool(self.targets) and not unknown and len(set(self.targets)) == len(self.targets),
+              self, "targets", f"must be distinct projection names among {list(LORA_TARGETS)}"
+              + (f"; {unknown} name no module" if unknown else ""))
+        check_number(self, "dropout", ge=0, lt=1)
+        check(self.dropout == 0, self, "dropout",
+              "is not supported: only 0.0 (the update has no dropout rng, and rollouts, "
+              "scoring and the update must compute the same policy)")

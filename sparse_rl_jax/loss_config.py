@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+
+from sparse_rl_jax.config_checks import check, check_bool, check_choice, check_number, reject
 
 CORRECTION_KINDS = ("none", "tis", "mis", "sparse_rl", "shadow_mask")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
@@ -20,21 +21,10 @@ KL_KINDS = ("k1", "k2", "k3")
 SEQ_DENOMINATORS = ("all", "kept")
 DISTILL_KINDS = ("k3", "full")
 
-
-def _choice(cls: str, field: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{cls}.{field} must be one of {allowed}, got {value!r}")
-
-
-def _number(cls: str, field: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{cls}.{field} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _positive(cls: str, field: str, value: Any) -> None:
-    if _number(cls, field, value) <= 0:
-        raise ValueError(f"{cls}.{field} must be > 0, got {value!r}")
+# Every log ratio (the correction's `log(pi_old_dense / pi_sparse)`, the loss's
+# `log(pi_theta / pi_old)` and `log(pi_theta / pi_ref)`) is clamped to `[-c, c]` before
+# exponentiation.
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -54,8 +44,7 @@ class CorrectionConfig:
     is_lower, is_upper: IS bounds (`is_upper` truncates; both bound the `mis` acceptance band).
     rs_lower, rs_upper: rejection band of `sparse_rl`; None -> the IS bounds.
     veto_threshold: `sparse_rl` drops a sequence when any valid token has `r_t` below it
-      (None disables the veto). Must exceed `exp(-log_ratio_clamp)` to be reachable.
-    log_ratio_clamp: `log r` is clamped to `[-c, c]` before exponentiation.
+      (None disables the veto). Must exceed `exp(-LOG_RATIO_CLAMP)` to be reachable.
     normalize: divide the IS weights by their batch mean over all response tokens (before
       rejection; skipped when that mean < 1e-8). None -> on for `sparse_rl`, off otherwise.
     """
@@ -67,46 +56,34 @@ class CorrectionConfig:
     rs_lower: float | None = None
     rs_upper: float | None = None
     veto_threshold: float | None = 1e-4
-    log_ratio_clamp: float = 20.0
     normalize: bool | None = None
 
     def __post_init__(self) -> None:
-        name = "CorrectionConfig"
-        _choice(name, "kind", self.kind, CORRECTION_KINDS)
-        _choice(name, "level", self.level, CORRECTION_LEVELS)
-        _positive(name, "log_ratio_clamp", self.log_ratio_clamp)
-        _positive(name, "is_lower", self.is_lower)
-        _positive(name, "is_upper", self.is_upper)
-        if self.is_lower >= self.is_upper:
-            raise ValueError(
-                f"{name}.is_lower must be < is_upper, got is_lower={self.is_lower!r}, "
-                f"is_upper={self.is_upper!r}"
-            )
+        check_choice(self, "kind", CORRECTION_KINDS)
+        check_choice(self, "level", CORRECTION_LEVELS)
+        check_number(self, "is_lower", gt=0)
+        check_number(self, "is_upper", gt=0)
+        check(self.is_lower < self.is_upper, self, "is_lower",
+              f"must be < is_upper={self.is_upper!r}")
         if self.rs_lower is None:
             object.__setattr__(self, "rs_lower", self.is_lower)
         if self.rs_upper is None:
             object.__setattr__(self, "rs_upper", self.is_upper)
-        _positive(name, "rs_lower", self.rs_lower)
-        _positive(name, "rs_upper", self.rs_upper)
-        if self.rs_lower >= self.rs_upper:
-            raise ValueError(
-                f"{name}.rs_lower must be < rs_upper, got rs_lower={self.rs_lower!r}, "
-                f"rs_upper={self.rs_upper!r}"
-            )
-        if self.veto_threshold is not None:
-            floor = math.exp(-float(self.log_ratio_clamp))
-            v = _number(name, "veto_threshold", self.veto_threshold)
-            if not floor < v < 1.0:
-                raise ValueError(
-                    f"{name}.veto_threshold must be None or in "
-                    f"(exp(-log_ratio_clamp)={floor:.3g}, 1), got {self.veto_threshold!r}"
-                )
+        check_number(self, "rs_lower", gt=0)
+        check_number(self, "rs_upper", gt=0)
+        check(self.rs_lower < self.rs_upper, self, "rs_lower",
+              f"must be < rs_upper={self.rs_upper!r}")
+        floor = math.exp(-LOG_RATIO_CLAMP)
+        check_number(self, "veto_threshold", gt=floor, lt=1, optional=True,
+                     rule=f"must be None or in (exp(-LOG_RATIO_CLAMP)={floor:.3g}, 1)")
+        check_bool(self, "normalize", optional=True)
         if self.normalize is None:
             object.__setattr__(self, "normalize", self.kind == "sparse_rl")
-        elif not isinstance(self.normalize, bool):
-            raise ValueError(
-                f"{name}.normalize must be True, False or None, got {self.normalize!r}"
-            )
+
+    @property
+    def log_ratio_clamp(self) -> float:
+        """The clamp `c` of `log r` (:data:`LOG_RATIO_CLAMP`)."""
+        return LOG_RATIO_CLAMP
 
 
 @dataclass(frozen=True)
@@ -137,7 +114,6 @@ class GRPOLossConfig:
       one, `distill_coef * KL` (0 = off; only with `correction.kind: shadow_mask`). `k3`: the
       k3 estimate of KL(sparse || dense) at the sampled tokens; `full`: the exact forward
       KL(dense || sparse) over the vocabulary, chunked like the scorer.
-    log_ratio_clamp: `log(pi_theta / pi_old)` and `log(pi_theta / pi_ref)` are clamped to `[-c, c]`.
     """
 
     eps_low: float = 0.2
@@ -152,32 +128,29 @@ class GRPOLossConfig:
     kl_kind: str = "k3"
     distill_coef: float = 0.0
     distill_kind: str = "k3"
-    log_ratio_clamp: float = 20.0
 
     def __post_init__(self) -> None:
-        name = "GRPOLossConfig"
-        _choice(name, "policy_loss", self.policy_loss, POLICY_LOSSES)
-        _choice(name, "ratio_level", self.ratio_level, RATIO_LEVELS)
+        check_choice(self, "policy_loss", POLICY_LOSSES)
+        check_choice(self, "ratio_level", RATIO_LEVELS)
         if self.policy_loss == "cispo":
-            _positive(name, "eps_low", self.eps_low)
-        elif not 0.0 < _number(name, "eps_low", self.eps_low) < 1.0:
-            raise ValueError(f"{name}.eps_low must be in (0, 1), got {self.eps_low!r}")
-        if self.clip_c is not None:
-            if _number(name, "clip_c", self.clip_c) <= 1.0:
-                raise ValueError(f"{name}.clip_c must be None or > 1, got {self.clip_c!r}")
-            if self.policy_loss != "ppo_clip":
-                raise ValueError(
-                    f"{name}.clip_c (dual-clip) applies to policy_loss='ppo_clip' only, got "
-                    f"policy_loss={self.policy_loss!r}")
-        if _number(name, "entropy_coef", self.entropy_coef) < 0:
-            raise ValueError(f"{name}.entropy_coef must be >= 0, got {self.entropy_coef!r}")
-        _positive(name, "eps_high", self.eps_high)
-        _choice(name, "aggregation", self.aggregation, AGGREGATIONS)
-        _choice(name, "seq_denominator", self.seq_denominator, SEQ_DENOMINATORS)
-        if _number(name, "kl_coef", self.kl_coef) < 0:
-            raise ValueError(f"{name}.kl_coef must be >= 0, got {self.kl_coef!r}")
-        _choice(name, "kl_kind", self.kl_kind, KL_KINDS)
-        if _number(name, "distill_coef", self.distill_coef) < 0:
-            raise ValueError(f"{name}.distill_coef must be >= 0, got {self.distill_coef!r}")
-        _choice(name, "distill_kind", self.distill_kind, DISTILL_KINDS)
-        _positive(name, "log_ratio_clamp", self.log_ratio_clamp)
+            check_number(self, "eps_low", gt=0)
+        else:
+            check_number(self, "eps_low", gt=0, lt=1)
+        check_number(self, "clip_c", gt=1, optional=True)
+        if self.clip_c is not None and self.policy_loss != "ppo_clip":
+            reject(self, "clip_c", f"(dual-clip) applies to policy_loss='ppo_clip' only, not "
+                                   f"{self.policy_loss!r}")
+        check_number(self, "entropy_coef", ge=0)
+        check_number(self, "eps_high", gt=0)
+        check_choice(self, "aggregation", AGGREGATIONS)
+        check_choice(self, "seq_denominator", SEQ_DENOMINATORS)
+        check_number(self, "kl_coef", ge=0)
+        check_choice(self, "kl_kind", KL_KINDS)
+        check_number(self, "distill_coef", ge=0)
+        check_choice(self, "distill_kind", DISTILL_KINDS)
+
+    @property
+    def log_ratio_clamp(self) -> float:
+        """The clamp `c` of `log(pi_theta / pi_old)` and `log(pi_theta / pi_ref)`
+        (:data:`LOG_RATIO_CLAMP`)."""
+        return LOG_RATIO_CLAMP

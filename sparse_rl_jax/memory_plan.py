@@ -17,7 +17,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.decoder import REMAT_POLICIES
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 
 KINDS = ("rollout", "score", "update")
 _ONE_BLOCK_PAIRS = 2**20  # mirrors models.attention: T * S up to this is one block

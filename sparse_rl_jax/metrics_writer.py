@@ -18,6 +18,8 @@ multi-host job should own a MetricsWriter.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -26,10 +28,42 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sparse_rl_jax.config_checks import check, reject
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
+LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """Where per-step metrics go (the ``logging`` section of a run).
+
+    Attributes:
+      backends: ``jsonl`` (``run_dir/metrics.jsonl``, required: plots and resume read it),
+        ``tensorboard`` (``run_dir/tb``) and ``wandb`` (the optional extra, ``pip install
+        -e ".[wandb]"``; ``WANDB_MODE=offline`` keeps it local), each metric under the same
+        ``<group>/<name>`` tag, the run config logged once.
+      wandb_project: the W&B project.
+    """
+
+    backends: tuple[str, ...] = ("jsonl", "tensorboard")
+    wandb_project: str = "sparse-rl-jax"
+
+    def __post_init__(self):
+        check(all(b in LOGGING_BACKENDS for b in self.backends)
+              and len(set(self.backends)) == len(self.backends) and "jsonl" in self.backends,
+              self, "backends", f"must be distinct names from {LOGGING_BACKENDS} including "
+                                "jsonl (plots and resume read metrics.jsonl)")
+        if "wandb" in self.backends:
+            try:
+                importlib.import_module("wandb")
+            except ImportError as e:
+                reject(self, "backends", f"names wandb, which is not installed ({e}): python "
+                                         "-m pip install -e \".[wandb]\" (or python -m pip "
+                                         "install wandb)")
 
 
 TB_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (

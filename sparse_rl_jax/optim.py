@@ -7,6 +7,8 @@ from typing import Literal
 
 import optax
 
+from sparse_rl_jax.config_checks import check, check_choice, check_int, check_number
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -37,25 +39,19 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self):
-        rules = {
-            "lr": (self.lr > 0, "must be > 0"),
-            "b1": (0 <= self.b1 < 1, "must be in [0, 1)"),
-            "b2": (0 <= self.b2 < 1, "must be in [0, 1)"),
-            "weight_decay": (self.weight_decay >= 0, "must be >= 0"),
-            "eps": (self.eps > 0, "must be > 0"),
-            "grad_clip": (self.grad_clip >= 0, "must be >= 0 (0 disables clipping)"),
-            "warmup_steps": (self.warmup_steps >= 0, "must be >= 0"),
-            "schedule": (self.schedule in ("constant", "cosine"), "must be constant or cosine"),
-            "decay_steps": (
-                self.decay_steps >= 0
-                and (self.schedule != "cosine" or self.decay_steps > self.warmup_steps),
-                "must be >= 0 and exceed warmup_steps for the cosine schedule",
-            ),
-            "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "must be in [0, 1]"),
-        }
-        for field, (ok, why) in rules.items():
-            if not ok:
-                raise ValueError(f"OptimConfig.{field}={getattr(self, field)!r} {why}")
+        check_number(self, "lr", gt=0)
+        check_number(self, "b1", ge=0, lt=1)
+        check_number(self, "b2", ge=0, lt=1)
+        check_number(self, "weight_decay", ge=0)
+        check_number(self, "eps", gt=0)
+        check_number(self, "grad_clip", ge=0, rule="must be >= 0 (0 disables clipping)")
+        check_int(self, "warmup_steps", 0)
+        check_choice(self, "schedule", ("constant", "cosine"))
+        check_int(self, "decay_steps", 0)
+        check(self.schedule != "cosine" or self.decay_steps > self.warmup_steps, self,
+              "decay_steps", f"must exceed warmup_steps={self.warmup_steps} for the cosine "
+                             "schedule")
+        check_number(self, "min_lr_ratio", ge=0, le=1)
 
 
 def learning_rate(cfg: OptimConfig) -> optax.Schedule:

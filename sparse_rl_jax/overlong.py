@@ -4,9 +4,10 @@ responses out of the loss."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
+
+from sparse_rl_jax.config_checks import check_bool, check_int, check_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +30,9 @@ class OverlongConfig:
     mask_truncated: bool = False
 
     def __post_init__(self):
-        if isinstance(self.buffer_len, bool) or not isinstance(self.buffer_len, int) or (
-                self.buffer_len < 0):
-            raise ValueError(f"overlong.buffer_len must be an int >= 0 (0 = off), got "
-                             f"{self.buffer_len!r}")
-        p = self.penalty
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (
-                math.isfinite(p) and p >= 0):
-            raise ValueError(f"overlong.penalty must be a finite number >= 0, got {p!r}")
-        if not isinstance(self.mask_truncated, bool):
-            raise ValueError(f"overlong.mask_truncated must be true/false, got "
-                             f"{self.mask_truncated!r}")
+        check_int(self, "buffer_len", 0, "must be an int >= 0 (0 = off)")
+        check_number(self, "penalty", ge=0)
+        check_bool(self, "mask_truncated")
 
 
 def overlong_penalty(lengths: np.ndarray, max_len: int, cfg: OverlongConfig) -> np.ndarray:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from models.cache import KVCache
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 
 
 def schedule_budget(cfg: CompressionConfig, lengths: jax.Array) -> jax.Array:

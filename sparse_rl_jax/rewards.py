@@ -38,6 +38,7 @@ from typing import Any
 import math_verify
 import numpy as np
 
+from sparse_rl_jax.config_checks import check_int, check_number
 from sparse_rl_jax.task import exact_match
 
 log = logging.getLogger(__name__)
@@ -241,11 +242,9 @@ class MathVerifyReward:
     worker_s_per_item: float = 15.0
 
     def __post_init__(self):
-        if not isinstance(self.timeout_s, int) or self.timeout_s < 1:
-            raise ValueError(f"MathVerifyReward.timeout_s={self.timeout_s!r} must be an int >= 1")
-        for field in ("worker_startup_s", "worker_s_per_item"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"MathVerifyReward.{field}={getattr(self, field)!r} must be > 0")
+        check_int(self, "timeout_s", 1)
+        check_number(self, "worker_startup_s", gt=0)
+        check_number(self, "worker_s_per_item", gt=0)
 
     def __call__(self, completions: Sequence[str], answers: Sequence[Answer]) -> np.ndarray:
         _check_batch(completions, answers)

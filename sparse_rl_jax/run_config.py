@@ -11,34 +11,20 @@ import dataclasses
 from typing import Literal
 
 from models.decoder import REMAT_POLICIES
+from models.partitioning import mesh_size_error
 from sparse_rl_jax.advantages import AdvantageConfig
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
+from sparse_rl_jax.config_checks import (check, check_choice, check_int, check_number,
+                                         check_text, reject)
 from sparse_rl_jax.datasets import DatasetConfig, TfdsConfig
 from sparse_rl_jax.lora_config import LoraConfig
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
+from sparse_rl_jax.metrics_writer import LoggingConfig
 from sparse_rl_jax.optim import OptimConfig
 from sparse_rl_jax.overlong import OverlongConfig
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.task import TaskConfig
-
-
-def _require(section: str, field: str, ok: bool, why: str, value) -> None:
-    if not ok:
-        name = f"{section}.{field}" if section else field
-        raise ValueError(f"{name}={value!r} {why}")
-
-
-def _require_seed(section: str, value, field: str = "seed") -> None:
-    """A seed must be an int >= 0 (numpy's generators refuse negative ones)."""
-    _require(section, field, isinstance(value, int) and value >= 0, "must be an int >= 0", value)
-
-
-def _require_counts(section: str, config, fields: tuple[str, ...]) -> None:
-    """Each named field of ``config`` must be an int >= 1."""
-    for field in fields:
-        value = getattr(config, field)
-        _require(section, field, isinstance(value, int) and value >= 1, "must be an int >= 1",
-                 value)
+from sparse_rl_jax.warm_start_config import WarmStartConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,46 +49,8 @@ class ModelSection:
     lora: LoraConfig | None = None
 
     def __post_init__(self):
-        _require("model", "dtype", self.dtype in ("float32", "bfloat16"),
-                 "must be float32 or bfloat16", self.dtype)
-        _require("model", "remat", self.remat in REMAT_POLICIES,
-                 f"must be one of {REMAT_POLICIES}", self.remat)
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-    """The embedded default model and its supervised warm start on the shipped task.
-
-    Attributes:
-      hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: Qwen2-shaped
-        architecture of the tiny model.
-      steps, batch_size, lr: the supervised stage (AdamW, linear warmup then cosine decay;
-        steps >= 2).
-      seed: initialisation and data seed of the warm start.
-    """
-
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    steps: int = 1000
-    batch_size: int = 32
-    lr: float = 3e-3
-    seed: int = 0
-
-    def __post_init__(self):
-        _require_counts("warm_start", self, ("hidden_size", "num_layers", "num_heads",
-                                             "num_kv_heads", "intermediate_size", "batch_size"))
-        _require("warm_start", "steps", isinstance(self.steps, int) and self.steps >= 2,
-                 "must be an int >= 2 (the schedule warms up for at least one step, then "
-                 "decays)", self.steps)
-        _require("warm_start", "num_heads", self.num_heads % self.num_kv_heads == 0,
-                 f"must be a multiple of num_kv_heads={self.num_kv_heads}", self.num_heads)
-        _require("warm_start", "hidden_size", self.hidden_size % self.num_heads == 0,
-                 f"must be a multiple of num_heads={self.num_heads}", self.hidden_size)
-        _require("warm_start", "lr", self.lr > 0, "must be > 0", self.lr)
-        _require_seed("warm_start", self.seed)
+        check_choice(self, "dtype", ("float32", "bfloat16"))
+        check_choice(self, "remat", REMAT_POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,16 +89,15 @@ class DataSection:
     max_collect_rounds: int = 4
 
     def __post_init__(self):
-        _require_counts("data", self, ("max_collect_rounds",))
-        _require("data", "source", self.source in ("task", "jsonl", "tfds"),
-                 "must be 'task', 'jsonl' or 'tfds'", self.source)
-        _require("data", "jsonl", self.source != "jsonl" or self.jsonl is not None,
-                 "must be set (path, fields) when data.source is 'jsonl'", self.jsonl)
-        _require("data", "tfds", self.source != "tfds" or self.tfds is not None,
-                 "must be set (name, data_dir) when data.source is 'tfds'", self.tfds)
-        _require_seed("data", self.shuffle_seed, "shuffle_seed")
-        _require("data", "reward", isinstance(self.reward, str) and bool(self.reward),
-                 "must name a registered reward fn", self.reward)
+        check_int(self, "max_collect_rounds", 1)
+        check_choice(self, "source", ("task", "jsonl", "tfds"))
+        check(self.source != "jsonl" or self.jsonl is not None, self, "jsonl",
+              "must be set (path, fields) when source is 'jsonl'")
+        check(self.source != "tfds" or self.tfds is not None, self, "tfds",
+              "must be set (name, data_dir) when source is 'tfds'")
+        check_int(self, "shuffle_seed", 0)
+        check_text(self, "reward", "must name a registered reward fn")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +109,9 @@ class MeshConfig:
     tensor: int = 1
 
     def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
-        for field, value in sizes.items():
-            _require("mesh", field, isinstance(value, int) and (value >= 1 or value == -1),
-                     "must be a positive int or -1", value)
-        _require("mesh", "fsdp", list(sizes.values()).count(-1) <= 1,
-                 "only one mesh axis may be -1", sizes)
+        bad = mesh_size_error(dataclasses.asdict(self))
+        if bad:
+            reject(self, *bad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,16 +154,15 @@ class TrainerConfig:
     max_nonfinite_steps: int = 3
 
     def __post_init__(self):
-        _require_counts("trainer", self, ("steps", "prompts_per_step", "minibatch_size",
-                                          "logp_chunk", "checkpoint_every", "keep_checkpoints",
-                                          "max_nonfinite_steps"))
-        _require_seed("trainer", self.seed)
-        _require("trainer", "score_batch", self.score_batch >= 0, "must be >= 0", self.score_batch)
-        micro = self.micro_batch_size
-        _require("trainer", "micro_batch_size", isinstance(micro, int) and micro >= 0 and (
-            micro == 0 or self.minibatch_size % micro == 0),
-            f"must be 0 (planned) or an int dividing trainer.minibatch_size="
-            f"{self.minibatch_size}", micro)
+        for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",
+                      "checkpoint_every", "keep_checkpoints", "max_nonfinite_steps"):
+            check_int(self, field, 1)
+        check_int(self, "seed", 0)
+        check_int(self, "score_batch", 0, "must be an int >= 0 (0 = planned)")
+        rule = (f"must be 0 (planned) or an int dividing minibatch_size={self.minibatch_size}")
+        check_int(self, "micro_batch_size", 0, rule)
+        check(self.micro_batch_size == 0 or self.minibatch_size % self.micro_batch_size == 0,
+              self, "micro_batch_size", rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,44 +195,11 @@ class EvalConfig:
     before_train: bool = False
 
     def __post_init__(self):
-        _require_counts("eval", self, ("num_prompts", "samples", "batch_size"))
-        _require("eval", "every_steps", isinstance(self.every_steps, int)
-                 and self.every_steps >= 0, "must be an int >= 0 (0 = never)", self.every_steps)
-        _require("eval", "temperature", self.temperature > 0, "must be > 0", self.temperature)
-        _require_seed("eval", self.task_seed, "task_seed")
-
-
-LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoggingConfig:
-    """Where per-step metrics go (``metrics_writer``).
-
-    Attributes:
-      backends: ``jsonl`` (``run_dir/metrics.jsonl``, required: plots and resume read it),
-        ``tensorboard`` (``run_dir/tb``) and ``wandb`` (the optional extra, ``pip install
-        -e ".[wandb]"``; ``WANDB_MODE=offline`` keeps it local), each metric under the same
-        ``<group>/<name>`` tag, the run config logged once.
-      wandb_project: the W&B project.
-    """
-
-    backends: tuple[str, ...] = ("jsonl", "tensorboard")
-    wandb_project: str = "sparse-rl-jax"
-
-    def __post_init__(self):
-        _require("logging", "backends", all(b in LOGGING_BACKENDS for b in self.backends)
-                 and len(set(self.backends)) == len(self.backends) and "jsonl" in self.backends,
-                 f"must be distinct names from {LOGGING_BACKENDS} including jsonl (plots and "
-                 "resume read metrics.jsonl)", self.backends)
-        if "wandb" in self.backends:
-            try:
-                import wandb  # noqa: F401
-            except ImportError as e:
-                raise ValueError(
-                    f"logging.backends={self.backends!r} names wandb, which is not installed "
-                    f"({e}): python -m pip install -e \".[wandb]\" (or python -m pip install "
-                    "wandb)") from e
+        for field in ("num_prompts", "samples", "batch_size"):
+            check_int(self, field, 1)
+        check_int(self, "every_steps", 0, "must be an int >= 0 (0 = never)")
+        check_number(self, "temperature", gt=0)
+        check_int(self, "task_seed", 0)
 
 
 # The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
@@ -330,52 +240,57 @@ class RunConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def __post_init__(self):
-        _require("", "run_dir", isinstance(self.run_dir, str) and bool(self.run_dir.strip()),
-                 "must be a directory path (empty would train into the current directory)",
-                 self.run_dir)
-        _require("sampling", "num_samples", self.sampling.num_samples >= 2,
-                 "must be >= 2 (the GRPO group: advantages compare samples of one prompt)",
-                 self.sampling.num_samples)
-        _require("correction", "kind", not (self.correction.kind == "shadow_mask"
-                                             and self.compression.method == "sparrow"),
-                 "shadow_mask replays an eviction record; compression.method sparrow keeps a "
-                 "page-selection record the update step does not replay yet: use sparse_rl, "
-                 "tis, mis or none with sparrow", self.correction.kind)
-        _require("overlong", "buffer_len", self.overlong.buffer_len < self.sampling.max_new_tokens,
-                 f"must be < sampling.max_new_tokens={self.sampling.max_new_tokens}",
-                 self.overlong.buffer_len)
-        sequences = self.trainer.prompts_per_step * self.sampling.num_samples
-        _require("trainer", "minibatch_size", sequences % self.trainer.minibatch_size == 0,
-                 f"must divide the rollout's {sequences} sequences (trainer.prompts_per_step x "
-                 "sampling.num_samples)", self.trainer.minibatch_size)
-        score = self.trainer.score_batch or self.trainer.minibatch_size
-        _require("trainer", "score_batch", sequences % score == 0,
-                 f"must divide the rollout's {sequences} sequences", self.trainer.score_batch)
-
-        shadow = self.correction.kind == "shadow_mask"
-        records = self.sampling.record_evictions is not False
-        _require("sampling", "record_evictions", records or not shadow,
-                 "cannot be false with correction.kind=shadow_mask (the learner replays the "
-                 "eviction record); leave it unset (auto) or true", self.sampling.record_evictions)
-        _require("loss", "distill_coef", shadow or self.loss.distill_coef == 0,
-                 f"needs correction.kind=shadow_mask (got {self.correction.kind!r}): the "
-                 "distillation term compares the replayed sparse policy with the dense one",
-                 self.loss.distill_coef)
-        _require("loss", "distill_kind", shadow or self.loss.distill_kind == "k3",
-                 f"needs correction.kind=shadow_mask (got {self.correction.kind!r})",
-                 self.loss.distill_kind)
-
+        check_text(self, "run_dir", "must be a directory path (empty would train into the "
+                                    "current directory)")
+        sampling, trainer, correction = self.sampling, self.trainer, self.correction
+        check(sampling.num_samples >= 2, self, "sampling.num_samples", "must be >= 2 (the GRPO "
+              "group: advantages compare samples of one prompt)", sampling.num_samples)
+        check(not (correction.kind == "shadow_mask" and self.compression.method == "sparrow"),
+              self, "correction.kind", "is not supported with compression.method sparrow: "
+              "shadow_mask replays an eviction record; sparrow keeps a page-selection record the "
+              "update step does not replay yet: use sparse_rl, tis, mis or none with sparrow",
+              correction.kind)
+        check(self.overlong.buffer_len < sampling.max_new_tokens, self, "overlong.buffer_len",
+              f"must be < sampling.max_new_tokens={sampling.max_new_tokens}",
+              self.overlong.buffer_len)
+        sequences = self.sequences_per_step
+        check(sequences % trainer.minibatch_size == 0, self, "trainer.minibatch_size",
+              f"must divide the rollout's {sequences} sequences (trainer.prompts_per_step x "
+              "sampling.num_samples)", trainer.minibatch_size)
+        check(sequences % (trainer.score_batch or trainer.minibatch_size) == 0, self,
+              "trainer.score_batch", f"must divide the rollout's {sequences} sequences",
+              trainer.score_batch)
+        self._check_shadow_mask()
         if self.data.source == "task" and self.model.path is None and self.compression.compresses:
-            # The default model's tokenizer has one token per character: lengths are known.
-            longest = self.data.task.max_prompt_tokens
-            _require("compression", "budget", self.compression.capacity >= longest,
-                     f"+ buffer ({self.compression.capacity}) must hold the task's longest "
-                     f"prompt ({longest} tokens, data.task.n_max={self.data.task.n_max})",
-                     self.compression.budget)
-            needed = self.data.task.max_response_tokens
-            _require("sampling", "max_new_tokens", self.sampling.max_new_tokens >= needed,
-                     f"must fit the task's longest solution + EOS ({needed} tokens)",
-                     self.sampling.max_new_tokens)
+            self._check_task_fits()
+
+    def _check_shadow_mask(self) -> None:
+        """The eviction record and the distillation term exist only under shadow_mask."""
+        shadow = self.correction.kind == "shadow_mask"
+        check(self.sampling.record_evictions is not False or not shadow, self,
+              "sampling.record_evictions", "cannot be false with correction.kind=shadow_mask "
+              "(the learner replays the eviction record); leave it unset (auto) or true",
+              self.sampling.record_evictions)
+        check(shadow or self.loss.distill_coef == 0, self, "loss.distill_coef",
+              f"needs correction.kind=shadow_mask (got {self.correction.kind!r}): the "
+              "distillation term compares the replayed sparse policy with the dense one",
+              self.loss.distill_coef)
+        check(shadow or self.loss.distill_kind == "k3", self, "loss.distill_kind",
+              f"needs correction.kind=shadow_mask (got {self.correction.kind!r})",
+              self.loss.distill_kind)
+
+    def _check_task_fits(self) -> None:
+        """The default model's tokenizer has one token per character: the shipped task's
+        lengths are known, so the cache and the response limit must hold them."""
+        task, compression, sampling = self.data.task, self.compression, self.sampling
+        check(compression.capacity >= task.max_prompt_tokens, self, "compression.budget",
+              f"+ buffer ({compression.capacity}) must hold the task's longest prompt "
+              f"({task.max_prompt_tokens} tokens, data.task.n_max={task.n_max})",
+              compression.budget)
+        needed = task.max_response_tokens
+        check(sampling.max_new_tokens >= needed, self, "sampling.max_new_tokens",
+              f"must fit the task's longest solution + EOS ({needed} tokens)",
+              sampling.max_new_tokens)
 
     @property
     def sequences_per_step(self) -> int:

@@ -25,7 +25,7 @@ from flax import nnx
 from models.page_sparse import PageSparsity, middle_slots
 from models.shapes import check_shape
 from sparse_rl_jax import kv_state
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.page_sparsity import refresh_page_keys, schedule_budget
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.token_sampling import sample_tokens

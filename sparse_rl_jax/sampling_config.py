@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from sparse_rl_jax.config_checks import (check, check_bool, check_int, check_number,
+                                         is_int)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -42,23 +45,13 @@ class SamplingConfig:
     record_evictions: bool | None = True
 
     def __post_init__(self):
-        checks = {
-            "max_new_tokens": (self.max_new_tokens >= 1, "must be >= 1"),
-            "temperature": (self.temperature > 0, "must be > 0 (use greedy=True for argmax)"),
-            "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
-            "top_k": (self.top_k >= 0, "must be >= 0 (0 disables it)"),
-            "num_samples": (self.num_samples >= 1, "must be >= 1"),
-            "pad_id": (self.pad_id >= 0, "must be >= 0"),
-            "prompt_bucket": (self.prompt_bucket >= 1, "must be >= 1"),
-        }
-        checks["record_evictions"] = (self.record_evictions in (True, False, None),
-                                      "must be true, false or null (auto)")
-        for field, (ok, why) in checks.items():
-            if not ok:
-                raise ValueError(f"SamplingConfig.{field}={getattr(self, field)!r} {why}")
-        if not isinstance(self.eos_ids, tuple) or not all(
-            isinstance(i, int) and i >= 0 for i in self.eos_ids
-        ):
-            raise ValueError(
-                f"SamplingConfig.eos_ids={self.eos_ids!r} must be a tuple of non-negative ints"
-            )
+        check_int(self, "max_new_tokens", 1)
+        check_number(self, "temperature", gt=0, rule="must be > 0 (use greedy=True for argmax)")
+        check_number(self, "top_p", gt=0, le=1)
+        check_int(self, "top_k", 0, "must be an int >= 0 (0 disables it)")
+        check_int(self, "num_samples", 1)
+        check_int(self, "pad_id", 0)
+        check_int(self, "prompt_bucket", 1)
+        check_bool(self, "record_evictions", optional=True)
+        check(isinstance(self.eos_ids, tuple) and all(is_int(i) and i >= 0 for i in self.eos_ids),
+              self, "eos_ids", "must be a tuple of non-negative ints")

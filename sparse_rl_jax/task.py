@@ -31,6 +31,8 @@ from typing import Literal, overload
 
 import numpy as np
 
+from sparse_rl_jax.config_checks import check, check_choice, check_int
+
 LABELS = string.ascii_uppercase + string.ascii_lowercase
 """The 52 possible labels (one character each), in "alphabetical" order."""
 DIGITS = "0123456789"
@@ -62,20 +64,12 @@ class TaskConfig:
     label_order: Literal["alphabetical", "random"] = "alphabetical"
 
     def __post_init__(self):
-        for field in ("n_min", "n_max", "seed"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"TaskConfig.{field}={value!r} must be an int")
-        if not 1 <= self.n_min <= self.n_max:
-            raise ValueError(f"TaskConfig.n_min={self.n_min} must be in [1, n_max={self.n_max}]")
-        if self.n_max > MAX_ITEMS:
-            raise ValueError(f"TaskConfig.n_max={self.n_max} must be <= {MAX_ITEMS}")
-        if self.seed < 0:
-            raise ValueError(f"TaskConfig.seed={self.seed} must be >= 0")
-        if self.label_order not in LABEL_ORDERS:
-            raise ValueError(
-                f"TaskConfig.label_order={self.label_order!r} must be one of {LABEL_ORDERS}"
-            )
+        check_int(self, "n_max", 1)
+        check_int(self, "n_min", 1)
+        check(self.n_min <= self.n_max, self, "n_min", f"must be in [1, n_max={self.n_max}]")
+        check(self.n_max <= MAX_ITEMS, self, "n_max", f"must be <= {MAX_ITEMS}")
+        check_int(self, "seed", 0)
+        check_choice(self, "label_order", LABEL_ORDERS)
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ from flax import nnx
 import models
 from sparse_rl_jax.task import TaskConfig, TaskDataset, prompt_length, solution_length
 from sparse_rl_jax.task_tokenizer import build_task_tokenizer
+from sparse_rl_jax.warm_start_config import WarmStartConfig
 
 MARKER = "warm_start.json"
 
@@ -82,7 +83,7 @@ def _sft_loss(model, tokens, attention, loss_mask):
 
 def build_default_model(
     out_dir: str | Path,
-    warm: "WarmStartConfig",  # noqa: F821 (sparse_rl_jax.run_config.WarmStartConfig)
+    warm: WarmStartConfig,
     task: TaskConfig,
     *,
     log: Callable[[str], None] = print,

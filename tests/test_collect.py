@@ -3,54 +3,17 @@ shapes, deterministically; overlong shaping and truncation masking reach the bat
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 
-import models
-from flax import nnx
 from sparse_rl_jax.collect import collect_rollouts, group_filter
-from sparse_rl_jax.config_io import load_config
 from sparse_rl_jax.overlong import OverlongConfig, overlong_penalty
-from sparse_rl_jax.prompt_source import PromptSource
-from sparse_rl_jax.rl_step import StepContext
-from sparse_rl_jax.run_config import RunConfig, WarmStartConfig
-from sparse_rl_jax.task import TaskConfig
-from sparse_rl_jax.policy import resolve_sampling
-from sparse_rl_jax.warm_start import build_default_model
-
-PROMPTS, G = 4, 2
-
-
-def hash_reward(completions, answers):
-    """A deterministic reward that differs between samples: 1 for half the texts."""
-    return np.array([float(zlib.crc32(c.encode()) % 2) for c in completions], np.float32)
+from tiny_rl import G, PROMPTS, step_context, tiny_task_policy
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    path = build_default_model(
-        tmp_path_factory.mktemp("collect") / "policy",
-        WarmStartConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                        intermediate_size=64, steps=3, batch_size=4),
-        TaskConfig(n_min=2, n_max=4), log=lambda _: None)
-    tokenizer = models.Tokenizer(path)
-    graphdef, params = nnx.split(models.load_pretrained(path))
-    return path, tokenizer, graphdef, params
-
-
-def _ctx(policy, *overrides):
-    path, tokenizer, graphdef, _ = policy
-    cfg = load_config(RunConfig, None, [
-        f"model.path={path}", "data.task.n_min=2", "data.task.n_max=4",
-        "sampling.max_new_tokens=12", f"sampling.num_samples={G}", "sampling.prompt_bucket=8",
-        "compression.method=rkv", "compression.budget=16", "compression.buffer=4",
-        "compression.window=2", f"trainer.prompts_per_step={PROMPTS}",
-        "trainer.minibatch_size=4", "trainer.logp_chunk=8", *overrides])
-    return StepContext(cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
-                       tokenizer=tokenizer, source=PromptSource(cfg.data, PROMPTS, tokenizer.hf),
-                       reward_fn=hash_reward, update=None, mesh=None)
+    return tiny_task_policy(tmp_path_factory.mktemp("collect"))
 
 
 def test_group_filter_drops_equal_rewards_and_groups_short_of_two_sequences():
@@ -62,7 +25,7 @@ def test_group_filter_drops_equal_rewards_and_groups_short_of_two_sequences():
 
 def test_dynamic_sampling_fills_the_batch_with_kept_groups(policy):
     params = policy[3]
-    ctx = _ctx(policy, "data.dynamic_sampling=true", "data.max_collect_rounds=8")
+    ctx = step_context(policy, "data.dynamic_sampling=true", "data.max_collect_rounds=8")
     batch, metrics, _ = collect_rollouts(ctx, params, position=5)
     rounds = int(metrics["collect_rounds"])
     assert rounds >= 2  # half the groups of a round are dropped on average
@@ -75,7 +38,7 @@ def test_dynamic_sampling_fills_the_batch_with_kept_groups(policy):
     # The kept groups are the first kept groups of rounds position, position + 1, ... in order.
     rows = []
     for r in range(rounds):
-        single, _, _ = collect_rollouts(_ctx(policy), params, position=5 + r)
+        single, _, _ = collect_rollouts(step_context(policy), params, position=5 + r)
         for k in np.flatnonzero(group_filter(single.rewards, np.ones(PROMPTS * G, bool), G)):
             rows.append(single.response[k * G:(k + 1) * G])
     np.testing.assert_array_equal(np.asarray(batch.response),
@@ -83,8 +46,8 @@ def test_dynamic_sampling_fills_the_batch_with_kept_groups(policy):
 
 
 def test_round_limit_pads_with_masked_groups(policy):
-    ctx = _ctx(policy, "data.dynamic_sampling=true", "data.max_collect_rounds=1")
-    batch, metrics, _ = collect_rollouts(ctx, policy[3], position=0)
+    ctx = step_context(policy, "data.dynamic_sampling=true", "data.max_collect_rounds=1")
+    batch, metrics, _ = collect_rollouts(ctx, policy[3], position=1)
     kept = int(metrics["groups_kept"])
     assert metrics["collect_rounds"] == 1 and kept < PROMPTS  # seed-dependent, checked here
     valid = batch.valid.reshape(PROMPTS, G)
@@ -102,10 +65,10 @@ def test_overlong_penalty_values():
 
 
 def test_overlong_shaping_and_truncation_mask_reach_the_batch(policy):
-    ctx = _ctx(policy, "overlong.buffer_len=4", "overlong.penalty=0.5",
+    ctx = step_context(policy, "overlong.buffer_len=4", "overlong.penalty=0.5",
                "overlong.mask_truncated=true")
     batch, metrics, _ = collect_rollouts(ctx, policy[3], position=2)
-    plain, _, _ = collect_rollouts(_ctx(policy), policy[3], position=2)
+    plain, _, _ = collect_rollouts(step_context(policy), policy[3], position=2)
     lengths = np.asarray(plain.loss_mask).sum(1)
     want = plain.rewards + np.minimum(-(lengths - 8) / 4 * 0.5, 0.0)
     np.testing.assert_allclose(batch.rewards, want, rtol=1e-6)

@@ -134,9 +134,7 @@ def test_matches_numpy_reference(kind, level):
         CorrectionConfig(kind="sparse_rl", veto_threshold=None),
         CorrectionConfig(kind="sparse_rl", rs_lower=0.8, rs_upper=1.25, is_upper=2.0),
         CorrectionConfig(kind="mis", is_lower=0.7, is_upper=1.3, level="geometric"),
-        CorrectionConfig(
-            kind="sparse_rl", level="sequence", log_ratio_clamp=5.0, veto_threshold=0.01
-        ),
+        CorrectionConfig(kind="sparse_rl", level="sequence", veto_threshold=0.01),
     ],
 )
 def test_options_match_numpy_reference(cfg):

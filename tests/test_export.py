@@ -11,7 +11,7 @@ import transformers
 from flax import nnx
 
 import models
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.run_config import WarmStartConfig
 from sparse_rl_jax.sampler import generate
 from sparse_rl_jax.sampling_config import SamplingConfig

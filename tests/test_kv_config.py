@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 
 
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        ({"method": "h2o"}, r"method='h2o' is not one of \('none', 'snapkv', 'rkv', 'streaming', 'sparrow'\)"),
-        ({"head_mode": "all"}, r"head_mode='all' is not one of \('per_head', 'shared'\)"),
-        ({"gqa_pool": "sum"}, r"gqa_pool='sum' is not one of \('max', 'mean'\)"),
-        ({"pool": "min"}, r"pool='min' is not one of \('max', 'avg'\)"),
-        ({"importance": "h2o"}, r"importance='h2o' is not one of \('sparse_rl', 'kvpress_snapkv'\)"),
+        ({"method": "h2o"}, r"method='h2o' must be one of \('none', 'snapkv', 'rkv', 'streaming', 'sparrow'\)"),
+        ({"head_mode": "all"}, r"head_mode='all' must be one of \('per_head', 'shared'\)"),
+        ({"gqa_pool": "sum"}, r"gqa_pool='sum' must be one of \('max', 'mean'\)"),
+        ({"pool": "min"}, r"pool='min' must be one of \('max', 'avg'\)"),
+        ({"importance": "h2o"}, r"importance='h2o' must be one of \('sparse_rl', 'kvpress_snapkv'\)"),
         ({"budget": 8, "window": 8}, r"budget=8 must be an int > window \(8\)"),
         ({"budget": 16.0}, r"budget=16.0 must be an int"),
         ({"buffer": 0}, r"buffer=0 must be an int >= 1"),
         ({"window": 0}, r"window=0 must be an int >= 1"),
-        ({"pool_kernel": 4}, r"pool_kernel=4 must be an int odd"),
+        ({"pool_kernel": 4}, r"pool_kernel=4 must be an odd int >= 1"),
         ({"num_sinks": -1}, r"num_sinks=-1 must be an int >= 0"),
         ({"rkv_lambda": 1.5}, r"rkv_lambda=1.5 must be in \[0, 1\]"),
         ({"redundancy_threshold": 2.0}, r"redundancy_threshold=2.0 must be in \[-1, 1\]"),

@@ -1,6 +1,10 @@
-"""Rollout KV state: compression cadence, compile-once, dense equivalence, eviction replay."""
+"""Rollout KV state, tested by what it keeps (token positions), never by which slot holds
+them: compression cadence, the kept set vs a NumPy selection, eviction replay, compile-once."""
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +12,10 @@ import numpy as np
 import pytest
 from jax import lax
 
-from models.cache import init_cache
 from sparse_rl_jax import kv_state
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.compile_count import count_compiles
+from sparse_rl_jax.kv_scores import slot_scores
 
 L, B, HQ, HKV, D = 2, 2, 4, 2, 8
 
@@ -49,9 +53,28 @@ def _step(cfg):
 _write_jit = jax.jit(_write)
 
 
-def _run(cfg, prompt_len, pads, steps, seed=0, max_len=None):
-    """Prefill a left-padded prompt, decode ``steps`` tokens; returns the final state, the
-    column positions ``[B, S]`` and, per query column, the cache's visible positions."""
+class Run(NamedTuple):
+    """A prefill + decode run: the final state, the column positions ``cols [B, S]``, per
+    query column ``t`` the positions each (layer, row, KV head) saw (``seen[t]``), and every
+    compression as ``(state before, state after)``."""
+
+    state: kv_state.SparseKVState
+    cols: np.ndarray
+    seen: dict
+    compressions: list
+
+
+def _positions(state) -> dict:
+    """The resident token positions of each (layer, row, KV head): what the cache holds,
+    whatever slots it holds them in."""
+    pos = np.asarray(state.cache.pos)
+    return {(l, b, h): {int(p) for p in pos[l, b, h] if p >= 0}
+            for l in range(L) for b in range(B) for h in range(HKV)}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(cfg, prompt_len, pads, steps, seed=0, max_len=None) -> Run:
+    """Prefill a left-padded prompt, decode ``steps`` tokens (see :class:`Run`)."""
     rng = np.random.default_rng(seed)
     max_len = max_len or prompt_len + steps
     state = kv_state.init_state(
@@ -61,29 +84,61 @@ def _run(cfg, prompt_len, pads, steps, seed=0, max_len=None):
     cols = np.where(cols >= 0, cols, -1).astype(np.int32)  # [B, S]
 
     def visible_now(state, qpos):
-        pos = np.asarray(state.cache.pos)  # [L, B, Hkv, C]
-        return {
-            (l, b, h): {int(p) for p in pos[l, b, h] if 0 <= p <= qpos[b]}
-            for l in range(L) for b in range(B) for h in range(HKV)
-        }
+        return {key: {p for p in held if p <= qpos[key[1]]}
+                for key, held in _positions(state).items()}
 
-    seen = {}
+    def compressed(before, after):
+        if not np.array_equal(before.cache.pos, after.cache.pos):
+            compressions.append((before, after))
+        return after
+
+    seen, compressions = {}, []
     k, v, q = _tokens(rng, prompt_len)
     kv_state.check_prompt_fits(cfg, prompt_len, None if cfg.compresses else max_len)
     state = _write_jit(state, k, v, cols[:, :prompt_len], q)
     for t in range(prompt_len):  # prefill is dense: each prompt query saw the whole prompt prefix
         seen[t] = visible_now(state, cols[:, t])
-    state = jax.jit(lambda s: kv_state.maybe_compress(s, cfg, after_prefill=True))(state)
+    state = compressed(state, jax.jit(
+        lambda s: kv_state.maybe_compress(s, cfg, after_prefill=True))(state))
     step = _step(cfg)
-    indices = []
     for s in range(steps):
         t = prompt_len + s
         k, v, q = _tokens(rng, 1)
         written = _write_jit(state, k, v, cols[:, t : t + 1], q)  # what the model attends over
         seen[t] = visible_now(written, cols[:, t])
-        state = step(state, k, v, cols[:, t : t + 1], q)
-        indices.append(int(state.cache.index))
-    return state, cols, seen, indices
+        state = compressed(written, step(state, k, v, cols[:, t : t + 1], q))
+    return Run(state, cols, seen, compressions)
+
+
+def _reference_kept(before, cfg) -> dict:
+    """What one compression of ``before`` must keep, per (layer, row, KV head), in positions:
+    ``(sure, tied)``, the positions it must keep and those it may keep. NumPy selection over
+    the engine's eviction scores (``slot_scores``, checked against NumPy references in
+    test_kv_scores): the ``window`` newest resident tokens, then the others by score (summed
+    over KV heads for ``head_mode: shared``) up to ``budget``; positions scored equal to the
+    last one kept are ``tied``."""
+    cache = before.cache
+    pos = np.asarray(cache.pos)
+    z = np.stack([np.asarray(slot_scores(cfg, before.queries[l], cache.k[l], cache.pos[l],
+                                         cache.index)) for l in range(L)])
+    by_pos = [[[{int(p): float(x) for p, x in zip(pos[l, b, h], z[l, b, h]) if p >= 0}
+                for h in range(HKV)] for b in range(B)] for l in range(L)]
+    out = {}
+    for l, b, h in np.ndindex(L, B, HKV):
+        score = by_pos[l][b][h]
+        if cfg.head_mode == "shared":
+            score = {p: sum(heads[p] for heads in by_pos[l][b]) for p in score}
+        resident = sorted(score)
+        window = set(resident[-cfg.window:])
+        ranked = sorted(set(resident) - window, key=lambda p: -score[p])
+        room = cfg.budget - cfg.window
+        if len(ranked) <= room:
+            out[l, b, h] = (window | set(ranked), set())
+            continue
+        last = score[ranked[room - 1]]
+        sure = window | {p for p in ranked if score[p] > last}
+        out[l, b, h] = (sure, {p for p in ranked if score[p] == last})
+    return out
 
 
 CONFIGS = [
@@ -92,12 +147,15 @@ CONFIGS = [
     CompressionConfig(method="rkv", budget=9, buffer=3, window=4, importance="kvpress_snapkv"),
     CompressionConfig(method="streaming", budget=10, buffer=4, window=3, num_sinks=2),
 ]
+REPLAY_RUN = dict(prompt_len=12, pads=(0, 5), steps=14)
+config_ids = pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: f"{c.method}-{c.head_mode}-{c.importance}")
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.method}-{c.head_mode}-{c.importance}")
+@config_ids
 def test_eviction_record_replays_visibility(cfg):
-    prompt_len, pads, steps = 12, (0, 5), 14
-    state, cols, seen, _ = _run(cfg, prompt_len, pads, steps)
+    prompt_len, steps = REPLAY_RUN["prompt_len"], REPLAY_RUN["steps"]
+    state, cols, seen, _ = _run(cfg, **REPLAY_RUN)
     expiry = np.asarray(kv_state.visibility_from_record(state.evicted_at, jnp.asarray(cols)))
     assert expiry.shape == (L, B, HKV, cols.shape[1])
     assert (expiry < kv_state.NEVER).any(), "some token must have been evicted"
@@ -113,29 +171,58 @@ def test_eviction_record_replays_visibility(cfg):
     assert values <= set(range(1, prompt_len + steps + 1))
 
 
+@config_ids
+def test_each_compression_keeps_the_reference_set_and_records_the_rest(cfg):
+    state, _, _, compressions = _run(cfg, **REPLAY_RUN)
+    assert len(compressions) >= 3
+    record = np.asarray(state.evicted_at)
+    for before, after in compressions:
+        held, kept = _positions(before), _positions(after)
+        for key, (sure, tied) in _reference_kept(before, cfg).items():
+            assert sure <= kept[key] <= sure | tied, key
+            assert len(kept[key]) == min(cfg.budget, len(held[key])), key
+            # each evicted token's record is the row's next query position at that time
+            newest = max(max(held[k]) for k in held if k[:2] == key[:2])
+            for p in held[key] - kept[key]:
+                assert record[key][p] == newest + 1, (key, p)
+        if cfg.head_mode == "shared":
+            assert all(kept[l, b, h] == kept[l, b, 0] for l, b, h in kept)
+    if cfg.method == "streaming":  # sinks and recency alone decide: the sinks survive
+        sinks = {(l, b, h): set(sorted(p)[:cfg.num_sinks])
+                 for (l, b, h), p in _positions(compressions[0][0]).items()}
+        assert all(sinks[key] <= held for key, held in _positions(state).items())
+
+
 def test_compression_cadence_and_resident_tokens():
     cfg = CompressionConfig(method="snapkv", budget=10, buffer=4, window=3)
-    # prompt 8 <= budget: no compression at prefill; decode fills to 14 then back to 10
-    state, _, _, indices = _run(cfg, 8, (0, 3), 12)
-    assert indices == [9, 10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12]
+    # prompt 8 <= budget: no compression at prefill; decode fills to 14 keys, then the cache
+    # holds the 10 kept and the query sees them plus itself
+    _, _, seen, compressions = _run(cfg, 8, (0, 3), 12)
+    visible = [len(seen[t][0, 0, 0]) for t in range(8, 20)]
+    assert visible == [9, 10, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
+    assert len(compressions) == 2
     # prompt 12 > budget: compressed right after prefill
-    state, _, _, indices = _run(cfg, 12, (0, 3), 3)
-    assert indices == [11, 12, 13]
+    state, _, seen, compressions = _run(cfg, 12, (0, 3), 3)
+    assert [len(seen[t][0, 0, 0]) for t in range(12, 15)] == [11, 12, 13]
+    assert len(compressions) == 1
     resident = np.asarray(kv_state.resident_tokens(state.cache))
     np.testing.assert_array_equal(resident[:, 0], 13)  # 15 tokens seen, 10 kept + 3 new
     np.testing.assert_array_equal(resident[:, 1], 12)  # 3 pads: 12 valid, pads went first
-    assert (np.asarray(state.cache.pos)[..., 13:] == -1).all()
+    held = _positions(state)
+    assert all({12, 13, 14} <= held[l, 0, h] for l in range(L) for h in range(HKV))
 
 
-def test_compress_keeps_window_aligned_with_query_ring():
+def test_compress_keeps_the_window_and_its_queries():
     cfg = CompressionConfig(method="rkv", budget=10, buffer=4, window=3)
-    state, cols, _, _ = _run(cfg, 14, (0, 2), 0)
-    pos = np.asarray(state.cache.pos)
-    np.testing.assert_array_equal(pos[:, 0, :, 7:10], np.broadcast_to([11, 12, 13], pos[:, 0, :, 7:10].shape))
-    np.testing.assert_array_equal(pos[:, 1, :, 7:10], np.broadcast_to([9, 10, 11], pos[:, 1, :, 7:10].shape))
-    live = pos[..., :10]
-    assert (np.diff(live, axis=-1) > 0).all(), "kept slots in temporal order"
-    assert int(state.cache.index) == 10
+    prompt_len, pads = 14, (0, 2)
+    state, _, _, compressions = _run(cfg, prompt_len, pads, 0)
+    assert len(compressions) == 1
+    for (l, b, h), held in _positions(state).items():
+        newest = prompt_len - pads[b]  # one past the row's newest position
+        assert len(held) == cfg.budget and set(range(newest - 3, newest)) <= held, (l, b, h)
+    # the query ring holds the window's queries, oldest first: the next compression's scores
+    _, _, queries = _tokens(np.random.default_rng(0), prompt_len)
+    np.testing.assert_array_equal(np.asarray(state.queries), queries[:, :, :, -cfg.window:])
 
 
 def test_repeated_compressions_compile_once():
@@ -166,26 +253,26 @@ def test_repeated_compressions_compile_once():
     assert compiles["jit(compress)"] == 1
 
 
-def test_none_matches_dense_cache():
+def test_none_keeps_every_token_as_written():
     cfg = CompressionConfig(method="none")
-    total = 20
-    state, cols, _, indices = _run(cfg, 6, (0, 2), total - 6, seed=3, max_len=total)
-    assert indices == list(range(7, total + 1))
+    prompt_len, pads, total = 6, (0, 2), 20
+    state, cols, seen, compressions = _run(cfg, prompt_len, pads, total - prompt_len, seed=3,
+                                           max_len=total)
+    assert not compressions
+    for t in range(total):  # every query sees every valid position up to its own
+        for (l, b, h), got in seen[t].items():
+            assert got == {int(p) for p in cols[b, : t + 1] if p >= 0}, (t, l, b, h)
     rng = np.random.default_rng(3)  # same draws as _run
-    dense = init_cache(L, B, HKV, total, D)
-    k, v, _ = _tokens(rng, 6)
-    ks, vs = [k], [v]
-    for _ in range(total - 6):
-        k, v, _ = _tokens(rng, 1)
-        ks.append(k)
-        vs.append(v)
-    dense = dense.replace(
-        k=jnp.concatenate(ks, axis=3),
-        v=jnp.concatenate(vs, axis=3),
-        pos=jnp.broadcast_to(cols[None, :, None, :], dense.pos.shape),
-        index=jnp.int32(total),
-    )
-    jax.tree.map(np.testing.assert_array_equal, state.cache, dense)
+    draws = [_tokens(rng, prompt_len)] + [_tokens(rng, 1) for _ in range(total - prompt_len)]
+    k, v = (np.concatenate([d[i] for d in draws], axis=3) for i in (0, 1))
+    pos, ks, vs = (np.asarray(x) for x in (state.cache.pos, state.cache.k, state.cache.v))
+    for l, b, h in np.ndindex(L, B, HKV):  # each position's key and value, wherever held
+        slot = {int(p): i for i, p in enumerate(pos[l, b, h]) if p >= 0}
+        assert sorted(slot) == list(range(total - pads[b]))
+        column = {int(p): i for i, p in enumerate(cols[b]) if p >= 0}
+        for p, i in slot.items():
+            np.testing.assert_array_equal(ks[l, b, h, i], k[l, b, h, column[p]])
+            np.testing.assert_array_equal(vs[l, b, h, i], v[l, b, h, column[p]])
     assert (np.asarray(state.evicted_at) == kv_state.NEVER).all()
 
 
@@ -201,11 +288,16 @@ def test_push_queries_keeps_last_window():
     state = kv_state.init_state(
         cfg, num_layers=1, batch=1, num_heads=2, num_kv_heads=1, head_dim=2, max_len=8
     )
-    seq = np.arange(5, dtype=np.float32)[None, None, None, :, None] * np.ones((1, 1, 2, 5, 2))
+    seq = np.arange(1, 6, dtype=np.float32)[None, None, None, :, None] * np.ones((1, 1, 2, 5, 2))
+
+    def ring(state):  # the queries held, in the order pushed (oldest first), any empties left out
+        held = np.asarray(state.queries)[0, 0, 0, :, 0].tolist()
+        return [x for x in held if x]
+
     state = kv_state.push_queries(state, seq[:, :, :, :2])
-    np.testing.assert_array_equal(np.asarray(state.queries)[0, 0, 0, :, 0], [0, 0, 1])
+    assert ring(state) == [1, 2]
     state = kv_state.push_queries(state, seq[:, :, :, 2:])
-    np.testing.assert_array_equal(np.asarray(state.queries)[0, 0, 0, :, 0], [2, 3, 4])
+    assert ring(state) == [3, 4, 5]
     with pytest.raises(ValueError, match="push_queries"):
         kv_state.push_queries(state, np.zeros((1, 1, 3, 1, 2), np.float32))
 

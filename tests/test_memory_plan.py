@@ -11,7 +11,7 @@ from flax import nnx
 
 import models
 from sparse_rl_jax import memory_plan
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.kv_state import init_state
 from sparse_rl_jax.scoring import score
 

@@ -297,10 +297,10 @@ def test_wandb_offline_logs_the_tensorboard_tags_and_the_config_once(tmp_path, m
 
 
 def test_missing_wandb_is_a_config_error_naming_the_field(monkeypatch):
-    from sparse_rl_jax.run_config import LoggingConfig
+    from sparse_rl_jax.metrics_writer import LoggingConfig
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
-    with pytest.raises(ValueError, match=r"logging.backends.*pip install"):
+    with pytest.raises(ValueError, match=r"LoggingConfig\.backends=.*pip install"):
         LoggingConfig(backends=("jsonl", "wandb"))
-    with pytest.raises(ValueError, match="logging.backends"):
+    with pytest.raises(ValueError, match=r"LoggingConfig\.backends=\('tensorboard',\) must"):
         LoggingConfig(backends=("tensorboard",))

@@ -70,9 +70,10 @@ def test_sharded_params_match_transformers(tmp_path):
 
 
 def test_make_mesh_validates_sizes():
-    with pytest.raises(ValueError, match="data: mesh axis size must be a positive int or -1"):
+    with pytest.raises(ValueError, match="mesh axis data=0 must be a positive int or -1"):
         models.make_mesh(data=0)
-    with pytest.raises(ValueError, match="tensor: only one mesh axis may be -1"):
+    with pytest.raises(ValueError, match="mesh axis tensor=-1 must not be -1 as fsdp is: only "
+                                         "one mesh axis may be -1"):
         models.make_mesh(fsdp=-1, tensor=-1)
     with pytest.raises(ValueError, match="need 2 devices, have 1"):
         models.make_mesh(fsdp=2)

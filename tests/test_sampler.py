@@ -14,7 +14,7 @@ from flax import nnx
 
 import models
 from sparse_rl_jax import kv_state
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.compile_count import count_compiles
 from sparse_rl_jax.sampler import bucket_prompts, generate
 from sparse_rl_jax.sampling_config import SamplingConfig

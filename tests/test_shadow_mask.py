@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
-from sparse_rl_jax.compression import CompressionConfig
+from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.config_io import ConfigError, load_config
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
@@ -84,7 +84,7 @@ def test_without_compression_shadow_mask_equals_plain_grpo(tiny):
     np.testing.assert_allclose(m_shadow["loss"], m_plain["loss"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m_shadow["grad_norm"], m_plain["grad_norm"], rtol=1e-4)
     for a, b in zip(jax.tree.leaves(d_shadow), jax.tree.leaves(d_plain)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_ratio_is_one_at_the_first_update_and_distillation_measures_the_gap(tiny):
@@ -172,7 +172,7 @@ def test_vocabulary_kl_matches_numpy_over_full_logits_and_teacher_gets_no_gradie
     g_chunked = jax.jit(jax.grad(chunked))(params)
     g_full = jax.jit(jax.grad(unchunked))(params)
     for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_full)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 def test_config_keeps_the_record_and_rejects_contradictions():
@@ -192,7 +192,7 @@ def test_config_keeps_the_record_and_rejects_contradictions():
         load_config(RunConfig, None, ["loss.distill_coef=0.1"])
     with pytest.raises(ConfigError, match=r"loss\.distill_kind='full' needs correction\.kind"):
         load_config(RunConfig, None, ["loss.distill_kind=full"])
-    with pytest.raises(ConfigError, match=r"loss: GRPOLossConfig\.distill_kind must be one of"):
+    with pytest.raises(ConfigError, match=r"loss\.distill_kind='reverse' must be one of"):
         load_config(RunConfig, None, [*shadow, "loss.distill_kind=reverse"])
     assert dataclasses.replace(cfg.loss, distill_coef=0.2).distill_coef == 0.2
 
@@ -221,4 +221,4 @@ def test_entropy_bonus_gradient_through_the_chunked_scorer(tiny):
     np.testing.assert_allclose(metrics["loss"], float(loss), rtol=1e-5)
     np.testing.assert_allclose(metrics["entropy_loss"], ref_metrics["entropy_loss"], rtol=1e-5)
     for a, g in zip(jax.tree.leaves(delta), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(a, -np.asarray(g), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, -np.asarray(g), rtol=1e-4, atol=1e-5)

@@ -18,7 +18,7 @@ from models.cache import KVCache
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
 from sparse_rl_jax.acceptance import score_acceptance
 from sparse_rl_jax.compile_count import count_compiles
-from sparse_rl_jax.compression import SPARROW_PRESETS, CompressionConfig
+from sparse_rl_jax.compression_config import SPARROW_PRESETS, CompressionConfig
 from sparse_rl_jax.config_io import ConfigError, from_dict
 from sparse_rl_jax.page_sparsity import refresh_page_keys, schedule_budget
 from sparse_rl_jax.sampler import generate
@@ -41,9 +41,11 @@ def test_config_resolves_presets_and_yaml_lists():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(budget_schedule=((0, 4), (320, 5), (160, 6))), "budget_schedule: starts must be"),
-    (dict(budget_schedule=((16, 4),)), "budget_schedule[0]: the first bin must start at 0"),
-    (dict(budget_schedule=((0, 20), (320, 5))), "budget_schedule[0]: k=20 is larger"),
+    (dict(budget_schedule=((0, 4), (320, 5), (160, 6))),
+     "budget_schedule[2]=(160, 6) must start after budget_schedule[1] (starts strictly"),
+    (dict(budget_schedule=((16, 4),)), "budget_schedule[0]=(16, 4) must start at 0"),
+    (dict(budget_schedule=((0, 20), (320, 5))),
+     "budget_schedule[0]=(0, 20) has k larger than the 16 middle pages"),
     (dict(budget_schedule=((0, 2), (40, 3))), "multiple of page_size"),
     (dict(budget_schedule="qwen9"), "not a preset"),
     (dict(alpha_threshold=0.0), "alpha_threshold"),

@@ -16,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from sparse_rl_jax.config_checks import (check, check_choice, check_distinct, check_int,
+                                         check_number, is_int, reject)
+
 Method = Literal["none", "snapkv", "rkv", "streaming", "sparrow"]
 HeadMode = Literal["per_head", "shared"]
 GqaPool = Literal["max", "mean"]
@@ -37,15 +40,16 @@ SPARROW_PRESETS: dict[str, tuple[int, ...]] = {
 
 
 def preset_schedule(name: str) -> tuple[tuple[int, int], ...]:
-    """A named Sparrow preset as ``((start_tokens, k), ...)`` with 2000-token bins."""
-    if name not in SPARROW_PRESETS:
-        raise ValueError(f"CompressionConfig.budget_schedule={name!r} is not a preset; "
-                         f"known: {sorted(SPARROW_PRESETS)}")
+    """A named Sparrow preset (a key of :data:`SPARROW_PRESETS`) as ``((start_tokens, k),
+    ...)`` with 2000-token bins."""
     return tuple((i * SPARROW_BIN_TOKENS, k) for i, k in enumerate(SPARROW_PRESETS[name]))
+
+
 HEAD_MODES: tuple[str, ...] = ("per_head", "shared")
 GQA_POOLS: tuple[str, ...] = ("max", "mean")
 POOLS: tuple[str, ...] = ("max", "avg")
 IMPORTANCES: tuple[str, ...] = ("sparse_rl", "kvpress_snapkv")
+ALPHA_METRICS: tuple[str, ...] = ("exact", "top20", "off")
 
 # Per importance variant: (gqa_pool, pool, pool_kernel) used when the field is left as None.
 #   sparse_rl:      official Sparse-RL / R-KV code: max over the group's logits, max-pool 7.
@@ -54,16 +58,6 @@ _VARIANT_DEFAULTS: dict[str, tuple[str, str, int]] = {
     "sparse_rl": ("max", "max", 7),
     "kvpress_snapkv": ("mean", "avg", 5),
 }
-
-
-def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"CompressionConfig.{field}={value!r} is not one of {allowed}")
-
-
-def _check_int(field: str, value: object, minimum: int, rule: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"CompressionConfig.{field}={value!r} must be an int {rule}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +120,10 @@ class CompressionConfig:
     alpha_metric: AlphaMetric = "exact"
 
     def __post_init__(self) -> None:
-        _check_choice("method", self.method, METHODS)
-        _check_choice("head_mode", self.head_mode, HEAD_MODES)
-        _check_choice("importance", self.importance, IMPORTANCES)
-        _check_choice("alpha_metric", self.alpha_metric, ("exact", "top20", "off"))
+        check_choice(self, "method", METHODS)
+        check_choice(self, "head_mode", HEAD_MODES)
+        check_choice(self, "importance", IMPORTANCES)
+        check_choice(self, "alpha_metric", ALPHA_METRICS)
         gqa_pool, pool, kernel = _VARIANT_DEFAULTS[self.importance]
         if self.gqa_pool is None:
             object.__setattr__(self, "gqa_pool", gqa_pool)
@@ -137,79 +131,64 @@ class CompressionConfig:
             object.__setattr__(self, "pool", pool)
         if self.pool_kernel is None:
             object.__setattr__(self, "pool_kernel", kernel)
-        _check_choice("gqa_pool", self.gqa_pool, GQA_POOLS)
-        _check_choice("pool", self.pool, POOLS)
-        _check_int("window", self.window, 1, ">= 1")
-        _check_int("budget", self.budget, self.window + 1, f"> window ({self.window})")
-        _check_int("buffer", self.buffer, 1, ">= 1")
-        _check_int("pool_kernel", self.pool_kernel, 1, "odd and >= 1")
-        if self.pool_kernel % 2 != 1:
-            raise ValueError(
-                f"CompressionConfig.pool_kernel={self.pool_kernel!r} must be an int odd and >= 1"
-            )
-        _check_int("num_sinks", self.num_sinks, 0, ">= 0")
-        for field, value in (
-            ("rkv_lambda", self.rkv_lambda),
-            ("redundancy_threshold", self.redundancy_threshold),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"CompressionConfig.{field}={value!r} must be a float")
-        if not 0.0 <= self.rkv_lambda <= 1.0:
-            raise ValueError(f"CompressionConfig.rkv_lambda={self.rkv_lambda!r} must be in [0, 1]")
-        if not -1.0 <= self.redundancy_threshold <= 1.0:
-            raise ValueError(
-                f"CompressionConfig.redundancy_threshold={self.redundancy_threshold!r} "
-                "must be in [-1, 1] (a cosine similarity)"
-            )
+        check_choice(self, "gqa_pool", GQA_POOLS)
+        check_choice(self, "pool", POOLS)
+        check_int(self, "window", 1)
+        check_int(self, "budget", self.window + 1, f"must be an int > window ({self.window})")
+        check_int(self, "buffer", 1)
+        check(is_int(self.pool_kernel) and self.pool_kernel >= 1 and self.pool_kernel % 2 == 1,
+              self, "pool_kernel", "must be an odd int >= 1")
+        check_int(self, "num_sinks", 0)
+        check_number(self, "rkv_lambda", ge=0, le=1)
+        check_number(self, "redundancy_threshold", ge=-1, le=1,
+                     rule="must be in [-1, 1] (a cosine similarity)")
         self._check_sparrow()
 
     def _check_sparrow(self) -> None:
         """Validate (and resolve a preset name of) the page-sparse fields."""
-        _check_int("page_size", self.page_size, 1, ">= 1")
+        check_int(self, "page_size", 1)
         schedule = self.budget_schedule
         if isinstance(schedule, str):
+            check(schedule in SPARROW_PRESETS, self, "budget_schedule",
+                  f"is not a preset; known: {sorted(SPARROW_PRESETS)}")
             schedule = preset_schedule(schedule)
         elif isinstance(schedule, (list, tuple)):
             schedule = tuple(tuple(entry) if isinstance(entry, (list, tuple)) else entry
                              for entry in schedule)
         object.__setattr__(self, "budget_schedule", schedule)
-        field = "CompressionConfig.budget_schedule"
-        if not isinstance(schedule, tuple) or not schedule:
-            raise ValueError(f"{field}={schedule!r} must be a non-empty list of [start, k]")
+        check(isinstance(schedule, tuple) and bool(schedule), self, "budget_schedule",
+              "must be a non-empty list of [start, k]")
         for i, entry in enumerate(schedule):
-            if (not isinstance(entry, tuple) or len(entry) != 2
-                    or any(isinstance(x, bool) or not isinstance(x, int) for x in entry)):
-                raise ValueError(f"{field}[{i}]={entry!r} must be a pair of ints [start, k]")
-            start, k = entry
-            if k < 0:
-                raise ValueError(f"{field}[{i}]: k={k} must be >= 0")
-            if start % self.page_size:
-                raise ValueError(f"{field}[{i}]: start={start} must be a multiple of "
-                                 f"page_size={self.page_size}")
-        starts = [start for start, _ in schedule]
-        if starts[0] != 0:
-            raise ValueError(f"{field}[0]: the first bin must start at 0, got {starts[0]}")
-        for i in range(1, len(schedule)):
-            if starts[i] <= starts[i - 1]:
-                raise ValueError(f"{field}: starts must be strictly increasing (sorted), got "
-                                 f"{starts[i - 1]} then {starts[i]} at [{i}]")
-            # The longest length of bin i-1 has ceil(L / page_size) = starts[i]/page_size - 1
-            # pages, of which all but the sink and the 2 newest are middle pages.
-            pages = starts[i] // self.page_size - 1 - 3
-            k = schedule[i - 1][1]
-            if k > pages:
-                raise ValueError(f"{field}[{i - 1}]: k={k} is larger than the {max(pages, 0)} "
-                                 f"middle pages a length in [{starts[i - 1]}, {starts[i]}) can "
-                                 "have (the bin would always be dense)")
-        layers = self.dense_layers
-        if (not isinstance(layers, tuple) or any(isinstance(x, bool) or not isinstance(x, int)
-                                                 or x < 0 for x in layers)
-                or len(set(layers)) != len(layers)):
-            raise ValueError(f"CompressionConfig.dense_layers={layers!r} must be distinct "
-                             "ints >= 0")
-        t = self.alpha_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
-            raise ValueError(f"CompressionConfig.alpha_threshold={t!r} must be a float in (0, 1]")
+            self._check_bin(i, entry)
+        check_distinct(self, "dense_layers", lambda x: is_int(x) and x >= 0,
+                       "must be distinct ints >= 0")
+        check_number(self, "alpha_threshold", gt=0, le=1)
+
+    def _check_bin(self, i: int, entry) -> None:
+        """Entry ``i`` of the resolved ``budget_schedule``: a pair of ints ``(start, k)``, the
+        first starting at 0, starts increasing multiples of ``page_size``, and ``k`` no larger
+        than the middle pages a length below the next start can have."""
+        field = f"budget_schedule[{i}]"
+        check(isinstance(entry, tuple) and len(entry) == 2 and all(map(is_int, entry)),
+              self, field, "must be a pair of ints [start, k]", entry)
+        start, k = entry
+        check(k >= 0, self, field, "must have k >= 0", entry)
+        check(start % self.page_size == 0, self, field,
+              f"must start at a multiple of page_size={self.page_size}", entry)
+        if i == 0:
+            check(start == 0, self, field, "must start at 0 (the first bin)", entry)
+            return
+        previous_start, previous_k = self.budget_schedule[i - 1]
+        check(start > previous_start, self, field,
+              f"must start after budget_schedule[{i - 1}] (starts strictly increasing)", entry)
+        # The longest length of bin i-1 has ceil(L / page_size) = start / page_size - 1
+        # pages, of which all but the sink and the 2 newest are middle pages.
+        pages = max(start // self.page_size - 1 - 3, 0)
+        if previous_k > pages:
+            reject(self, f"budget_schedule[{i - 1}]",
+                   f"has k larger than the {pages} middle pages a length in "
+                   f"[{previous_start}, {start}) can have (the bin would always be dense)",
+                   self.budget_schedule[i - 1])
 
     @property
     def compresses(self) -> bool:

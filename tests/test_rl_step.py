@@ -1,0 +1,122 @@
+"""The two public halves of an RL step on a tiny policy: ``collect`` returns a consistent
+batch (shapes, masks, advantages from the rewards, dense scores equal to ``score``), and
+``update`` applies exactly the optimizer step of ``jax.grad`` of ``grpo_loss``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+from sparse_rl_jax.grpo_loss import grpo_loss
+from sparse_rl_jax.rl_step import batch_sharding, collect, update
+from sparse_rl_jax.scoring import response_logprobs, score
+from sparse_rl_jax.train_step import init_optimizer, jit_update_step
+from tiny_rl import G, MAX_NEW, PROMPTS, hash_reward, step_context, tiny_task_policy
+
+N = PROMPTS * G
+POSITION = 3
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return tiny_task_policy(tmp_path_factory.mktemp("rl_step"), dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def collected(policy):
+    """``(ctx, (batch, metrics, seconds))`` of one collect from data cursor ``POSITION``; the
+    whole rollout is one minibatch."""
+    ctx = step_context(policy, f"trainer.minibatch_size={N}")
+    return ctx, collect(ctx, policy[3], POSITION)
+
+
+def test_collect_batch_shapes_and_masks_are_consistent(collected):
+    ctx, (batch, metrics, seconds) = collected
+    prompt, prompt_mask, response = (np.asarray(x) for x in batch[:3])
+    assert response.shape == (N, MAX_NEW) and prompt.shape == prompt_mask.shape
+    assert prompt.shape[0] == N
+    assert batch.eviction_record is None  # sparse_rl scores densely: no record kept
+    loss = batch.loss
+    assert loss.advantages.shape == loss.seq_mask.shape == (N,) and loss.logp_ref is None
+    for leaf in (loss.logp_old_dense, loss.loss_mask, loss.is_weights, loss.token_mask):
+        assert leaf.shape == (N, MAX_NEW)
+    # left-padded prompts, one per group of G samples
+    assert (np.diff(prompt_mask, axis=1) >= 0).all() and prompt_mask.any(axis=1).all()
+    assert (prompt[prompt_mask == 0] == ctx.sampling.pad_id).all()
+    groups = prompt.reshape(PROMPTS, G, -1)
+    assert (groups == groups[:, :1]).all()
+    # the loss mask is each response up to its end; corrections act inside it only
+    loss_mask = np.asarray(batch.loss.loss_mask).astype(bool)
+    assert (np.diff(loss_mask.astype(int), axis=1) <= 0).all() and loss_mask[:, 0].all()
+    assert not np.asarray(batch.loss.token_mask)[~loss_mask].any()
+    assert metrics["collect_rounds"] == 1 and metrics["prompts_consumed"] == PROMPTS
+    assert set(seconds) == {"rollout", "reward", "score"} and min(seconds.values()) >= 0
+
+
+def test_collect_advantages_are_the_group_normalised_rewards(collected):
+    ctx, (batch, _, _) = collected
+    completions = ctx.tokenizer.decode(batch.response, batch.loss.loss_mask)
+    groups = hash_reward(completions, None).astype(np.float64).reshape(PROMPTS, G)
+    want = (groups - groups.mean(1, keepdims=True)) / (
+        groups.std(1, ddof=1, keepdims=True) + ctx.cfg.advantage.eps)
+    assert np.ptp(groups, axis=1).any(), "some group must carry a signal"
+    np.testing.assert_allclose(np.asarray(batch.loss.advantages), want.ravel(), atol=1e-6)
+
+
+def test_collect_old_logprobs_are_the_dense_scores(collected, policy):
+    ctx, (batch, _, _) = collected
+    graphdef, params = policy[2:]
+    dense = score(graphdef, params, batch.prompt, batch.prompt_mask, batch.response,
+                  chunk_size=5).logp  # another chunking and one call for all rows
+    mask = np.asarray(batch.loss.loss_mask).astype(bool)
+    np.testing.assert_allclose(np.asarray(batch.loss.logp_old_dense)[mask],
+                               np.asarray(dense)[mask], rtol=1e-5, atol=1e-5)
+
+
+def _update(ctx, params, batch, optimizer):
+    """``rl_step.update`` with ``optimizer`` over the one-device mesh; params are copied
+    first (update donates them)."""
+    mesh = models.make_mesh()
+    params = jax.device_put(jax.tree.map(jnp.copy, params),
+                            models.param_shardings(params, mesh))
+    opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
+    step = jit_update_step(
+        ctx.graphdef, loss_cfg=ctx.cfg.loss, optimizer=optimizer,
+        param_shardings=jax.tree.map(lambda x: x.sharding, params),
+        opt_shardings=opt_shardings, batch_sharding=batch_sharding(mesh),
+        chunk_size=ctx.cfg.trainer.logp_chunk)
+    return update(dataclasses.replace(ctx, update=step, mesh=mesh), params, opt_state, batch,
+                  step=0)
+
+
+def test_update_with_zero_learning_rate_leaves_params_unchanged(collected, policy):
+    ctx, (batch, _, _) = collected
+    params = policy[3]
+    new, _, metrics = _update(ctx, params, batch, optax.sgd(0.0))
+    jax.tree.map(np.testing.assert_array_equal, new, params)
+    assert metrics["grad_norm"] > 0 and metrics["skipped_updates"] == 0
+
+
+def test_sgd_update_is_one_step_down_the_loss_gradient(collected, policy):
+    ctx, (batch, _, _) = collected
+    graphdef, params = policy[2:]
+    lr = 0.05
+
+    def loss(p):
+        logp = response_logprobs(nnx.merge(graphdef, p), batch.prompt, batch.prompt_mask,
+                                 batch.response).logp
+        return grpo_loss(logp, batch.loss, ctx.cfg.loss)[0]
+
+    grads = jax.grad(loss)(params)  # the whole batch: its row order does not change the loss
+    new, _, metrics = _update(ctx, params, batch, optax.sgd(lr))
+    assert metrics["skipped_updates"] == 0
+    want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new, want)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
