@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,36 @@ def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninte
     expected = load_file(reference / "final" / "model.safetensors")
     for name in expected:
         np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
+
+
+def test_resume_with_other_micro_batch_and_remat_continues_the_run(run_env, uninterrupted):
+    """Micro-batch size and remat change only memory: a copy of the finished run rolled back
+    to checkpoint 4 and resumed with the whole minibatch in one micro-batch and full remat
+    ends where the uninterrupted run (micro-batches of 2, no remat) did, up to float
+    reassociation of the gradient sum."""
+    root, config, env = run_env
+    reference, _ = uninterrupted
+    run_dir = root / "micro"
+    shutil.copytree(reference, run_dir)
+    for name in ("5", "6"):
+        shutil.rmtree(run_dir / "checkpoints" / name)
+    shutil.rmtree(run_dir / "final")
+    out = _run_py(["train", "--config", str(config), f"run_dir={run_dir}",
+                   "trainer.micro_batch_size=4", "model.remat=full"], env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from step 4" in out.stdout
+    got, want = (_comparable(read_metrics(d / "metrics.jsonl")) for d in (run_dir, reference))
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    assert got[:4] == want[:4]  # the steps before the resume are kept as written
+    for g, w in zip(got[4:], want[4:]):
+        assert g.keys() == w.keys()
+        for key in w:
+            np.testing.assert_allclose(g[key], w[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    resumed = load_file(run_dir / "final" / "model.safetensors")
+    expected = load_file(reference / "final" / "model.safetensors")
+    for name in expected:
+        np.testing.assert_allclose(resumed[name], expected[name], rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
 
 
 def test_eval_prints_dense_and_sparse_pass_at_1(run_env, uninterrupted):
