@@ -1,7 +1,7 @@
 """Device memory planned before compiling: bytes of a rollout, a score or an update call.
 
 The estimates are analytic: exact for the resident buffers (weights, KV cache, query ring,
-eviction record, optimizer state) and an upper-leaning model of the transients (one layer's
+eviction or page-selection record, sparrow's page keys, optimizer state) and an upper-leaning model of the transients (one layer's
 activations under the layer scan, one attention block, one LM-head chunk, the residuals the
 update keeps for its backward). Every estimate is affine in the batch, which gives the
 largest batch that fits a limit. The limit is the device's ``bytes_limit`` from
@@ -17,7 +17,9 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.decoder import REMAT_POLICIES
+from models.page_sparse import middle_slots
 from sparse_rl_jax.compression_config import CompressionConfig
+from sparse_rl_jax.page_sparsity import num_pages
 
 KINDS = ("rollout", "score", "update")
 _ONE_BLOCK_PAIRS = 2**20  # mirrors models.attention: T * S up to this is one block
@@ -108,13 +110,21 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     prompts = -(-batch // num_samples)
     kv, heads = cfg.num_kv_heads, cfg.num_heads
     ring = cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
-    record = cfg.num_layers * batch * kv * total_len * 4 if record_evictions else 0
+    evicting = record_evictions and not compression.page_sparse
+    record = cfg.num_layers * batch * kv * total_len * 4 if evicting else 0
     similarity = 2 * batch * kv * slots * slots * _F32 if compression.compresses else 0
+    pages = num_pages(total_len, compression.page_size) if compression.page_sparse else 0
+    # sparrow: page-mean keys beside the cache, and the pages each decode step attended to
+    selected = middle_slots(compression.max_pages_k, pages) + 3 if pages else 0
+    page_record = (cfg.num_layers * batch * kv * new_tokens * selected * 4
+                   if record_evictions and pages else 0)
     return {
         "weights": param_count(cfg) * itemsize,
         "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype),
+        "page_keys": cfg.num_layers * (batch + prompts) * kv * pages * cfg.head_dim * itemsize,
         "query_ring": ring,
         "eviction_record": record,
+        "page_record": page_record,
         "prefill": _layer_activations(cfg, prompts, prompt_len, itemsize)
         + _attention_block(cfg, prompts, prompt_len, slots),
         "decode_step": 2 * batch * cfg.vocab_size * _F32
@@ -187,7 +197,8 @@ def estimate(
       dtype: parameter / compute / KV dtype.
       num_samples: samples per prompt (a rollout prefills ``N / num_samples`` prompts).
       logp_chunk: response columns per LM-head chunk (score/update).
-      record_evictions: the rollout keeps the ``[L, N, Hkv, P + M]`` eviction record.
+      record_evictions: the rollout keeps its record: the ``[L, N, Hkv, P + M]`` eviction
+        record, or for ``sparrow`` the ``[L, N, Hkv, M, K]`` selected pages.
       remat: the update's ``model.remat`` policy: what each layer keeps for its backward
         (``none``: its activations; ``full``: its input only; ``dots_saveable``: its matmul
         outputs, the attention scores included).

@@ -19,7 +19,9 @@ from models.page_sparse import gather_pages, page_sparse_attention, select_pages
 from sparse_rl_jax.acceptance import score_acceptance
 from sparse_rl_jax.compile_count import count_compiles
 from sparse_rl_jax.compression_config import SPARROW_PRESETS, CompressionConfig
+from sparse_rl_jax import memory_plan
 from sparse_rl_jax.config_io import ConfigError, from_dict
+from sparse_rl_jax.kv_state import init_state
 from sparse_rl_jax.page_sparsity import refresh_page_keys, schedule_budget
 from sparse_rl_jax.sampler import generate
 from sparse_rl_jax.sampling_config import SamplingConfig
@@ -209,6 +211,17 @@ def test_sampler_logp_equals_selection_record_replay(tmp_path_factory, heads, kv
     assert np.all(record[0] == -1) and np.all(record[1:, :, :, 0] >= -1)
     used = (record[1:] >= 0).sum(-1)[:, np.asarray(resp)[:, :-1].nonzero()[0]]
     assert used.max() == 1 + 3 + 2  # sink + top-3 + 2 newest once long enough
+    # the memory plan counts exactly these buffers: the selection record and the page keys
+    n, (p, m) = r.response.shape[0], (r.prompt.shape[1], SAMPLING.max_new_tokens)
+    cfg = nnx.merge(graphdef, params).config
+    est = memory_plan.estimate("rollout", cfg, batch=n, prompt_len=p, new_tokens=m,
+                               compression=SPARROW, num_samples=SAMPLING.num_samples)
+    assert est.parts["page_record"] == record.nbytes and est.parts["eviction_record"] == 0
+    state = jax.eval_shape(lambda: init_state(
+        SPARROW, num_layers=cfg.num_layers, batch=n, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=cfg.head_dim, max_len=p + m))
+    per_row = state.page_keys.size * state.page_keys.dtype.itemsize // n
+    assert est.parts["page_keys"] == per_row * (n + n // SAMPLING.num_samples)
 
 
 def test_dense_regime_equals_dense_sampler(tmp_path_factory):
