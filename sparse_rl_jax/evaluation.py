@@ -101,24 +101,33 @@ def _greedy(sampling: SamplingConfig) -> SamplingConfig:
     return dataclasses.replace(sampling, greedy=True, num_samples=1)
 
 
-def pass_at_1_metrics(graphdef, params, tokenizer, prompts: Sequence[str],
-                      answers: Sequence[str], reward_fn: Callable, sampling: SamplingConfig,
-                      compression: CompressionConfig, *, batch_size: int,
-                      add_special_tokens: bool = False) -> dict[str, float]:
-    """Greedy pass@1 of the current policy, dense and (if ``compression`` compresses) sparse:
-    the evaluation run during training (``eval.every_steps``), through the same sampler.
+def eval_metrics(graphdef, params, tokenizer, prompts: Sequence[str], answers: Sequence[str],
+                 reward_fn: Callable, sampling: SamplingConfig, compression: CompressionConfig,
+                 *, batch_size: int, samples: int, temperature: float,
+                 add_special_tokens: bool = False) -> dict[str, float]:
+    """Greedy pass@1 and sampled avg@k of the current policy, dense and (if ``compression``
+    compresses) sparse: the evaluation run during training (``eval.every_steps``), through the
+    same sampler. Greedy pass@1 moves only when an argmax flips; avg@k (``samples`` draws per
+    prompt at ``temperature``, one fixed key so successive evals share their noise) is the
+    accuracy of the sampling policy that RL optimises.
 
-    Returns ``eval/dense_pass_at_1`` and ``eval/dense_length`` (mean response tokens), and
-    when compressing also ``eval/sparse_pass_at_1``, ``eval/sparse_length`` and
-    ``eval/sparse_gap`` = dense minus sparse pass@1 (what compression costs the policy).
+    Returns ``eval/dense_pass_at_1``, ``eval/dense_avg_at_k`` and ``eval/dense_length`` (mean
+    greedy response tokens), and when compressing also ``eval/sparse_pass_at_1``,
+    ``eval/sparse_avg_at_k``, ``eval/sparse_length`` and ``eval/sparse_gap`` = dense minus
+    sparse pass@1 (what compression costs the policy).
     """
     out = {}
+    sampled = dataclasses.replace(sampling, greedy=False, num_samples=samples,
+                                  temperature=temperature, top_p=1.0, top_k=0)
     for comp in _modes(compression):
         name = "dense" if not comp.compresses else "sparse"
-        p1, length, _ = _mean_reward(graphdef, params, tokenizer, list(prompts), list(answers),
-                                     reward_fn, _greedy(sampling), comp, jax.random.key(0),
+        args = (graphdef, params, tokenizer, list(prompts), list(answers), reward_fn)
+        p1, length, _ = _mean_reward(*args, _greedy(sampling), comp, jax.random.key(0),
                                      batch_size, add_special_tokens)
+        avg, _, _ = _mean_reward(*args, sampled, comp, jax.random.key(1), batch_size,
+                                 add_special_tokens)
         out[f"eval/{name}_pass_at_1"], out[f"eval/{name}_length"] = p1, length
+        out[f"eval/{name}_avg_at_k"] = avg
     if "eval/sparse_pass_at_1" in out:
         out["eval/sparse_gap"] = out["eval/dense_pass_at_1"] - out["eval/sparse_pass_at_1"]
     return out

@@ -30,6 +30,8 @@ DEFAULT_PLOT_KEYS: tuple[str, ...] = (
     "alpha_p5",
     "eval/dense_pass_at_1",
     "eval/sparse_pass_at_1",
+    "eval/dense_avg_at_k",
+    "eval/sparse_avg_at_k",
 )
 TITLES: dict[str, str] = {
     "reward_mean": "Reward (mean)",
@@ -41,6 +43,8 @@ TITLES: dict[str, str] = {
     "alpha_p5": "Acceptance alpha, 5th percentile (sparse vs dense)",
     "eval/dense_pass_at_1": "Eval pass@1, dense (greedy)",
     "eval/sparse_pass_at_1": "Eval pass@1, sparse (greedy)",
+    "eval/dense_avg_at_k": "Eval avg@k, dense (sampled)",
+    "eval/sparse_avg_at_k": "Eval avg@k, sparse (sampled)",
 }
 YLABELS: dict[str, str] = {
     "reward_mean": "mean reward per sequence",

@@ -178,8 +178,8 @@ class EvalConfig:
       tfds: evaluate on this TFDS dataset (``tfds_builder``) instead; written from ``jsonl``
         first when both are set.
       batch_size: prompts per generation call.
-      every_steps: during training, greedy pass@1 (dense, and sparse when the run
-        compresses) on this eval set every this many RL steps, logged under ``eval/``;
+      every_steps: during training, greedy pass@1 and avg@k (dense, and sparse when the
+        run compresses) on this eval set every this many RL steps, logged under ``eval/``;
         0 (default) = never.
       before_train: also evaluate once before the first RL step (logged at step 0).
     """
@@ -210,8 +210,8 @@ DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucke
                                   record_evictions=None)
 DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=32, buffer=8, window=4)
 DEFAULT_LOSS = GRPOLossConfig()
-DEFAULT_OPTIM = OptimConfig(lr=3e-4, weight_decay=0.0)
-DEFAULT_TRAINER = TrainerConfig(steps=50, prompts_per_step=32, minibatch_size=128,
+DEFAULT_OPTIM = OptimConfig(lr=5e-5, weight_decay=0.0)
+DEFAULT_TRAINER = TrainerConfig(steps=100, prompts_per_step=32, minibatch_size=128,
                                 checkpoint_every=10, logp_chunk=64)
 
 

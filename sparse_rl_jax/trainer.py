@@ -27,7 +27,7 @@ from flax import nnx
 import models
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.config_io import save_config, to_dict
-from sparse_rl_jax.evaluation import pass_at_1_metrics
+from sparse_rl_jax.evaluation import eval_metrics
 from sparse_rl_jax.metrics_writer import MetricsWriter, WandbRun, read_metrics
 from sparse_rl_jax.optim import make_optimizer
 from sparse_rl_jax.plots import plot_metrics
@@ -134,10 +134,11 @@ def _in_training_eval(cfg: RunConfig, ctx: StepContext,
     prompts, answers = eval_data
 
     def evaluate_now(params) -> dict:
-        return pass_at_1_metrics(ctx.graphdef, params, ctx.tokenizer, prompts, answers,
-                                 ctx.reward_fn, ctx.sampling, cfg.compression,
-                                 batch_size=cfg.eval.batch_size,
-                                 add_special_tokens=cfg.data.add_special_tokens)
+        return eval_metrics(ctx.graphdef, params, ctx.tokenizer, prompts, answers,
+                            ctx.reward_fn, ctx.sampling, cfg.compression,
+                            batch_size=cfg.eval.batch_size, samples=cfg.eval.samples,
+                            temperature=cfg.eval.temperature,
+                            add_special_tokens=cfg.data.add_special_tokens)
 
     return evaluate_now
 

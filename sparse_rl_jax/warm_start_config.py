@@ -16,7 +16,8 @@ class WarmStartConfig:
       hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: Qwen2-shaped
         architecture of the tiny model.
       steps, batch_size, lr: the supervised stage (AdamW, linear warmup then cosine decay;
-        steps >= 2).
+        steps >= 2). 650 steps leave a policy that solves about half the held-out problems
+        greedily (1000 solve nearly all), so the default RL run has something to improve.
       seed: initialisation and data seed of the warm start.
     """
 
@@ -25,7 +26,7 @@ class WarmStartConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
-    steps: int = 1000
+    steps: int = 650
     batch_size: int = 32
     lr: float = 3e-3
     seed: int = 0

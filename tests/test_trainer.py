@@ -229,6 +229,7 @@ def test_dapo_example_resumes_identically_and_logs_eval(run_env):
     for r in records:
         if "eval/sparse_gap" in r:
             assert 0 <= r["eval/dense_pass_at_1"] <= 1 and 0 <= r["eval/sparse_pass_at_1"] <= 1
+            assert 0 <= r["eval/dense_avg_at_k"] <= 1 and 0 <= r["eval/sparse_avg_at_k"] <= 1
             assert r["eval/sparse_gap"] == r["eval/dense_pass_at_1"] - r["eval/sparse_pass_at_1"]
     steps = records[1:]
     rounds = [r["collect_rounds"] for r in steps]

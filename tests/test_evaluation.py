@@ -1,0 +1,79 @@
+"""The policy evaluation (in-training and ``run.py eval``): dense greedy pass@1 against
+transformers' greedy generate scored by the same reward, and the behaviours that tie the
+other numbers to it (a cache that never evicts is dense; sampling at a vanishing temperature
+is greedy)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import models
+from sparse_rl_jax.compression_config import CompressionConfig
+from sparse_rl_jax.evaluation import eval_metrics, evaluate
+from sparse_rl_jax.sampling_config import SamplingConfig
+from tiny_hf import load_hf, make_tiny_hf
+
+NEW_TOKENS = 6
+PROMPTS = ["ab", "hello", "xyz12", "Q?", "0 1 2", "k", "The cat", "~~"]
+ANSWERS = list("aeiou13x")
+
+
+def contains_answer(completions, answers):
+    """1.0 where the completion contains the answer character: a reward that a random
+    policy earns on some prompts and not on others."""
+    return [float(a in c) for c, a in zip(completions, answers)]
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    path = make_tiny_hf(tmp_path_factory.mktemp("eval"), std=0.3)
+    tok = models.Tokenizer(path)
+    graphdef, params = nnx.split(models.load_pretrained(path, dtype=jnp.float32))
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS, num_samples=2, eos_ids=tok.eos_ids,
+                              pad_id=tok.pad_id, prompt_bucket=4)
+    return path, tok, graphdef, params, sampling
+
+
+def hf_greedy_rewards(path, sampling) -> np.ndarray:
+    """The oracle: transformers greedy generate per prompt, decoded and rewarded."""
+    hf = load_hf(path)
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    texts = []
+    for prompt in PROMPTS:
+        enc = hf_tok(prompt, add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            out = hf.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=list(sampling.eos_ids), pad_token_id=sampling.pad_id)
+        texts.append(hf_tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    return np.asarray(contains_answer(texts, ANSWERS))
+
+
+def test_dense_pass_at_1_equals_transformers_greedy_and_a_roomy_cache_is_dense(policy):
+    path, tok, graphdef, params, sampling = policy
+    oracle = hf_greedy_rewards(path, sampling)
+    assert 0 < oracle.mean() < 1  # the reward separates prompts: the check can fail
+    roomy = CompressionConfig(method="rkv", budget=64, buffer=8, window=2)  # never evicts here
+    out = eval_metrics(graphdef, params, tok, PROMPTS, ANSWERS, contains_answer, sampling, roomy,
+                       batch_size=8, samples=4, temperature=1.0)
+    assert out["eval/dense_pass_at_1"] == pytest.approx(oracle.mean())
+    assert out["eval/sparse_pass_at_1"] == out["eval/dense_pass_at_1"]
+    assert out["eval/sparse_avg_at_k"] == out["eval/dense_avg_at_k"]  # same key, same draws
+    assert out["eval/sparse_gap"] == 0
+    assert 0 <= out["eval/dense_avg_at_k"] <= 1
+    assert (out["eval/dense_avg_at_k"] * 4 * len(PROMPTS)).is_integer()  # k draws per prompt
+
+
+def test_avg_at_k_at_a_vanishing_temperature_is_greedy_pass_at_1(policy):
+    _, tok, graphdef, params, sampling = policy
+    dense = CompressionConfig(method="none")
+    hot, = evaluate(graphdef, params, tok, PROMPTS, ANSWERS, contains_answer, sampling, dense,
+                    samples=3, temperature=1.0, batch_size=8)
+    cold, = evaluate(graphdef, params, tok, PROMPTS, ANSWERS, contains_answer, sampling, dense,
+                     samples=3, temperature=1e-6, batch_size=8)
+    assert cold.avg_at_k == cold.pass_at_1 == hot.pass_at_1
+    assert hot.k == cold.k == 3 and cold.mode == "dense"
