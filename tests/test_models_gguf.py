@@ -117,6 +117,7 @@ def smollm2(tmp_path_factory):
     return path, models.checkpoint_dir(path, tmp_path_factory.mktemp("smollm2_cache"))
 
 
+@pytest.mark.slow  # the one-time conversion of the 98 MB file dominates (about a minute on 2 idle cores)
 def test_smollm2_logits_match_transformers(smollm2):
     _, converted = smollm2
     tok = models.Tokenizer(converted)
