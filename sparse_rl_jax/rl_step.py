@@ -25,8 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.shapes import check_shape
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.advantages import compute_advantages
-from sparse_rl_jax.collect import (RolloutPolicy, collect_rollouts, jitted_corrections,
-                                   score_all, timed)
+from sparse_rl_jax.collect import RolloutPolicy, jitted_corrections, score_all, timed
+from sparse_rl_jax.collect_rounds import collect_rollouts
 from sparse_rl_jax.grpo_loss import LossBatch, check_loss_batch
 from sparse_rl_jax.prompt_source import PromptSource
 from sparse_rl_jax.run_config import RunConfig
@@ -92,8 +92,8 @@ def collect(ctx: StepContext, params, position: int
     """The first half of an RL step: everything the update consumes, from data cursor
     ``position`` (prompt batches).
 
-    Rollouts, rewards and dense old-policy scores (``collect.collect_rollouts``: rounds of
-    ``collect.collect_prompts`` over the prompt batches at the cursor), then the
+    Rollouts, rewards and dense old-policy scores (``collect_rounds.collect_rollouts``:
+    rounds of ``collect.collect_prompts`` over the prompt batches at the cursor), then the
     reference scores (KL term), the sampler/learner corrections and the group advantages.
 
     Returns:
@@ -174,7 +174,7 @@ def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None
     Metrics are Python floats: rollout statistics, correction statistics (rejection rate,
     token mask fraction, mismatch KL), update statistics averaged over the minibatches, the
     seconds spent in each phase, and ``collect_rounds`` (how far the cursor advanced; see
-    ``collect.collect_rollouts``).
+    ``collect_rounds.collect_rollouts``).
     """
     position = step if position is None else position
     full, metrics, clock = collect(ctx, params, position)

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_rl_jax.collect import collect_prompts, collect_rollouts, group_filter
+from sparse_rl_jax.collect import collect_prompts
+from sparse_rl_jax.collect_rounds import collect_rollouts, group_filter
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.overlong import OverlongConfig, overlong_penalty
 from sparse_rl_jax.scoring import score
