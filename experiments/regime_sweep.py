@@ -40,17 +40,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sparse_rl_jax.collect import RolloutPolicy, collect_prompts  # noqa: E402
 from sparse_rl_jax.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
-from sparse_rl_jax.corrections import compute_corrections  # noqa: E402
-from sparse_rl_jax.loss_config import CorrectionConfig  # noqa: E402
-from sparse_rl_jax.evaluation import rollout_rewards  # noqa: E402
 from sparse_rl_jax.rewards import get_reward_fn  # noqa: E402
 from sparse_rl_jax.rollout_metrics import kv_token_savings  # noqa: E402
 from sparse_rl_jax.run_config import RunConfig  # noqa: E402
-from sparse_rl_jax.scoring import score  # noqa: E402
 from sparse_rl_jax.task import TaskDataset, prompt_length, solution_length  # noqa: E402
 from sparse_rl_jax.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
+
 
 def first_difference(a: np.ndarray, b: np.ndarray, mask_a: np.ndarray,
                      mask_b: np.ndarray) -> np.ndarray:
@@ -66,50 +64,57 @@ def first_difference(a: np.ndarray, b: np.ndarray, mask_a: np.ndarray,
     return np.where(differs.any(1), differs.argmax(1), -1)
 
 
-def measure_cell(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
-                 compression: CompressionConfig, correction: CorrectionConfig, key,
-                 chunk: int, dense_runs: tuple) -> dict:
+def sweep_policy(cfg: RunConfig, graphdef, tokenizer, reward_fn, sampling) -> RolloutPolicy:
+    """The run's :class:`RolloutPolicy`, with Sparse-RL's corrections on the whole response
+    mask whatever the config trains with: what the sweep's mismatch columns measure."""
+    policy = RolloutPolicy.from_run(cfg, graphdef, tokenizer, reward_fn, sampling)
+    return dataclasses.replace(policy, correction=dataclasses.replace(cfg.correction,
+                                                                      kind="sparse_rl"),
+                               mask_truncated=False)
+
+
+def measure_cell(policy: RolloutPolicy, params, prompts, answers,
+                 compression: CompressionConfig, key, dense_runs: tuple) -> dict:
     """The statistics of one (compression, prompt set) cell; see the module docstring.
 
-    ``dense_runs`` is ``dense_reference(...)`` of the same prompts, sampling and key.
+    ``dense_runs`` is ``dense_reference(...)`` of the same policy, prompts and key.
     """
-    (dense, dense_reward), greedy_dense = dense_runs
-    args = (graphdef, params, tokenizer, prompts, answers, reward_fn)
-    sparse, sparse_reward = rollout_rewards(*args, sampling, compression, key)
-    greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
-    _, greedy_sparse = rollout_rewards(*args, greedy, compression, key)
-
-    logp_dense = score(graphdef, params, sparse.prompt, sparse.prompt_mask, sparse.response,
-                       chunk_size=chunk).logp
-    stats = jax.device_get(compute_corrections(logp_dense, sparse.logp, sparse.response_mask,
-                                               correction).metrics)
+    dense, greedy_dense = dense_runs
+    args = (policy, params, prompts, answers, key)
+    sparse = collect_prompts(*args, compression=compression)
+    greedy = dataclasses.replace(policy.sampling, greedy=True, num_samples=1)
+    greedy_sparse = collect_prompts(*args, compression=compression, sampling=greedy,
+                                    score=False).rewards
+    stats = jax.device_get(sparse.corrections.metrics)
     first = first_difference(*(np.asarray(x) for x in (
-        dense.response, sparse.response, dense.response_mask, sparse.response_mask)))
+        dense.rollout.response, sparse.rollout.response, dense.rollout.response_mask,
+        sparse.rollout.response_mask)))
     changed = first >= 0
+    rollout = sparse.rollout
     return {
-        "kv_saved_mean": float(kv_token_savings(sparse.kv_mean, sparse.dense_kv_mean)),
-        "kv_saved_peak": float(kv_token_savings(sparse.kv_peak, sparse.dense_kv_peak)),
+        "kv_saved_mean": float(kv_token_savings(rollout.kv_mean, rollout.dense_kv_mean)),
+        "kv_saved_peak": float(kv_token_savings(rollout.kv_peak, rollout.dense_kv_peak)),
         "seq_changed": float(changed.mean()),
         "first_diff": float(first[changed].mean()) if changed.any() else float("nan"),
         "rejection_rate": float(stats["rejection_rate"]),
         "token_mask_fraction": float(stats["token_mask_fraction"]),
         "mismatch_k3": float(stats["mismatch_k3"]),
-        "acc_dense": float(np.mean(dense_reward)),
-        "acc_sparse": float(np.mean(sparse_reward)),
+        "acc_dense": float(np.mean(dense.rewards)),
+        "acc_sparse": float(np.mean(sparse.rewards)),
         "greedy_dense": float(np.mean(greedy_dense)),
         "greedy_sparse": float(np.mean(greedy_sparse)),
     }
 
 
-def dense_reference(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
-                    key) -> tuple:
-    """The dense sampled rollout with its rewards, and the dense greedy rewards: what every
-    cell of one prompt set is compared against (computed once per prompt set)."""
-    args = (graphdef, params, tokenizer, prompts, answers, reward_fn)
+def dense_reference(policy: RolloutPolicy, params, prompts, answers, key) -> tuple:
+    """The dense sampled rollout with its rewards (``collect.Collected``, unscored), and the
+    dense greedy rewards: what every cell of one prompt set is compared against (computed
+    once per prompt set)."""
+    args = (policy, params, prompts, answers, key)
     dense = CompressionConfig(method="none")
-    greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
-    return (rollout_rewards(*args, sampling, dense, key),
-            rollout_rewards(*args, greedy, dense, key)[1])
+    greedy = dataclasses.replace(policy.sampling, greedy=True, num_samples=1)
+    return (collect_prompts(*args, compression=dense, score=False),
+            collect_prompts(*args, compression=dense, sampling=greedy, score=False).rewards)
 
 
 COLUMNS = (("kv_saved_mean", "KV saved mean"), ("kv_saved_peak", "KV saved peak"),
@@ -158,8 +163,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
     graphdef, params, tokenizer = load_policy(cfg, policy_path(cfg))
     sampling = resolve_sampling(cfg, tokenizer)
-    reward_fn = get_reward_fn(cfg.data.reward)
-    correction = dataclasses.replace(cfg.correction, kind="sparse_rl")
+    policy = sweep_policy(cfg, graphdef, tokenizer, get_reward_fn(cfg.data.reward), sampling)
     key = jax.random.key(cfg.trainer.seed)
     rows = []
     for n in args.n:
@@ -167,17 +171,18 @@ def main(argv=None) -> int:
         problems = TaskDataset(task, args.prompts)[:]
         prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
         context = prompt_length(n) + solution_length(n) + 1
-        dense_runs = dense_reference(graphdef, params, tokenizer, prompts, answers, reward_fn,
-                                     sampling, key)
+        dense_runs = dense_reference(policy, params, prompts, answers, key)
         for method in args.methods:
             for budget in args.budgets:
-                compression = dataclasses.replace(cfg.compression, method=method, budget=budget)
+                # alpha_metric off: the sweep reports no acceptance (a record would cost
+                # two more forwards per sequence)
+                compression = dataclasses.replace(cfg.compression, method=method, budget=budget,
+                                                  alpha_metric="off")
                 if compression.capacity < prompt_length(n):
                     continue  # the prompt alone overflows the cache: not a valid setting
                 row = {"method": method, "n": n, "context": context, "budget": budget}
-                row.update(measure_cell(graphdef, params, tokenizer, prompts, answers,
-                                        reward_fn, sampling, compression, correction, key,
-                                        cfg.trainer.logp_chunk, dense_runs))
+                row.update(measure_cell(policy, params, prompts, answers, compression, key,
+                                        dense_runs))
                 rows.append(row)
                 print(format_table([row]).splitlines()[-1], flush=True)
     table = format_table(rows)

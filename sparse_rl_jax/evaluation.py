@@ -16,12 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_rl_jax.collect import RolloutPolicy, collect_prompts
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.policy import load_policy, resolve_sampling
 from sparse_rl_jax.prompt_source import eval_examples
-from sparse_rl_jax.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.rollout_metrics import kv_token_savings
-from sparse_rl_jax.sampler import Rollout, generate
 from sparse_rl_jax.sampling_config import SamplingConfig
 
 
@@ -52,25 +51,8 @@ def mode_name(compression: CompressionConfig) -> str:
     return f"sparse ({compression.method} {compression.budget})"
 
 
-def rollout_rewards(graphdef, params, tokenizer, prompts: Sequence[str], answers: Sequence[str],
-                    reward_fn: Callable, sampling: SamplingConfig,
-                    compression: CompressionConfig, key, *, add_special_tokens: bool = False
-                    ) -> tuple[Rollout, np.ndarray]:
-    """One ``generate`` call on plain-text prompts and the reward of every sample;
-    ``add_special_tokens`` as in training (``data.add_special_tokens``).
-
-    Returns:
-      ``(rollout, rewards [B * num_samples])``; sample ``i`` answers prompt
-      ``i // num_samples``.
-    """
-    ids, mask = tokenizer.encode(list(prompts), add_special_tokens=add_special_tokens)
-    rollout = generate(graphdef, params, ids, mask, key, sampling, compression)
-    texts = tokenizer.decode(rollout.response, rollout.response_mask)
-    return rollout, compute_rewards(reward_fn, texts, repeat_answers(answers, sampling.num_samples))
-
-
-def _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
-                 compression, key, batch_size, add_special_tokens):
+def _mean_reward(policy: RolloutPolicy, params, prompts, answers, sampling, compression, key,
+                 batch_size):
     """Mean reward, mean response length and KV savings over all prompts and samples."""
     # Accuracy needs no eviction record (shadow-mask training turns it on): one less
     # compiled sampler variant and no per-step record traffic.
@@ -78,13 +60,13 @@ def _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn, sampl
     rewards, lengths, sparse_kv, dense_kv = [], [], [], []
     for start in range(0, len(prompts), batch_size):
         chunk = slice(start, start + batch_size)
-        rollout, chunk_rewards = rollout_rewards(
-            graphdef, params, tokenizer, prompts[chunk], answers[chunk], reward_fn, sampling,
-            compression, jax.random.fold_in(key, start), add_special_tokens=add_special_tokens)
-        rewards.append(chunk_rewards)
-        lengths.append(np.asarray(rollout.response_mask).sum(1))
-        sparse_kv.append(np.asarray(rollout.kv_mean))
-        dense_kv.append(np.asarray(rollout.dense_kv_mean))
+        out = collect_prompts(policy, params, prompts[chunk], answers[chunk],
+                              jax.random.fold_in(key, start), compression=compression,
+                              sampling=sampling, score=False)
+        rewards.append(out.rewards)
+        lengths.append(np.asarray(out.rollout.response_mask).sum(1))
+        sparse_kv.append(np.asarray(out.rollout.kv_mean))
+        dense_kv.append(np.asarray(out.rollout.dense_kv_mean))
     savings = kv_token_savings(jnp.concatenate(sparse_kv), jnp.concatenate(dense_kv))
     return (float(np.concatenate(rewards).mean()), float(np.concatenate(lengths).mean()),
             float(savings))
@@ -107,27 +89,23 @@ def eval_metrics(graphdef, params, tokenizer, prompts: Sequence[str], answers: S
                  add_special_tokens: bool = False) -> dict[str, float]:
     """Greedy pass@1 and sampled avg@k of the current policy, dense and (if ``compression``
     compresses) sparse: the evaluation run during training (``eval.every_steps``), through the
-    same sampler. Greedy pass@1 moves only when an argmax flips; avg@k (``samples`` draws per
-    prompt at ``temperature``, one fixed key so successive evals share their noise) is the
-    accuracy of the sampling policy that RL optimises.
+    same sampler (:func:`evaluate` with seed 0). Greedy pass@1 moves only when an argmax
+    flips; avg@k (``samples`` draws per prompt at ``temperature``, one fixed key so successive
+    evals share their noise) is the accuracy of the sampling policy that RL optimises.
 
     Returns ``eval/dense_pass_at_1``, ``eval/dense_avg_at_k`` and ``eval/dense_length`` (mean
     greedy response tokens), and when compressing also ``eval/sparse_pass_at_1``,
     ``eval/sparse_avg_at_k``, ``eval/sparse_length`` and ``eval/sparse_gap`` = dense minus
     sparse pass@1 (what compression costs the policy).
     """
+    rows = evaluate(graphdef, params, tokenizer, prompts, answers, reward_fn, sampling,
+                    compression, samples=samples, temperature=temperature,
+                    batch_size=batch_size, add_special_tokens=add_special_tokens)
     out = {}
-    sampled = dataclasses.replace(sampling, greedy=False, num_samples=samples,
-                                  temperature=temperature, top_p=1.0, top_k=0)
-    for comp in _modes(compression):
-        name = "dense" if not comp.compresses else "sparse"
-        args = (graphdef, params, tokenizer, list(prompts), list(answers), reward_fn)
-        p1, length, _ = _mean_reward(*args, _greedy(sampling), comp, jax.random.key(0),
-                                     batch_size, add_special_tokens)
-        avg, _, _ = _mean_reward(*args, sampled, comp, jax.random.key(1), batch_size,
-                                 add_special_tokens)
-        out[f"eval/{name}_pass_at_1"], out[f"eval/{name}_length"] = p1, length
-        out[f"eval/{name}_avg_at_k"] = avg
+    for row in rows:
+        name = "dense" if row.mode == "dense" else "sparse"
+        out[f"eval/{name}_pass_at_1"], out[f"eval/{name}_length"] = row.pass_at_1, row.mean_length
+        out[f"eval/{name}_avg_at_k"] = row.avg_at_k
     if "eval/sparse_pass_at_1" in out:
         out["eval/sparse_gap"] = out["eval/dense_pass_at_1"] - out["eval/sparse_pass_at_1"]
     return out
@@ -171,13 +149,14 @@ def evaluate(
     sampled = dataclasses.replace(sampling, greedy=False, num_samples=samples,
                                   temperature=temperature, top_p=1.0, top_k=0)
     key = jax.random.key(seed)
+    policy = RolloutPolicy(graphdef, tokenizer, sampling, reward_fn,
+                           add_special_tokens=add_special_tokens)
     rows = []
     for comp in modes:
-        p1, length, savings = _mean_reward(graphdef, params, tokenizer, prompts, answers,
-                                           reward_fn, greedy, comp, key, batch_size,
-                                           add_special_tokens)
-        avg, _, _ = _mean_reward(graphdef, params, tokenizer, prompts, answers, reward_fn,
-                                 sampled, comp, key, batch_size, add_special_tokens)
+        p1, length, savings = _mean_reward(policy, params, prompts, answers, greedy, comp, key,
+                                           batch_size)
+        avg, _, _ = _mean_reward(policy, params, prompts, answers, sampled, comp, key,
+                                 batch_size)
         rows.append(EvalRow(mode_name(comp), p1, avg, samples, length, savings))
     return rows
 

@@ -1,6 +1,10 @@
 """One RL step in two halves: ``collect`` (rollout -> reward -> dense scoring -> corrections
 -> advantages) then ``update`` (K optimizer updates).
 
+``collect`` reads prompts at the data cursor; ``collect.collect_prompts`` is the same collect
+over explicit prompts (what evaluation and the experiments call), with the policy's fixed
+settings in a ``collect.RolloutPolicy`` (:attr:`StepContext.policy`).
+
 The array work is jitted (sampler, scorer, update); the host does what needs Python anyway:
 tokenising prompts, decoding responses and calling the reward function. Every random choice
 derives from ``(trainer.seed, step)`` and the data cursor (``collect``), so a step is
@@ -21,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.shapes import check_shape
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.advantages import compute_advantages
-from sparse_rl_jax.collect import collect_rollouts, jitted_corrections, score_all, timed
+from sparse_rl_jax.collect import RolloutPolicy, jitted_corrections, score_all, timed
+from sparse_rl_jax.collect_rounds import collect_rollouts
 from sparse_rl_jax.grpo_loss import LossBatch, check_loss_batch
 from sparse_rl_jax.prompt_source import PromptSource
 from sparse_rl_jax.run_config import RunConfig
@@ -62,6 +67,12 @@ class StepContext:
     mesh: Any
     ref_params: Any = None
 
+    @property
+    def policy(self) -> RolloutPolicy:
+        """The run's :class:`RolloutPolicy` (``collect.collect_prompts``'s fixed settings)."""
+        return RolloutPolicy.from_run(self.cfg, self.graphdef, self.tokenizer, self.reward_fn,
+                                      self.sampling)
+
 
 def planned_micro_batch(ctx: StepContext, params, full: Minibatch) -> int:
     """``trainer.micro_batch_size``, or when 0 the memory plan's choice for ``full``'s
@@ -81,7 +92,8 @@ def collect(ctx: StepContext, params, position: int
     """The first half of an RL step: everything the update consumes, from data cursor
     ``position`` (prompt batches).
 
-    Rollouts, rewards and dense old-policy scores (``collect.collect_rollouts``), then the
+    Rollouts, rewards and dense old-policy scores (``collect_rounds.collect_rollouts``:
+    rounds of ``collect.collect_prompts`` over the prompt batches at the cursor), then the
     reference scores (KL term), the sampler/learner corrections and the group advantages.
 
     Returns:
@@ -98,7 +110,7 @@ def collect(ctx: StepContext, params, position: int
     # mismatch metrics.
     logp_ref = None
     if ctx.ref_params is not None:
-        logp_ref, t_ref = timed(score_all, ctx, ctx.ref_params, batch.prompt,
+        logp_ref, t_ref = timed(score_all, ctx.policy, ctx.ref_params, batch.prompt,
                                 batch.prompt_mask, batch.response, batch.record)
         clock["score"] += t_ref
     mask = batch.loss_mask
@@ -162,7 +174,7 @@ def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None
     Metrics are Python floats: rollout statistics, correction statistics (rejection rate,
     token mask fraction, mismatch KL), update statistics averaged over the minibatches, the
     seconds spent in each phase, and ``collect_rounds`` (how far the cursor advanced; see
-    ``collect.collect_rollouts``).
+    ``collect_rounds.collect_rollouts``).
     """
     position = step if position is None else position
     full, metrics, clock = collect(ctx, params, position)

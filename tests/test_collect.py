@@ -1,19 +1,86 @@
-"""collect_rollouts(): dynamic sampling (DAPO) fills the update batch from kept groups with static
-shapes, deterministically; overlong shaping and truncation masking reach the batch."""
+"""collect_prompts(): rewards of the decoded samples, dense scores and corrections equal to
+computing each part by hand. collect_rollouts(): dynamic sampling (DAPO) fills the update batch
+from kept groups with static shapes, deterministically; overlong shaping and truncation masking
+reach the batch."""
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_rl_jax.collect import collect_rollouts, group_filter
+from sparse_rl_jax.collect import collect_prompts
+from sparse_rl_jax.collect_rounds import collect_rollouts, group_filter
+from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.overlong import OverlongConfig, overlong_penalty
-from tiny_rl import G, PROMPTS, step_context, tiny_task_policy
+from sparse_rl_jax.scoring import score
+from tiny_rl import G, MAX_NEW, PROMPTS, step_context, tiny_task_policy
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     return tiny_task_policy(tmp_path_factory.mktemp("collect"))
+
+
+@pytest.fixture(scope="module")
+def policy32(tmp_path_factory):
+    return tiny_task_policy(tmp_path_factory.mktemp("collect32"), dtype=jnp.float32)
+
+
+def answer_reward(completions, answers):
+    """A reward that depends on the completion and on its own gold answer."""
+    return np.array([float((zlib.crc32(c.encode()) + int(a)) % 2)
+                     for c, a in zip(completions, answers)], np.float32)
+
+
+def test_collect_prompts_matches_decoding_rewarding_and_scoring_by_hand(policy32):
+    _, tokenizer, graphdef, params = policy32
+    rollout_policy = dataclasses.replace(step_context(policy32).policy, reward_fn=answer_reward)
+    prompts, answers = ["12+3=", "4+45=", "7+7="], ["15", "49", "14"]
+    key = jax.random.key(1)
+    out = collect_prompts(rollout_policy, params, prompts, answers, key)
+    r, n = out.rollout, len(prompts) * G
+    assert r.response.shape == (n, MAX_NEW) and out.rewards.shape == (n,)
+
+    texts = tokenizer.decode(r.response, r.response_mask)
+    want = [answer_reward([texts[i]], [answers[i // G]])[0] for i in range(n)]  # prompt-major
+    np.testing.assert_array_equal(out.rewards, want)
+    assert 0 < out.rewards.mean() < 1
+    dense = score(graphdef, params, r.prompt, r.prompt_mask, r.response,
+                  chunk_size=5).logp  # another chunking, one call for all rows
+    on = np.asarray(r.response_mask, bool)
+    np.testing.assert_allclose(np.asarray(out.logp_old)[on], np.asarray(dense)[on],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.loss_mask), np.asarray(r.response_mask))
+    corr = compute_corrections(dense, r.logp, r.response_mask, rollout_policy.correction)
+    np.testing.assert_array_equal(np.asarray(out.corrections.seq_mask), np.asarray(corr.seq_mask))
+    np.testing.assert_allclose(np.asarray(out.corrections.weights), np.asarray(corr.weights),
+                               rtol=1e-4, atol=1e-6)
+    assert set(out.seconds) == {"rollout", "reward", "score"}
+
+    rewards_only = collect_prompts(rollout_policy, params, prompts, answers, key, score=False)
+    np.testing.assert_array_equal(np.asarray(rewards_only.rollout.response),
+                                  np.asarray(r.response))
+    np.testing.assert_array_equal(rewards_only.rewards, out.rewards)
+    assert rewards_only.logp_old is None and rewards_only.corrections is None
+    assert rewards_only.seconds["score"] == 0.0
+
+
+def test_a_training_round_is_collect_prompts_at_the_cursor_with_its_key(policy):
+    """Round ``position`` samples prompt batch ``position`` with ``fold_in(key(seed),
+    position)``: what a resumed run relies on."""
+    ctx, params = step_context(policy, "trainer.seed=3"), policy[3]
+    batch, _, _ = collect_rollouts(ctx, params, position=2)
+    prompts = ctx.source.batch(2)
+    out = collect_prompts(ctx.policy, params, prompts.prompts, prompts.answers,
+                          jax.random.fold_in(jax.random.key(3), 2))
+    np.testing.assert_array_equal(np.asarray(batch.response), np.asarray(out.rollout.response))
+    np.testing.assert_array_equal(batch.rewards, out.rewards)
+    np.testing.assert_array_equal(np.asarray(batch.logp_old), np.asarray(out.logp_old))
 
 
 def test_group_filter_drops_equal_rewards_and_groups_short_of_two_sequences():
