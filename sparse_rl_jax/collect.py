@@ -27,6 +27,7 @@ from flax import nnx
 
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.acceptance import score_acceptance
+from sparse_rl_jax.anomaly_control import control_rows, inject_missed_increment
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.kv_state import NEVER
 from sparse_rl_jax.overlong import overlong_penalty
@@ -169,6 +170,12 @@ def _round(ctx, params, position: int, clock: dict) -> _Round:
     rollout, seconds = timed(generate, ctx.graphdef, params, prompt, prompt_mask, key,
                              ctx.sampling, cfg.compression)
     clock["rollout"] += seconds
+    if cfg.data.control_missed_increment:  # positive control: see anomaly_control
+        rows = control_rows(cfg.trainer.seed, position, len(rollout.response),
+                            cfg.data.control_missed_increment)
+        rollout = inject_missed_increment(
+            rollout, rows, [p for p in batch.prompts for _ in range(samples)], ctx.tokenizer,
+            ctx.sampling.eos_ids[0], ctx.sampling.pad_id, cfg.data.synthetic.echo_every)
     start = time.perf_counter()
     completions = ctx.tokenizer.decode(rollout.response, rollout.response_mask)
     answers = repeat_answers(batch.answers, ctx.sampling.num_samples)

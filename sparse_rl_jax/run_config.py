@@ -281,6 +281,10 @@ class RunConfig:
               "trainer.score_batch", f"must divide the rollout's {sequences} sequences",
               trainer.score_batch)
         self._check_shadow_mask()
+        check(not (self.data.control_missed_increment and correction.kind == "shadow_mask"),
+              self, "data.control_missed_increment", "cannot be used with correction.kind="
+              "shadow_mask (the injected rows have no eviction record to replay)",
+              self.data.control_missed_increment)
         if self.data.source in ("task", "walk") and self.model.path is None and self.compression.compresses:
             self._check_task_fits()
 
