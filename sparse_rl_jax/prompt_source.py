@@ -65,8 +65,9 @@ def eval_examples(cfg: Any, tokenizer: Any = None) -> list:
     """The eval set of a ``RunConfig``: the first ``eval.num_prompts`` examples of
     ``eval.tfds`` (written from ``eval.jsonl`` first when both are set) or ``eval.jsonl``
     (``path:line`` in each ``meta``; a malformed record raises ``RecordError`` naming them),
-    else held-out problems of the synthetic task (``data.synthetic``, ``eval.task_seed``). Each item has
-    ``prompt`` and ``answer``; ``tokenizer`` (``transformers``) renders a chat template."""
+    else held-out problems of the synthetic task (``data.synthetic``, ``eval.task_seed``).
+    Each item has ``prompt`` and ``answer``; ``tokenizer`` (``transformers``) renders a chat
+    template."""
     if cfg.eval.tfds is not None:
         from sparse_rl_jax.tfds_builder import open_examples  # imports tensorflow_datasets
 

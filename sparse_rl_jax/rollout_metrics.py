@@ -100,7 +100,8 @@ def rollout_metrics(
         "response_length_max": jnp.max(lengths),
         "truncated_fraction": jnp.mean(as_mask(truncated), dtype=jnp.float32),
         "repetition_fraction": jnp.mean(
-            repetition_flags(tokens, response_mask, max_period, repeats, min_span), dtype=jnp.float32
+            repetition_flags(tokens, response_mask, max_period, repeats, min_span),
+            dtype=jnp.float32
         ),
     }
     if sparse_resident is not None:

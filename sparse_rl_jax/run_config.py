@@ -285,7 +285,8 @@ class RunConfig:
               self, "data.control_missed_increment", "cannot be used with correction.kind="
               "shadow_mask (the injected rows have no eviction record to replay)",
               self.data.control_missed_increment)
-        if self.data.source in ("task", "walk") and self.model.path is None and self.compression.compresses:
+        synthetic = self.data.source in ("task", "walk")
+        if synthetic and self.model.path is None and self.compression.compresses:
             self._check_task_fits()
 
     def _check_shadow_mask(self) -> None:
