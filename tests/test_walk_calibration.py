@@ -35,7 +35,7 @@ def test_log_ratio_stats_and_regime_test():
     assert stats["seq_low_r"] == 2 / 50
     log_r = [dense[i, j] - sparse[i, j] for i in range(50) for j in range(30) if mask[i, j]]
     np.testing.assert_allclose(stats["log_r_q001"], np.quantile(log_r, 0.001))
-    row = {"kv_saved": 0.4, "greedy_dense": 0.8, "greedy_sparse": 0.72, "seq_low_r": 0.05}
+    row = {"kv_saved": 0.4, "greedy_dense": 0.8, "greedy_sparse": 0.75, "seq_low_r": 0.05}
     assert calib.in_regime(row)
     assert not calib.in_regime({**row, "kv_saved": 0.3})
     assert not calib.in_regime({**row, "greedy_sparse": 0.71})
@@ -48,19 +48,20 @@ def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
     tiny = ["warm_start.hidden_size=32", "warm_start.num_layers=1", "warm_start.num_heads=2",
             "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
             "warm_start.steps=4", "warm_start.batch_size=4", "data.walk.c_max=1",
-            "data.walk.distractors_max=2", "sampling.max_new_tokens=64",
+            "data.walk.distractors_max=2", "sampling.max_new_tokens=32",
+            "sampling.num_samples=2",
             "trainer.logp_chunk=16"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "walk_calibration.py"), "--quick",
-         "--methods", "rkv", "--budgets", "24", "128", "--out", str(out), *tiny],
+         "--methods", "rkv", "--budgets", "16", "128", "--out", str(out), *tiny],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "calibration.json").read_text())["rows"]
-    assert [(r["method"], r["budget"]) for r in rows] == [("rkv", 24), ("rkv", 128)]
+    assert [(r["method"], r["budget"]) for r in rows] == [("rkv", 16), ("rkv", 128)]
     small, large = rows
     assert small["kv_saved"] > 0
-    # 128 + 16 slots exceed any context here (prompt <= 25 + 64 new tokens): never compressed,
+    # 128 + 16 slots exceed any context here (prompt <= 25 + 32 new tokens): never compressed,
     # so the same key gives the dense samples and the dense scorer agrees with the sampler.
     assert large["kv_saved"] == 0.0 and large["seq_low_r"] == 0.0
     assert abs(large["log_r_q001"]) < 1e-3
