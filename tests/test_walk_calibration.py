@@ -49,7 +49,7 @@ def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
             "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
             "warm_start.steps=4", "warm_start.batch_size=4", "data.walk.c_max=1",
             "data.walk.distractors_max=2", "sampling.max_new_tokens=32",
-            "sampling.num_samples=2",
+            "sampling.num_samples=2", "trainer.minibatch_size=16",
             "trainer.logp_chunk=16"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     result = subprocess.run(
