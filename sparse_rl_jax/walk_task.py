@@ -33,9 +33,10 @@ Problem ``i`` depends only on ``(seed, i)``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 import numpy as np
 
-from sparse_rl_jax.config_checks import check, check_int
+from sparse_rl_jax.config_checks import check, check_choice, check_int
 from sparse_rl_jax.task import LABELS, Problem, TaskConfig, TaskDataset, prompt_length
 
 FACTS = ("k", "h", "c", "x")
@@ -43,6 +44,7 @@ FACTS = ("k", "h", "c", "x")
 DISTRACTOR_LABELS = "".join(lab for lab in LABELS if lab not in FACTS)
 STEPS_COPRIME = (1, 3, 7, 9)
 """The values of ``k``: coprime to 10, so the walk visits every digit once per 10 steps."""
+FACT_ORDERS = ("random", "fixed")
 MAX_COUNT = 9  # keeps n one digit and the step number S <= 90 two digits
 
 
@@ -56,6 +58,8 @@ class WalkTaskConfig:
       distractors_min, distractors_max: range of the number of distractor facts in the prompt
         (0 <= min <= max <= 48).
       echo_every: restate ``h`` and ``c`` after every ``echo_every``-th step (0 = never).
+      fact_order: "random" shuffles the facts among the distractors; "fixed" writes
+        ``k h c x`` first, then the distractors (each fact at a fixed place: easier to learn).
       seed: data seed; problem ``i`` depends only on ``(seed, i)``.
     """
 
@@ -64,6 +68,7 @@ class WalkTaskConfig:
     distractors_min: int = 2
     distractors_max: int = 6
     echo_every: int = 0
+    fact_order: Literal["random", "fixed"] = "random"
     seed: int = 0
 
     def __post_init__(self):
@@ -78,6 +83,7 @@ class WalkTaskConfig:
         check(self.distractors_min <= self.distractors_max, self, "distractors_min",
               f"must be in [0, distractors_max={self.distractors_max}]")
         check_int(self, "echo_every", 0, "must be an int >= 0 (0 = no echo)")
+        check_choice(self, "fact_order", FACT_ORDERS)
         check_int(self, "seed", 0)
 
     @property
@@ -138,6 +144,8 @@ def sample_walk(rng: np.random.Generator, cfg: WalkTaskConfig) -> Problem:
     labels = [DISTRACTOR_LABELS[i] for i in rng.permutation(len(DISTRACTOR_LABELS))[:d]]
     values = rng.integers(0, 10, size=d).tolist()
     order = rng.permutation(len(FACTS) + d).tolist()
+    if cfg.fact_order == "fixed":
+        order = list(range(len(FACTS) + d))
     return render_walk(k, h, c, x, list(zip(labels, values)), order, cfg.echo_every)
 
 

@@ -22,6 +22,7 @@ CONFIGS = [
     WalkTaskConfig(c_min=3, c_max=9, distractors_min=5, distractors_max=48, seed=7),
     WalkTaskConfig(c_min=1, c_max=5, echo_every=4, seed=3),
     WalkTaskConfig(c_min=2, c_max=6, echo_every=1, seed=11),
+    WalkTaskConfig(c_min=1, c_max=3, fact_order="fixed", seed=2),
 ]
 
 
@@ -62,6 +63,8 @@ def test_solution_follows_the_rule_and_the_length_formulas(cfg, index):
     assert len(p.solution) == 5 * (steps + echoes) + 1 + len(answer)
     assert len(p.solution) + 1 <= cfg.max_response_tokens
     assert set(p.prompt + p.solution) <= set(ALPHABET)
+    if cfg.fact_order == "fixed":
+        assert [f[0] for f in facts[:4]] == list("khcx")
     assert task_exact_reward([p.solution], [p.answer]).tolist() == [1.0]
 
 
@@ -108,7 +111,7 @@ def test_reward_rejects_a_miscount_and_a_missing_halt():
     [({"c_max": 10}, "c_max"), ({"c_min": 0}, "c_min"), ({"c_min": 4, "c_max": 3}, "c_min"),
      ({"distractors_max": 49}, "distractors_max"), ({"distractors_min": -1}, "distractors_min"),
      ({"distractors_min": 7}, "distractors_min"), ({"echo_every": -1}, "echo_every"),
-     ({"seed": -1}, "seed"), ({"c_max": 2.0}, "c_max")],
+     ({"seed": -1}, "seed"), ({"c_max": 2.0}, "c_max"), ({"fact_order": "sorted"}, "fact_order")],
 )
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"WalkTaskConfig.{field}"):
