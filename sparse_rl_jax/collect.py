@@ -172,7 +172,8 @@ def acceptance_all(policy: RolloutPolicy, params, rollout: Rollout, size: int,
 def collect_prompts(policy: RolloutPolicy, params, prompts: Sequence[str],
                     answers: Sequence[Any], key: jax.Array, *,
                     compression: CompressionConfig | None = None,
-                    sampling: SamplingConfig | None = None, score: bool = True) -> Collected:
+                    sampling: SamplingConfig | None = None, score: bool = True,
+                    edit: Callable[[Rollout], Rollout] | None = None) -> Collected:
     """The collect half over explicit prompts: encode -> generate -> decode -> reward, then
     (``score``) dense old-policy scores, acceptance and the sampler/learner corrections.
 
@@ -183,6 +184,8 @@ def collect_prompts(policy: RolloutPolicy, params, prompts: Sequence[str],
       key: the sampling PRNG key.
       compression, sampling: override ``policy.compression`` / ``policy.sampling``.
       score: False for rewards only (``logp_old``, ``corrections``, ``alpha`` are None).
+      edit: applied to the rollout before it is rewarded and scored (the trainer's positive
+        control rewrites some rows there, ``anomaly_control``); None = as sampled.
 
     Returns:
       :class:`Collected` with ``N = B * sampling.num_samples`` rows. The rollout's estimated
@@ -202,6 +205,8 @@ def collect_prompts(policy: RolloutPolicy, params, prompts: Sequence[str],
         record_evictions=sampling.record_evictions, **plan)
     rollout, seconds["rollout"] = timed(generate, policy.graphdef, params, prompt, prompt_mask,
                                         key, sampling, comp)
+    if edit is not None:
+        rollout = edit(rollout)
     start = time.perf_counter()
     completions = policy.tokenizer.decode(rollout.response, rollout.response_mask)
     rewards = np.asarray(compute_rewards(policy.reward_fn, completions,

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparse_rl_jax.anomaly_control import control_rows, inject_missed_increment
 from sparse_rl_jax.collect import Collected, collect_prompts
 from sparse_rl_jax.kv_state import NEVER
 from sparse_rl_jax.overlong import overlong_penalty
@@ -74,9 +75,21 @@ def group_filter(rewards: np.ndarray, in_loss: np.ndarray, group_size: int) -> n
 def _round(ctx, params, position: int) -> tuple[Collected, np.ndarray]:
     """Collects prompt batch ``position`` with key ``fold_in(key(seed), position)``; returns
     it and which of its groups carry a training signal (``[B]`` bool, :func:`group_filter`)."""
+    cfg = ctx.cfg
     batch = ctx.source.batch(position)
-    key = jax.random.fold_in(jax.random.key(ctx.cfg.trainer.seed), position)
-    out = collect_prompts(ctx.policy, params, batch.prompts, batch.answers, key)
+    key = jax.random.fold_in(jax.random.key(cfg.trainer.seed), position)
+    edit = None
+    if cfg.data.control_missed_increment:  # positive control: see anomaly_control
+        samples = ctx.sampling.num_samples
+
+        def edit(rollout):
+            rows = control_rows(cfg.trainer.seed, position, len(rollout.response),
+                                cfg.data.control_missed_increment)
+            return inject_missed_increment(
+                rollout, rows, [p for p in batch.prompts for _ in range(samples)],
+                ctx.tokenizer, ctx.sampling.eos_ids[0], ctx.sampling.pad_id,
+                cfg.data.synthetic.echo_every)
+    out = collect_prompts(ctx.policy, params, batch.prompts, batch.answers, key, edit=edit)
     corr = out.corrections
     in_loss = np.asarray(corr.seq_mask & jnp.any(corr.token_mask, axis=1))
     return out, group_filter(out.rewards, in_loss, ctx.sampling.num_samples)

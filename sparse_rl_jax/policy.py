@@ -46,7 +46,7 @@ def policy_path(cfg: RunConfig, log: Callable[[str], None] = print) -> str:
     """The HF checkpoint directory of the initial policy (building the default if needed)."""
     if cfg.model.path is not None:
         return str(models.checkpoint_dir(cfg.model.path))  # a GGUF file is converted once
-    return build_default_model(Path(cfg.run_dir) / "warm_start", cfg.warm_start, cfg.data.task,
+    return build_default_model(Path(cfg.run_dir) / "warm_start", cfg.warm_start, cfg.data.synthetic,
                                log=log)
 
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from sparse_rl_jax.datasets import EpochShuffle, gather, load_jsonl
 from sparse_rl_jax.rewards import Answer
-from sparse_rl_jax.task import TaskDataset
+from sparse_rl_jax.walk_task import synthetic_dataset
 
 
 class PromptBatch(NamedTuple):
@@ -35,8 +35,8 @@ class PromptSource:
     def __init__(self, data: Any, batch_size: int, tokenizer: Any = None):
         self.batch_size = batch_size
         self.order = None
-        if data.source == "task":  # an endless stream: batch s holds problems [sB, (s+1)B)
-            self.dataset = TaskDataset(data.task, size=2**40)
+        if data.source in ("task", "walk"):  # endless: batch s holds problems [sB, (s+1)B)
+            self.dataset = synthetic_dataset(data.synthetic, size=2**40)
             return
         if data.source == "tfds":
             from sparse_rl_jax.tfds_builder import open_examples  # imports tensorflow_datasets
@@ -65,13 +65,14 @@ def eval_examples(cfg: Any, tokenizer: Any = None) -> list:
     """The eval set of a ``RunConfig``: the first ``eval.num_prompts`` examples of
     ``eval.tfds`` (written from ``eval.jsonl`` first when both are set) or ``eval.jsonl``
     (``path:line`` in each ``meta``; a malformed record raises ``RecordError`` naming them),
-    else held-out problems of the shipped task (``eval.task_seed``). Each item has
-    ``prompt`` and ``answer``; ``tokenizer`` (``transformers``) renders a chat template."""
+    else held-out problems of the synthetic task (``data.synthetic``, ``eval.task_seed``).
+    Each item has ``prompt`` and ``answer``; ``tokenizer`` (``transformers``) renders a chat
+    template."""
     if cfg.eval.tfds is not None:
         from sparse_rl_jax.tfds_builder import open_examples  # imports tensorflow_datasets
 
         return list(open_examples(cfg.eval.tfds, cfg.eval.jsonl, tokenizer)[: cfg.eval.num_prompts])
     if cfg.eval.jsonl is not None:
         return list(load_jsonl(cfg.eval.jsonl, tokenizer))[: cfg.eval.num_prompts]
-    task = dataclasses.replace(cfg.data.task, seed=cfg.eval.task_seed)
-    return list(TaskDataset(task, cfg.eval.num_prompts)[:])
+    task = dataclasses.replace(cfg.data.synthetic, seed=cfg.eval.task_seed)
+    return list(synthetic_dataset(task, cfg.eval.num_prompts)[:])

@@ -13,34 +13,43 @@ from sparse_rl_jax.masked_math import as_mask, masked_count
 
 
 def repetition_flags(
-    tokens: jax.Array, response_mask: jax.Array, max_period: int = 16, repeats: int = 3
+    tokens: jax.Array,
+    response_mask: jax.Array,
+    max_period: int = 16,
+    repeats: int = 3,
+    min_span: int = 16,
 ) -> jax.Array:
-    """Which responses end in a repetition loop. `tokens`, `response_mask` `[N, T]` -> `[N]` bool.
+    """Which responses contain a repetition loop. `tokens`, `response_mask` `[N, T]` -> `[N]` bool.
 
     Let `x_0 .. x_{L-1}` be a row's response tokens (the positions where `response_mask` is set,
-    in order) and `W = repeats * max_period`. The row is flagged iff `L >= W` and for some period
-    `p` in `1..max_period` the last `W` tokens satisfy `x_i == x_{i-p}` for every
-    `i in [L - W + p, L)`, i.e. the tail is at least `repeats` back-to-back copies of a p-gram.
-    A response that ends with EOS after its loop is not flagged (the EOS breaks the period).
-    `max_period`, `repeats` are static ints >= 1.
+    in order). The row is flagged iff for some period `p` in `1..max_period` some stretch
+    `x_j .. x_{j+s-1}` with `s >= max(repeats * p, min_span)` satisfies `x_i == x_{i-p}` for
+    every `i` in `[j + p, j + s)`: at least `repeats` back-to-back copies of a p-gram covering
+    at least `min_span` tokens, anywhere in the response (a loop that ran to the length cap or
+    one that stopped). Works at every width `T` (a 40-token loop in a 40-wide batch is
+    flagged). `max_period`, `repeats`, `min_span` are static ints >= 1.
     """
-    if max_period < 1 or repeats < 1:
-        raise ValueError(f"max_period and repeats must be >= 1, got {max_period}, {repeats}")
+    if max_period < 1 or repeats < 1 or min_span < 1:
+        raise ValueError("max_period, repeats and min_span must be >= 1, got "
+                         f"{max_period}, {repeats}, {min_span}")
     n, t = tokens.shape
     check_shape("response_mask", response_mask, N=n, T=t)
-    window = repeats * max_period
-    if window > t:
-        return jnp.zeros((n,), jnp.bool_)
     valid = as_mask(response_mask)
     length = jnp.sum(valid, axis=1)
     order = jnp.argsort(~valid, axis=1, stable=True)  # response positions first, in order
     compact = jnp.take_along_axis(tokens, order, axis=1)
-    idx = jnp.clip(length[:, None] - window + jnp.arange(window)[None, :], 0, t - 1)
-    tail = jnp.take_along_axis(compact, idx, axis=1)  # [N, W]
-    periodic = jnp.zeros((n,), jnp.bool_)
-    for p in range(1, max_period + 1):
-        periodic = periodic | jnp.all(tail[:, p:] == tail[:, :-p], axis=1)
-    return periodic & (length >= window)
+    position = jnp.arange(t)[None, :]
+    flagged = jnp.zeros((n,), jnp.bool_)
+    inside = position < length[:, None]
+    for p in range(1, min(max_period, t) + 1):
+        # same[i]: x_i == x_{i-p} inside the response; run[i]: trues ending at i in a row.
+        same = jnp.zeros((n, t), jnp.bool_).at[:, p:].set(compact[:, p:] == compact[:, :-p])
+        same = same & inside
+        last_break = jax.lax.cummax(jnp.where(same, -1, position), axis=1)
+        run = position - last_break  # x_{i-run-p+1} .. x_i (run + p tokens) is p-periodic
+        long_enough = (run + p >= max(repeats * p, min_span)) & inside & (position >= p - 1)
+        flagged = flagged | jnp.any(long_enough, axis=1)
+    return flagged
 
 
 def kv_token_savings(sparse_resident: jax.Array, dense_resident: jax.Array) -> jax.Array:
@@ -66,6 +75,7 @@ def rollout_metrics(
     *,
     max_period: int = 16,
     repeats: int = 3,
+    min_span: int = 16,
 ) -> dict[str, jax.Array]:
     """Scalar float32 statistics of one rollout batch of N responses.
 
@@ -90,7 +100,8 @@ def rollout_metrics(
         "response_length_max": jnp.max(lengths),
         "truncated_fraction": jnp.mean(as_mask(truncated), dtype=jnp.float32),
         "repetition_fraction": jnp.mean(
-            repetition_flags(tokens, response_mask, max_period, repeats), dtype=jnp.float32
+            repetition_flags(tokens, response_mask, max_period, repeats, min_span),
+            dtype=jnp.float32
         ),
     }
     if sparse_resident is not None:

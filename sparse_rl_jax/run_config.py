@@ -24,6 +24,7 @@ from sparse_rl_jax.optim import OptimConfig
 from sparse_rl_jax.overlong import OverlongConfig
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.task import TaskConfig
+from sparse_rl_jax.walk_task import WalkTaskConfig
 from sparse_rl_jax.warm_start_config import WarmStartConfig
 
 
@@ -58,9 +59,14 @@ class DataSection:
     """Where prompts and answers come from, and how responses are rewarded.
 
     Attributes:
-      source: ``task`` (the shipped synthetic task), ``jsonl`` (a file in a real format) or
-        ``tfds`` (a dataset of ``tfds_builder``, read through ``tfds.data_source``).
+      source: ``task`` (the shipped synthetic task), ``walk`` (the long-trace walk task,
+        ``walk_task``), ``jsonl`` (a file in a real format) or ``tfds`` (a dataset of
+        ``tfds_builder``, read through ``tfds.data_source``).
       task: the shipped task's distribution (``source: task``).
+      walk: the walk task's distribution (``source: walk``; its defaults when unset).
+      control_missed_increment: positive control (``source: walk`` only; 0 = off): this
+        fraction of every rollout's sequences is rewritten as if a bad eviction had happened,
+        without any eviction (``anomaly_control``).
       jsonl: the file and its field names / template (``source: jsonl``; with ``source:
         tfds``, the file the TFDS dataset is written from, reused while unchanged).
       tfds: the TFDS dataset's name, data_dir and split (``source: tfds``).
@@ -78,8 +84,9 @@ class DataSection:
         masked out of the loss.
     """
 
-    source: Literal["task", "jsonl", "tfds"] = "task"
+    source: Literal["task", "walk", "jsonl", "tfds"] = "task"
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    walk: WalkTaskConfig | None = None
     jsonl: DatasetConfig | None = None
     tfds: TfdsConfig | None = None
     reward: str = "task_exact"
@@ -87,16 +94,29 @@ class DataSection:
     add_special_tokens: bool = False
     dynamic_sampling: bool = False
     max_collect_rounds: int = 4
+    control_missed_increment: float = 0.0
 
     def __post_init__(self):
         check_int(self, "max_collect_rounds", 1)
-        check_choice(self, "source", ("task", "jsonl", "tfds"))
+        check_choice(self, "source", ("task", "walk", "jsonl", "tfds"))
+        check_number(self, "control_missed_increment", ge=0, le=1)
+        check(self.control_missed_increment == 0 or self.source == "walk", self,
+              "control_missed_increment", f"needs source 'walk' (got {self.source!r})",
+              self.control_missed_increment)
         check(self.source != "jsonl" or self.jsonl is not None, self, "jsonl",
               "must be set (path, fields) when source is 'jsonl'")
         check(self.source != "tfds" or self.tfds is not None, self, "tfds",
               "must be set (name, data_dir) when source is 'tfds'")
         check_int(self, "shuffle_seed", 0)
         check_text(self, "reward", "must name a registered reward fn")
+
+    @property
+    def synthetic(self) -> TaskConfig | WalkTaskConfig:
+        """The synthetic task the run draws from (``source: walk``: ``walk``, else ``task``;
+        also the default eval set and the warm start's training data)."""
+        if self.source == "walk":
+            return self.walk or WalkTaskConfig()
+        return self.task
 
 
 
@@ -261,7 +281,12 @@ class RunConfig:
               "trainer.score_batch", f"must divide the rollout's {sequences} sequences",
               trainer.score_batch)
         self._check_shadow_mask()
-        if self.data.source == "task" and self.model.path is None and self.compression.compresses:
+        check(not (self.data.control_missed_increment and correction.kind == "shadow_mask"),
+              self, "data.control_missed_increment", "cannot be used with correction.kind="
+              "shadow_mask (the injected rows have no eviction record to replay)",
+              self.data.control_missed_increment)
+        synthetic = self.data.source in ("task", "walk")
+        if synthetic and self.model.path is None and self.compression.compresses:
             self._check_task_fits()
 
     def _check_shadow_mask(self) -> None:
@@ -282,10 +307,12 @@ class RunConfig:
     def _check_task_fits(self) -> None:
         """The default model's tokenizer has one token per character: the shipped task's
         lengths are known, so the cache and the response limit must hold them."""
-        task, compression, sampling = self.data.task, self.compression, self.sampling
+        task, compression, sampling = self.data.synthetic, self.compression, self.sampling
+        knob = (f"data.task.n_max={task.n_max}" if self.data.source == "task" else
+                f"data.walk.distractors_max={task.distractors_max}")
         check(compression.capacity >= task.max_prompt_tokens, self, "compression.budget",
               f"+ buffer ({compression.capacity}) must hold the task's longest prompt "
-              f"({task.max_prompt_tokens} tokens, data.task.n_max={task.n_max})",
+              f"({task.max_prompt_tokens} tokens, {knob})",
               compression.budget)
         needed = task.max_response_tokens
         check(sampling.max_new_tokens >= needed, self, "sampling.max_new_tokens",

@@ -155,11 +155,14 @@ class TaskDataset(Sequence[Problem]):
     """The first ``size`` problems of ``cfg``'s stream as a lazy, indexable sequence.
 
     ``dataset[i] == problem_at(cfg, i)``; nothing is stored, so ``size`` may be huge.
+    Subclasses for other tasks override ``problem_fn`` (``(cfg, index) -> Problem``).
     """
+
+    problem_fn = staticmethod(problem_at)
 
     def __init__(self, cfg: TaskConfig, size: int):
         if size < 1:
-            raise ValueError(f"TaskDataset size={size} must be >= 1")
+            raise ValueError(f"{type(self).__name__} size={size} must be >= 1")
         self.cfg = cfg
         self.size = size
 
@@ -178,10 +181,10 @@ class TaskDataset(Sequence[Problem]):
         index = int(index)
         if not -self.size <= index < self.size:
             raise IndexError(f"problem index {index} out of range for size {self.size}")
-        return problem_at(self.cfg, index % self.size)
+        return self.problem_fn(self.cfg, index % self.size)
 
     def __iter__(self) -> Iterator[Problem]:
-        return (problem_at(self.cfg, i) for i in range(self.size))
+        return (self.problem_fn(self.cfg, i) for i in range(self.size))
 
 
 def answer_of(text: str) -> str | None:

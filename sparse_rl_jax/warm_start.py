@@ -21,8 +21,9 @@ import optax
 from flax import nnx
 
 import models
-from sparse_rl_jax.task import TaskConfig, TaskDataset, prompt_length, solution_length
+from sparse_rl_jax.task import TaskConfig
 from sparse_rl_jax.task_tokenizer import build_task_tokenizer
+from sparse_rl_jax.walk_task import WalkTaskConfig, synthetic_dataset
 from sparse_rl_jax.warm_start_config import WarmStartConfig
 
 MARKER = "warm_start.json"
@@ -84,14 +85,15 @@ def _sft_loss(model, tokens, attention, loss_mask):
 def build_default_model(
     out_dir: str | Path,
     warm: WarmStartConfig,
-    task: TaskConfig,
+    task: TaskConfig | WalkTaskConfig,
     *,
     log: Callable[[str], None] = print,
 ) -> str:
     """Creates (or reuses) the warm-started default checkpoint in ``out_dir``; returns it.
 
     Trains on problems drawn with a seed distinct from RL's (``warm.seed`` offsets the task
-    seed) so the warm start never sees RL's exact prompts.
+    seed) so the warm start never sees RL's exact prompts. ``task`` is either shipped task
+    (``data.synthetic``).
     """
     out = Path(out_dir)
     signature = {"warm_start": dataclasses.asdict(warm), "task": dataclasses.asdict(task)}
@@ -118,10 +120,10 @@ def build_default_model(
         optimizer.update(model, grads)
         return loss
 
-    data = TaskDataset(dataclasses.replace(task, seed=task.seed + 1_000_003 + warm.seed),
-                       warm.steps * warm.batch_size)
+    data = synthetic_dataset(dataclasses.replace(task, seed=task.seed + 1_000_003 + warm.seed),
+                             warm.steps * warm.batch_size)
     # Pad to the task's longest problem so every step reuses one compiled program.
-    full = prompt_length(task.n_max) + solution_length(task.n_max) + 1
+    full = task.max_prompt_tokens + task.max_response_tokens
     start = time.monotonic()
     for step in range(warm.steps):
         batch = data[step * warm.batch_size : (step + 1) * warm.batch_size]

@@ -11,39 +11,64 @@ from hypothesis import strategies as st
 from sparse_rl_jax.rollout_metrics import kv_token_savings, repetition_flags, rollout_metrics
 
 N, T = 6, 24
-flags_jit = jax.jit(repetition_flags, static_argnames=("max_period", "repeats"))
+flags_jit = jax.jit(repetition_flags, static_argnames=("max_period", "repeats", "min_span"))
 
 
-def py_is_repetitive(seq, max_period, repeats):
-    """Reference: the response ends in >= `repeats` copies of some p-gram, p <= max_period,
-    judged on a window of the last repeats * max_period tokens."""
-    w = repeats * max_period
-    if len(seq) < w:
-        return False
-    tail = list(seq[-w:])
-    return any(all(tail[i] == tail[i - p] for i in range(p, w)) for p in range(1, max_period + 1))
+def py_is_repetitive(seq, max_period, repeats, min_span):
+    """Reference: some stretch of >= max(repeats * p, min_span) tokens, anywhere in the
+    response, repeats its first p tokens (p <= max_period)."""
+    seq = list(seq)
+    for p in range(1, max_period + 1):
+        need = max(repeats * p, min_span)
+        for start in range(len(seq)):
+            for end in range(start + need, len(seq) + 1):
+                if all(seq[i] == seq[i - p] for i in range(start + p, end)):
+                    return True
+    return False
 
 
-def py_flags(tokens, mask, max_period, repeats):
-    return np.array([py_is_repetitive(t[m], max_period, repeats) for t, m in zip(tokens, mask)])
+def py_flags(tokens, mask, max_period, repeats, min_span):
+    return np.array([py_is_repetitive(t[m], max_period, repeats, min_span)
+                     for t, m in zip(tokens, mask)])
 
 
 def test_repetition_hand_cases():
-    # max_period 3, repeats 3 -> window 9
+    # max_period 3, repeats 3, min_span 9 -> a stretch of 9 tokens
     rows = [
         [5, 1, 2, 3, 1, 2, 3, 1, 2, 3],  # period-3 loop at the end: flagged
-        [7, 7, 7, 7, 7, 7, 7, 7, 7, 0],  # period-1 loop then EOS (0): not flagged
+        [7, 7, 7, 7, 7, 7, 7, 7, 7, 0],  # period-1 loop then EOS (0): flagged (anywhere)
         [1, 2, 1, 2, 1, 2, 1, 2, 1, 2],  # period 2: flagged
         [1, 2, 3, 4, 1, 2, 3, 4, 1, 2],  # period 4 > max_period: not flagged
-        [4, 4, 4, 4, 4, 4, 4, 4, 9, 9],  # broken at the tail: not flagged
+        [4, 4, 4, 4, 4, 4, 4, 4, 9, 9],  # only 8 tokens of loop: not flagged
+        [1, 2, 3, 1, 2, 4, 1, 2, 3, 1],  # no stretch of 9: not flagged
     ]
     tokens = np.array(rows, np.int32)
     mask = np.ones_like(tokens, bool)
-    got = np.asarray(flags_jit(tokens, mask, max_period=3, repeats=3))
-    np.testing.assert_array_equal(got, [True, False, True, False, False])
-    # a short response (< window) is never flagged; padding after it is ignored
+    got = np.asarray(flags_jit(tokens, mask, max_period=3, repeats=3, min_span=9))
+    np.testing.assert_array_equal(got, [True, True, True, False, False, False])
+    # padding after a short response is ignored; a loop needs min_span real tokens
     short = np.array([[1, 1, 1, 1, 1, 0, 0, 0, 0, 0]], np.int32)
-    assert not bool(flags_jit(short, short > 0, max_period=3, repeats=3)[0])
+    assert not bool(flags_jit(short, short > 0, max_period=3, repeats=3, min_span=9)[0])
+    assert bool(flags_jit(short, short > 0, max_period=3, repeats=3, min_span=5)[0])
+
+
+@pytest.mark.parametrize("width", [8, 17, 40])
+def test_short_loops_flagged_at_every_width(width):
+    """The default detector (max_period 16, repeats 3, min_span 16) on batches narrower than
+    its old 48-token window: pure loops flagged, non-repeating rows not."""
+    rng = np.random.default_rng(width)
+    rows, expected = [], []
+    for period in (1, 2, 5, 8, 13):
+        rows.append(np.resize(rng.integers(10, 99, period), width))  # a pure loop
+        expected.append(width >= max(3 * period, 16))
+    rows.append(rng.permutation(np.arange(10, 10 + width)))  # no token repeats
+    expected.append(False)
+    tokens = np.array(rows, np.int32)
+    mask = np.ones_like(tokens, bool)
+    got = np.asarray(flags_jit(tokens, mask))
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got, py_flags(tokens, mask, 16, 3, 16))
+    assert width < 40 or got[:4].all()  # at width 40 the loops of period <= 13 are flagged
 
 
 @settings(max_examples=30, deadline=None)
@@ -51,16 +76,18 @@ def test_repetition_hand_cases():
     tokens=st.lists(st.integers(0, 2), min_size=N * T, max_size=N * T),
     mask=st.lists(st.booleans(), min_size=N * T, max_size=N * T),
     loop_rows=st.lists(st.booleans(), min_size=N, max_size=N),
+    min_span=st.sampled_from([1, 5, 12]),
+    repeats=st.sampled_from([1, 3]),
 )
-def test_repetition_matches_reference(tokens, mask, loop_rows):
+def test_repetition_matches_reference(tokens, mask, loop_rows, min_span, repeats):
     tokens = np.array(tokens, np.int32).reshape(N, T)
     mask = np.array(mask, bool).reshape(N, T)
     for i, loop in enumerate(loop_rows):  # plant loops (over arbitrary masks) in some rows
         if loop:
             mask[i, T // 4 :] = True
             tokens[i, T // 4 :] = np.resize(tokens[i, :3], T - T // 4)
-    got = np.asarray(flags_jit(tokens, mask, max_period=4, repeats=3))
-    np.testing.assert_array_equal(got, py_flags(tokens, mask, 4, 3))
+    got = np.asarray(flags_jit(tokens, mask, max_period=4, repeats=repeats, min_span=min_span))
+    np.testing.assert_array_equal(got, py_flags(tokens, mask, 4, repeats, min_span))
 
 
 def test_rollout_metrics_match_numpy():
@@ -73,8 +100,8 @@ def test_rollout_metrics_match_numpy():
     rewards = rng.normal(0, 1, N).astype(np.float32)
     sparse = rng.uniform(10, 40, N).astype(np.float32)
     dense = sparse + rng.uniform(0, 60, N).astype(np.float32)
-    m = jax.jit(rollout_metrics, static_argnames=("max_period", "repeats"))(
-        rewards, tokens, mask, truncated, sparse, dense, max_period=4, repeats=3
+    m = jax.jit(rollout_metrics, static_argnames=("max_period", "repeats", "min_span"))(
+        rewards, tokens, mask, truncated, sparse, dense, max_period=4, repeats=3, min_span=12
     )
     expected = {
         "reward_mean": rewards.mean(),
@@ -82,7 +109,7 @@ def test_rollout_metrics_match_numpy():
         "response_length_mean": lengths.mean(),
         "response_length_max": 24.0,
         "truncated_fraction": 2 / 6,
-        "repetition_fraction": py_flags(tokens, mask, 4, 3).mean(),
+        "repetition_fraction": py_flags(tokens, mask, 4, 3, 12).mean(),
         "kv_token_savings": 1 - sparse.sum() / dense.sum(),
     }
     assert set(m) == set(expected)

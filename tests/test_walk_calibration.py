@@ -1,0 +1,69 @@
+"""experiments/walk_calibration.py: the log-ratio statistics against a plain NumPy reading,
+the regime test, and a --quick run whose uncompressed cell must match dense exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "walk_calibration", ROOT / "experiments" / "walk_calibration.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_log_ratio_stats_and_regime_test():
+    calib = _script()
+    rng = np.random.default_rng(0)
+    dense = rng.normal(-1, 1, (50, 30))
+    sparse = dense - rng.normal(0, 0.1, (50, 30))
+    mask = rng.random((50, 30)) < 0.8
+    sparse[3, 4], sparse[7, 0], sparse[9, 2] = 15.0, 12.0, 12.0  # r = e^-16, e^-13, e^-13
+    mask[3, 4], mask[7, 0], mask[9, 2] = True, True, False  # row 9's bad token is off-mask
+    stats = calib.log_ratio_stats(dense, sparse, mask)
+    assert stats["seq_low_r"] == 2 / 50
+    log_r = [dense[i, j] - sparse[i, j] for i in range(50) for j in range(30) if mask[i, j]]
+    np.testing.assert_allclose(stats["log_r_q001"], np.quantile(log_r, 0.001))
+    row = {"kv_saved": 0.4, "greedy_dense": 0.8, "greedy_sparse": 0.75, "seq_low_r": 0.05}
+    assert calib.in_regime(row)
+    assert not calib.in_regime({**row, "kv_saved": 0.3})
+    assert not calib.in_regime({**row, "greedy_sparse": 0.71})
+    assert not calib.in_regime({**row, "seq_low_r": 0.02})
+    assert not calib.in_regime({**row, "seq_low_r": 0.11})
+
+
+def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
+    out = tmp_path / "calib"
+    tiny = ["warm_start.hidden_size=32", "warm_start.num_layers=1", "warm_start.num_heads=2",
+            "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
+            "warm_start.steps=4", "warm_start.batch_size=4", "data.walk.c_max=1",
+            "data.walk.distractors_max=2", "sampling.max_new_tokens=32",
+            "sampling.num_samples=2", "trainer.minibatch_size=16",
+            "trainer.logp_chunk=16"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "walk_calibration.py"), "--quick",
+         "--methods", "rkv", "--budgets", "16", "128", "--out", str(out), *tiny],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((out / "calibration.json").read_text())["rows"]
+    assert [(r["method"], r["budget"]) for r in rows] == [("rkv", 16), ("rkv", 128)]
+    small, large = rows
+    assert small["kv_saved"] > 0
+    # 128 + 16 slots exceed any context here (prompt <= 25 + 32 new tokens): never compressed,
+    # so the same key gives the dense samples and the dense scorer agrees with the sampler.
+    assert large["kv_saved"] == 0.0 and large["seq_low_r"] == 0.0
+    assert abs(large["log_r_q001"]) < 1e-3
+    assert large["greedy_sparse"] == large["greedy_dense"] == small["greedy_dense"]
+    assert "smallest budget in the regime: rkv" in (out / "calibration.md").read_text()
