@@ -17,7 +17,7 @@ trainer) is all a resumed run needs to continue identically.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,24 +72,29 @@ def group_filter(rewards: np.ndarray, in_loss: np.ndarray, group_size: int) -> n
     return informative & (np.asarray(in_loss).reshape(-1, group_size).sum(axis=1) >= 2)
 
 
+def _control_edit(ctx, position: int, prompts: list[str]) -> Callable[[Rollout], Rollout] | None:
+    """The positive control's rewrite of prompt batch ``position``'s rollout
+    (``data.control_missed_increment``, see ``anomaly_control``), or None when it is off."""
+    cfg, sampling = ctx.cfg, ctx.sampling
+    if not cfg.data.control_missed_increment:
+        return None
+
+    def edit(rollout: Rollout) -> Rollout:
+        rows = control_rows(cfg.trainer.seed, position, len(rollout.response),
+                            cfg.data.control_missed_increment)
+        return inject_missed_increment(
+            rollout, rows, [p for p in prompts for _ in range(sampling.num_samples)],
+            ctx.tokenizer, sampling.eos_ids[0], sampling.pad_id, cfg.data.synthetic.echo_every)
+    return edit
+
+
 def _round(ctx, params, position: int) -> tuple[Collected, np.ndarray]:
     """Collects prompt batch ``position`` with key ``fold_in(key(seed), position)``; returns
     it and which of its groups carry a training signal (``[B]`` bool, :func:`group_filter`)."""
-    cfg = ctx.cfg
     batch = ctx.source.batch(position)
-    key = jax.random.fold_in(jax.random.key(cfg.trainer.seed), position)
-    edit = None
-    if cfg.data.control_missed_increment:  # positive control: see anomaly_control
-        samples = ctx.sampling.num_samples
-
-        def edit(rollout):
-            rows = control_rows(cfg.trainer.seed, position, len(rollout.response),
-                                cfg.data.control_missed_increment)
-            return inject_missed_increment(
-                rollout, rows, [p for p in batch.prompts for _ in range(samples)],
-                ctx.tokenizer, ctx.sampling.eos_ids[0], ctx.sampling.pad_id,
-                cfg.data.synthetic.echo_every)
-    out = collect_prompts(ctx.policy, params, batch.prompts, batch.answers, key, edit=edit)
+    key = jax.random.fold_in(jax.random.key(ctx.cfg.trainer.seed), position)
+    out = collect_prompts(ctx.policy, params, batch.prompts, batch.answers, key,
+                          edit=_control_edit(ctx, position, batch.prompts))
     corr = out.corrections
     in_loss = np.asarray(corr.seq_mask & jnp.any(corr.token_mask, axis=1))
     return out, group_filter(out.rewards, in_loss, ctx.sampling.num_samples)
