@@ -100,6 +100,10 @@ def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[st
     target = Path(checkpoint or cfg.run_dir)
     if (target / "config.json").is_file():
         path = target
+    elif not (target / "checkpoints").is_dir():  # before building a default warm start
+        raise FileNotFoundError(
+            f"{target} is neither an HF checkpoint (no config.json) nor a run directory "
+            "with checkpoints/")
     else:
         path = Path(policy_path(cfg, log))
     mesh = make_run_mesh(cfg)
@@ -107,10 +111,6 @@ def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[st
     graphdef, params = nnx.split(model)
     if path != target:
         ckpt_dir = target / "checkpoints"
-        if not ckpt_dir.is_dir():
-            raise FileNotFoundError(
-                f"{target} is neither an HF checkpoint (no config.json) nor a run directory "
-                "with checkpoints/")
         opt_state = jax.eval_shape(make_optimizer(cfg.optim).init,
                                    models.split_trainable(params)[0])
         abstract = {"params": abstract_like(params),

@@ -14,7 +14,10 @@ from flax import nnx
 
 import models
 from sparse_rl_jax.compression_config import CompressionConfig
+from sparse_rl_jax.config_io import load_config
 from sparse_rl_jax.evaluation import eval_metrics, evaluate
+from sparse_rl_jax.policy import load_policy
+from sparse_rl_jax.run_config import RunConfig
 from sparse_rl_jax.sampling_config import SamplingConfig
 from tiny_hf import load_hf, make_tiny_hf
 
@@ -77,3 +80,10 @@ def test_avg_at_k_at_a_vanishing_temperature_is_greedy_pass_at_1(policy):
                      samples=3, temperature=1e-6, batch_size=8)
     assert cold.avg_at_k == cold.pass_at_1 == hot.pass_at_1
     assert hot.k == cold.k == 3 and cold.mode == "dense"
+
+
+def test_eval_of_a_directory_without_checkpoints_fails_before_building_a_warm_start(tmp_path):
+    cfg = load_config(RunConfig, None, [f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(FileNotFoundError, match="neither an HF checkpoint .* nor a run dir"):
+        load_policy(cfg)
+    assert not (tmp_path / "run").exists()  # the embedded default was not built
