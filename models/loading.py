@@ -189,18 +189,31 @@ def _check_tensors(state: Any, tensors: dict[str, Any]) -> None:
         log.info("ignoring %d unexpected checkpoint tensors: %s", len(extra), ", ".join(extra))
 
 
-def _all_finite(x: np.ndarray, chunk: int = 1 << 16) -> bool:
-    """Whether a float array holds no NaN or inf: its exponent bits, a cache-sized chunk at a
-    time (one pass over the data, no float conversion)."""
-    bits = x.reshape(-1).view(f"u{x.dtype.itemsize}")
-    mask = _BF16_EXPONENT if x.dtype == jnp.bfloat16 else _EXPONENT_BITS[x.dtype.itemsize]
-    scratch = np.empty(min(chunk, bits.size), bits.dtype)
-    for start in range(0, bits.size, chunk):
-        part = scratch[:min(chunk, bits.size - start)]
-        np.bitwise_and(bits[start:start + chunk], mask, out=part)
-        if np.any(part == mask):
-            return False
-    return True
+def _copy_finite(src: np.ndarray, out: np.ndarray | None = None,
+                 chunk_bytes: int = 1 << 18) -> bool:
+    """Copy ``src`` into ``out`` (casting) if given, and tell whether every value of the copy
+    (else of ``src``) is finite, a cache-sized chunk of rows at a time: the NaN/inf test reads
+    the exponent bits of a chunk just written, so it costs no extra pass over memory."""
+    dst = src if out is None else out
+    mask = _BF16_EXPONENT if dst.dtype == jnp.bfloat16 else _EXPONENT_BITS[dst.dtype.itemsize]
+    rows = max(1, chunk_bytes // max(1, dst[:1].nbytes))
+    finite = True
+    for start in range(0, dst.shape[0], rows):
+        part = slice(start, start + rows)
+        if out is not None:
+            np.copyto(out[part], src[part], casting="unsafe")
+        bits = np.ascontiguousarray(dst[part]).view(mask.dtype)
+        finite = finite and not np.any(np.bitwise_and(bits, mask) == mask)
+    return finite
+
+
+def _abstract_decoder(config: ModelConfig, dtype) -> Decoder:
+    """A :class:`Decoder` to trace under ``nnx.eval_shape`` (shapes only). Its draw counter is
+    a host integer: a traced counter makes every draw stage an update whose bookkeeping
+    scans the whole trace so far, which made tracing quadratic in the number of params."""
+    rngs = nnx.Rngs(params=0)
+    rngs.params.count.set_raw_value(np.zeros((), np.uint32))
+    return Decoder(config, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Decoder:
@@ -231,9 +244,7 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
     path = checkpoint_dir(path)
     config = read_config(path)
     files = checkpoint_files(path)
-    abstract = nnx.eval_shape(
-        lambda: Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: _abstract_decoder(config, dtype)))
     tensors = {}
     for file in files:
         tensors.update(_open_safetensors(file))
@@ -247,15 +258,11 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
         Adds ``name`` to ``bad`` if the part holds NaN/inf."""
         part = tensors[name][tuple(reversed(index)) if transpose else index]
         fresh = out is not None or part.dtype != dtype
-        if out is not None:
-            np.copyto(out, part, casting="unsafe")
-        elif fresh:
-            out = part.astype(dtype)
-        else:
-            out = part  # the device copy below is the one copy
-        if not _all_finite(out):
+        if out is None and fresh:
+            out = np.empty(part.shape, dtype)
+        if not _copy_finite(part, out):
             bad.add(name)
-        return out, fresh
+        return (out, True) if fresh else (part, False)  # a view: the device copy is the one
 
     def place(key_path, leaf, sharding):
         param = path_str(key_path)
