@@ -269,10 +269,10 @@ def report(results: dict[str, dict], nbytes: int, args) -> None:
     for name, get in cells:
         vals = {s: get(results[s]) for s in sides}
         row = "".join(f"{v[0]:>12.3f}/{v[1]:<9.3f}" for v in vals.values())
-        row += "".join(f"{vals[s][0] / vals['tunix'][0]:>14.2f}x/"
-                       f"{vals[s][1] / vals['tunix'][1]:<8.2f}x" for s in ratios)
+        row += "".join(f"{vals[s][0] / vals['tunix'][0]:>15.2f}x/"
+                       f"{vals[s][1] / vals['tunix'][1]:.2f}x".ljust(24) for s in ratios)
         print(f"{name:<26}{row}")
-    gbs = "".join(f"{nbytes / 1e9 / results[s]['load'][0]:>22.2f}" for s in sides)
+    gbs = "".join(f"{nbytes / 1e9 / results[s]['load'][0]:>22.3f}" for s in sides)
     print(f"{'first load GB/s (wall)':<26}{gbs}")
     print(f"checkpoint: {args.checkpoint} ({nbytes / 1e9:.3f} GB safetensors), "
           f"dtype {args.dtype}")
