@@ -178,3 +178,27 @@ def test_read_config_without_transformers_equals_autoconfig(tmp_path, monkeypatc
     assert models.read_config(path) == auto(path)
     if family == "qwen3":
         assert models.read_config(path).head_dim == 128
+
+
+@pytest.mark.parametrize("src_dtype, out_dtype", [
+    (np.float32, None), (np.float16, None), (np.float64, None), (jnp.bfloat16, None),
+    (np.float32, jnp.bfloat16), (jnp.bfloat16, np.float32), (np.float64, np.float16),
+])
+def test_copy_finite_agrees_with_isfinite_on_every_dtype(src_dtype, out_dtype):
+    """The loader's bit-level NaN/inf test (chunked, fused with the copy) against np.isfinite
+    of the copy, for each float width, across chunk boundaries (a 3-row chunk here)."""
+    from models.loading import _copy_finite
+
+    rng = np.random.default_rng(0)
+    for bad in (None, np.nan, np.inf, -np.inf, 1e300):
+        src = rng.standard_normal((10, 7)).astype(src_dtype)
+        if bad is not None:
+            src[7, 3] = np.asarray(bad).astype(src_dtype)  # 1e300: inf in every narrower type
+        out = None if out_dtype is None else np.empty(src.shape, out_dtype)
+        row_bytes = 7 * np.dtype(out_dtype or src_dtype).itemsize
+        finite = _copy_finite(src, out, chunk_bytes=3 * row_bytes)
+        copy = src if out is None else out
+        if out is not None:
+            np.testing.assert_array_equal(out.astype(np.float64),
+                                          src.astype(out_dtype).astype(np.float64))
+        assert finite == bool(np.isfinite(copy.astype(np.float64)).all()), (bad, copy[7, 3])
