@@ -201,7 +201,8 @@ def _copy_finite(src: np.ndarray, out: np.ndarray | None = None,
     for start in range(0, dst.shape[0], rows):
         part = slice(start, start + rows)
         if out is not None:
-            np.copyto(out[part], src[part], casting="unsafe")
+            with np.errstate(over="ignore"):  # an overflow becomes inf, reported below
+                np.copyto(out[part], src[part], casting="unsafe")
         bits = np.ascontiguousarray(dst[part]).view(mask.dtype)
         finite = finite and not np.any(np.bitwise_and(bits, mask) == mask)
     return finite
