@@ -118,7 +118,7 @@ def main(argv=None) -> dict:
     prompt, mask = models.Tokenizer(args.model).encode(texts)
     graphdef, params = nnx.split(model)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              eos_ids=model.config.eos_token_ids)
+                              eos_ids=model.config.eos_token_ids, record_evictions=True)
     dense_layers, key = tuple(args.dense_layers), jax.random.key(0)
     p5 = {}
     for k in args.ks:

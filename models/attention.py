@@ -125,6 +125,12 @@ def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None) -> j
     return out_BxTxKxGxD.reshape(b, t, hq, d).astype(q.dtype)
 
 
+def fused_is_flash(dtype) -> bool:
+    """Whether the ``"fused"`` backend runs cuDNN flash attention for ``dtype`` here (a GPU
+    and half precision); elsewhere it is XLA's plain attention, which ``"blockwise"`` beats."""
+    return jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+
+
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
     """Causal + padding attention through ``jax.nn.dot_product_attention``.
 
@@ -140,8 +146,7 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) 
         raise ValueError(f"fused attention needs keys == queries, got T={q.shape[1]} queries "
                          f"and S={k.shape[2]} keys")
     lengths = jnp.sum(q_pos >= 0, axis=1, dtype=jnp.int32)
-    half = q.dtype in (jnp.bfloat16, jnp.float16)
-    implementation = "cudnn" if jax.default_backend() == "gpu" and half else None
+    implementation = "cudnn" if fused_is_flash(q.dtype) else None
     out = jax.nn.dot_product_attention(
         q, k.swapaxes(1, 2).astype(q.dtype), v.swapaxes(1, 2).astype(q.dtype), is_causal=True,
         query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation)

@@ -8,10 +8,10 @@ never sits in host memory).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
+import types
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,6 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -60,10 +59,9 @@ def hf_tensors(path: str, shape: tuple[int, ...]) -> list[tuple[str, bool, tuple
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    """ModelConfig from ``path/config.json`` (via ``transformers.AutoConfig``, local only);
-    a GGUF ``path`` is converted first (``models.gguf.checkpoint_dir``)."""
-    import transformers
-
+    """ModelConfig from ``path/config.json``; a GGUF ``path`` is converted first
+    (``models.gguf.checkpoint_dir``). A config.json that leaves family defaults implicit is
+    read through ``transformers.AutoConfig`` (local only)."""
     path = checkpoint_dir(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
@@ -77,7 +75,28 @@ def read_config(path: str | Path) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{config_file}: model_type: unsupported {model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if _complete(hf_config):  # every field from_hf reads is spelled out: no family defaults
+        return ModelConfig.from_hf(types.SimpleNamespace(**hf_config))
+    import transformers  # a few seconds to import (torch): only for configs that lean on defaults
+
     return ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(path, local_files_only=True))
+
+
+_EXPLICIT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                    "max_position_embeddings", "tie_word_embeddings", "bos_token_id",
+                    "eos_token_id")
+"""config.json fields whose absence means a family default (``transformers`` supplies those);
+the other fields :meth:`ModelConfig.from_hf` reads default the same in every family."""
+
+
+def _complete(hf_config: dict) -> bool:
+    """Whether ``config.json`` spells out every field whose default differs by family
+    (``head_dim`` for qwen3, a RoPE theta), so it maps without ``transformers``."""
+    rope = hf_config.get("rope_parameters")
+    theta = "rope_theta" in hf_config or (isinstance(rope, dict) and "rope_theta" in rope)
+    return (theta and all(k in hf_config for k in _EXPLICIT_FIELDS)
+            and (hf_config["model_type"] != "qwen3" or "head_dim" in hf_config))
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -104,7 +123,48 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _check_tensors(state: Any, handles: dict[str, Any]) -> None:
+_NP_DTYPES = {"F16": np.float16, "BF16": jnp.bfloat16, "F32": np.float32, "F64": np.float64}
+_EXPONENT_BITS = {2: np.uint16(0x7C00), 4: np.uint32(0x7F800000),
+                  8: np.uint64(0x7FF0000000000000)}
+"""Exponent field of each float width (F16 / F32 / F64; BF16 below): all ones = NaN or inf."""
+_BF16_EXPONENT = np.uint16(0x7F80)
+
+
+def _open_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only view into its memory map (no data
+    read yet): ``name -> array`` (float dtypes) or ``name -> (dtype string, shape)`` (others,
+    refused by :func:`_check_tensors`). ValueError naming the file if the header is not a
+    safetensors header or a tensor lies outside the file."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise ValueError(f"header of {header_len} bytes in a {size}-byte file")
+            header = json.loads(f.read(header_len))
+        data = (np.memmap(file, np.uint8, mode="r", offset=8 + header_len)
+                if size > 8 + header_len else np.zeros(0, np.uint8))
+        views = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, stop = info["data_offsets"]
+            shape, dtype = tuple(info["shape"]), info["dtype"]
+            if not 0 <= begin <= stop <= data.size:
+                raise ValueError(f"tensor {name!r} lies outside the file")
+            if dtype not in _NP_DTYPES:
+                views[name] = (dtype, shape)
+                continue
+            itemsize = np.dtype(_NP_DTYPES[dtype]).itemsize
+            if stop - begin != math.prod(shape) * itemsize:
+                raise ValueError(f"tensor {name!r}: {stop - begin} bytes for shape {shape}")
+            views[name] = np.asarray(data[begin:stop]).view(_NP_DTYPES[dtype]).reshape(shape)
+        return views
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
+
+
+def _check_tensors(state: Any, tensors: dict[str, Any]) -> None:
     """Every expected tensor exists with the expected shape and a float dtype, else ValueError."""
     problems, expected = [], set()
     slices = [tensor for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
@@ -112,25 +172,59 @@ def _check_tensors(state: Any, handles: dict[str, Any]) -> None:
     for name, transpose, shape in slices:
         expected.add(name)
         shape = tuple(reversed(shape)) if transpose else shape
-        if name not in handles:
+        if name not in tensors:
             problems.append(f"missing tensor {name!r} (expected shape {shape})")
             continue
-        info = handles[name].get_slice(name)
-        actual = tuple(info.get_shape())
+        tensor = tensors[name]
+        dtype, actual = tensor if isinstance(tensor, tuple) else (None, tensor.shape)
         if actual != shape:
             problems.append(f"tensor {name!r} has wrong shape: expected {shape}, got {actual}")
-        elif info.get_dtype() not in _FLOAT_DTYPES:
-            problems.append(f"tensor {name!r} has dtype {info.get_dtype()}, expected one of "
+        elif dtype is not None:
+            problems.append(f"tensor {name!r} has dtype {dtype}, expected one of "
                             f"{', '.join(_FLOAT_DTYPES)}")
     if problems:
         raise ValueError("checkpoint does not match the config:\n  " + "\n  ".join(problems))
-    extra = sorted(set(handles) - expected)
+    extra = sorted(set(tensors) - expected)
     if extra:
         log.info("ignoring %d unexpected checkpoint tensors: %s", len(extra), ", ".join(extra))
 
 
+def _copy_finite(src: np.ndarray, out: np.ndarray | None = None,
+                 chunk_bytes: int = 1 << 18) -> bool:
+    """Copy ``src`` into ``out`` (casting) if given, and tell whether every value of the copy
+    (else of ``src``) is finite, a cache-sized chunk of rows at a time: the NaN/inf test reads
+    the exponent bits of a chunk just written, so it costs no extra pass over memory."""
+    dst = src if out is None else out
+    mask = _BF16_EXPONENT if dst.dtype == jnp.bfloat16 else _EXPONENT_BITS[dst.dtype.itemsize]
+    rows = max(1, chunk_bytes // max(1, dst[:1].nbytes))
+    finite = True
+    for start in range(0, dst.shape[0], rows):
+        part = slice(start, start + rows)
+        if out is not None:
+            with np.errstate(over="ignore"):  # an overflow becomes inf, reported below
+                np.copyto(out[part], src[part], casting="unsafe")
+        bits = np.ascontiguousarray(dst[part]).view(mask.dtype)
+        finite = finite and not np.any(np.bitwise_and(bits, mask) == mask)
+    return finite
+
+
+def _abstract_decoder(config: ModelConfig, dtype) -> Decoder:
+    """A :class:`Decoder` to trace under ``nnx.eval_shape`` (shapes only). Its draw counter is
+    a host integer: a traced counter makes every draw stage an update whose bookkeeping
+    scans the whole trace so far, which made tracing quadratic in the number of params."""
+    rngs = nnx.Rngs(params=0)
+    rngs.params.count.set_raw_value(np.zeros((), np.uint32))
+    return Decoder(config, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
 def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Decoder:
     """Load a local HF checkpoint directory into a :class:`Decoder` with params in ``dtype``.
+
+    Each device's shard of a param is read from the memory-mapped safetensors files, checked
+    for NaN/inf and converted on the host in one pass, and copied to the device, which
+    applies the HF -> NNX transposition in its copy (``[out, in]`` -> ``[in, out]``). A
+    layer-stacked param's layers are gathered into one host buffer first. Nothing is
+    compiled, and at most one host copy of one param exists at a time.
 
     Args:
       path: directory with ``config.json`` and ``*.safetensors`` (optionally sharded with
@@ -144,68 +238,66 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
       FileNotFoundError: missing directory, config.json or safetensors files.
       ValueError: invalid config.json / index JSON, unsupported model_type/feature, missing
         tensor, wrong shape or dtype (all checked before any tensor data is read), or a
-        tensor holding NaN/inf (checked once after loading). No partial model is returned.
-        Only safetensors are read: pickle ``*.bin`` files and ``auto_map`` code are ignored.
+        tensor holding NaN/inf (all such tensors named once every tensor was read). No
+        partial model is returned. Only safetensors are read: pickle ``*.bin`` files and
+        ``auto_map`` code are ignored.
     """
     path = checkpoint_dir(path)
     config = read_config(path)
     files = checkpoint_files(path)
-    abstract = nnx.eval_shape(
-        lambda: Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    with contextlib.ExitStack() as stack:
-        handles = {}
-        for file in files:
-            try:
-                handle = stack.enter_context(safe_open(file, framework="np"))
-            except Exception as e:
-                raise ValueError(f"{file}: not a readable safetensors file: {e}") from e
-            handles.update({name: handle for name in handle.keys()})
-        _check_tensors(state, handles)
-        mesh = mesh if mesh is not None else make_mesh(devices=jax.devices()[:1])
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: _abstract_decoder(config, dtype)))
+    tensors = {}
+    for file in files:
+        tensors.update(_open_safetensors(file))
+    _check_tensors(state, tensors)
+    mesh = mesh if mesh is not None else make_mesh(devices=jax.devices()[:1])
+    bad = set()
 
-        def place(key_path, leaf, sharding):
-            path = path_str(key_path)
-            tensors = [(handles[name].get_slice(name), transpose)
-                       for name, transpose, _ in hf_tensors(path, leaf.shape)]
+    def read(name, transpose, index, out=None):
+        """HF tensor ``name``'s part behind NNX ``index``, in HF layout, and whether it is a
+        fresh host array (else a view of the memory map); written into ``out`` if given.
+        Adds ``name`` to ``bad`` if the part holds NaN/inf."""
+        part = tensors[name][tuple(reversed(index)) if transpose else index]
+        fresh = out is not None or part.dtype != dtype
+        if out is None and fresh:
+            out = np.empty(part.shape, dtype)
+        if not _copy_finite(part, out):
+            bad.add(name)
+        return (out, True) if fresh else (part, False)  # a view: the device copy is the one
 
-            def read_one(tensor, transpose, index):
-                if transpose:
-                    return tensor[index[1], index[0]].T.astype(leaf.dtype)
-                return tensor[index].astype(leaf.dtype)
+    def place(key_path, leaf, sharding):
+        param = path_str(key_path)
+        hf = hf_tensors(param, leaf.shape)
+        shards = []
+        for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+            index = tuple(slice(None) if i is None else i for i in index)
+            if not is_layer_stacked(param):
+                part, fresh = read(*hf[0][:2], index)
+            else:
+                layers = range(leaf.shape[0])[index[0]]
+                shape = tuple(len(range(n)[i]) for n, i in zip(leaf.shape[1:], index[1:]))
+                part = np.empty((len(layers), *(shape[::-1] if hf[0][1] else shape)), dtype)
+                for row, i in enumerate(layers):
+                    read(*hf[i][:2], index[1:], out=part[row])
+                fresh = True
+            if hf[0][1]:  # [..., out, in] -> [..., in, out], done by the device copy
+                part = np.swapaxes(part, -1, -2)
+            shards.append(jax.device_put(part, device, may_alias=fresh))
+        return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
 
-            def read(index):  # one device's shard, read from the memory map
-                if not is_layer_stacked(path):
-                    return read_one(*tensors[0], index)
-                return np.stack([read_one(*tensors[i], index[1:])
-                                 for i in range(leaf.shape[0])[index[0]]])
-
-            return jax.make_array_from_callback(leaf.shape, sharding, read, dtype=leaf.dtype)
-
-        state = jax.tree_util.tree_map_with_path(place, state, param_shardings(state, mesh))
-    _check_finite(state, path)
-    return nnx.merge(graphdef, state)
-
-
-@jax.jit
-def _all_finite(state):
-    """Per tensor: one flag, or one per layer for a layer-stacked param (``[L]``)."""
-    def flags(key_path, x):
-        axes = tuple(range(1, x.ndim)) if is_layer_stacked(path_str(key_path)) else None
-        return jnp.all(jnp.isfinite(x), axis=axes)
-    return jax.tree_util.tree_map_with_path(flags, state)
-
-
-def _check_finite(state: Any, path: Path) -> None:
-    """ValueError naming every loaded HF tensor that holds a NaN or an infinity (one pass)."""
-    flags = jax.device_get(_all_finite(state))
-    bad = [name
-           for key_path, ok in jax.tree_util.tree_flatten_with_path(flags)[0]
-           for (name, _, _), layer_ok in zip(hf_tensors(path_str(key_path), np.shape(ok)),
-                                             np.reshape(ok, -1))
-           if not layer_ok]
+    state = jax.tree_util.tree_map_with_path(place, state, param_shardings(state, mesh))
+    if jax.process_count() > 1:  # every process raises, or none
+        names = sorted(tensors)
+        flags = np.array([name in bad for name in names])
+        flags = multihost_utils.process_allgather(flags).reshape(-1, len(names)).any(axis=0)
+        bad = {name for name, flag in zip(names, flags) if flag}
     if bad:
-        raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(bad)} hold NaN or inf values")
+        ordered = [name for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+                   for name, _, _ in hf_tensors(path_str(key_path), leaf.shape)
+                   if name in bad]
+        raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(ordered)} hold NaN or inf "
+                         f"values")
+    return nnx.merge(graphdef, state)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -50,13 +50,21 @@ def policy_path(cfg: RunConfig, log: Callable[[str], None] = print) -> str:
                                log=log)
 
 
+def record_needed(cfg: RunConfig) -> bool:
+    """Whether the run reads the rollout's record: the ``shadow_mask`` learner replays the
+    eviction record; ``sparrow`` logs its acceptance alpha from the page record (unless
+    ``compression.alpha_metric: off``). Nothing else does: a dense or evicting cache under
+    the dense-scoring corrections never needs one."""
+    return cfg.correction.kind == "shadow_mask" or (cfg.compression.page_sparse
+                                                    and cfg.compression.alpha_metric != "off")
+
+
 def resolve_sampling(cfg: RunConfig, tokenizer: models.Tokenizer):
     """``cfg.sampling`` with the tokenizer's EOS and pad ids when the config names none, and
-    ``record_evictions`` resolved when unset: on only for ``correction.kind: shadow_mask``."""
+    ``record_evictions`` resolved when unset (:func:`record_needed`)."""
     sampling = cfg.sampling
     if sampling.record_evictions is None:
-        sampling = dataclasses.replace(
-            sampling, record_evictions=cfg.correction.kind == "shadow_mask")
+        sampling = dataclasses.replace(sampling, record_evictions=record_needed(cfg))
     if not sampling.eos_ids:
         sampling = dataclasses.replace(sampling, eos_ids=tuple(tokenizer.eos_ids),
                                        pad_id=tokenizer.pad_id)

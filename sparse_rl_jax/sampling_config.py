@@ -25,12 +25,13 @@ class SamplingConfig:
       prompt_bucket: prompt lengths are left-padded up to a multiple of this, so calls with
         similar prompt lengths reuse one compiled program.
       record_evictions: keep the eviction record (``Rollout.eviction_record``, int32
-        ``[L, N, Hkv, P + M]``) that lets ``score`` replay the sparse context exactly. Off,
-        the record is an empty ``[L, N, Hkv, 0]`` array: a training run, which scores densely,
-        saves that memory (about 2 GB for a 28-layer, 4-KV-head model at 1024 x 4.7k tokens).
-        None (the run default) leaves it to the run: on exactly when the learner replays the
-        record (``correction.kind: shadow_mask``, see ``policy.resolve_sampling``); the
-        sampler itself treats None as off.
+        ``[L, N, Hkv, P + M]``; ``Rollout.page_record`` for ``sparrow``) that lets ``score``
+        replay the sparse context exactly. Off, the record is an empty ``[L, N, Hkv, 0]``
+        array, which saves its memory (about 2 GB for a 28-layer, 4-KV-head model at
+        1024 x 4.7k tokens). None (the default) means "as needed": a run resolves it from
+        what reads the record (``policy.resolve_sampling``: the ``shadow_mask`` learner, or
+        ``sparrow``'s acceptance metric); the sampler alone, which cannot know, treats None
+        as off. Pass True to replay a rollout yourself.
     """
 
     max_new_tokens: int = 256
@@ -42,7 +43,7 @@ class SamplingConfig:
     eos_ids: tuple[int, ...] = ()
     pad_id: int = 0
     prompt_bucket: int = 32
-    record_evictions: bool | None = True
+    record_evictions: bool | None = None
 
     def __post_init__(self):
         check_int(self, "max_new_tokens", 1)

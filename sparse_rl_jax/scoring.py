@@ -1,8 +1,9 @@
 """Teacher-forced log-probs of response tokens: dense, or with an eviction record replayed.
 
-Dense scoring runs the fused attention backend (rows rotated to right padding); the replay
-runs the blockwise backend with each key's expiry. Neither materialises ``[T, S]`` scores
-at training lengths on an accelerator (XLA's CPU fused attention does).
+Dense scoring runs cuDNN flash attention where it exists (the fused backend on a GPU in half
+precision, rows rotated to right padding), else the blockwise backend, which takes the
+left-padded rows as they are; the replay runs the blockwise backend with each key's expiry.
+Neither materialises ``[T, S]`` scores at training lengths.
 
 The LM head is applied in chunks along the response axis under ``jax.checkpoint``, so neither
 the forward nor the backward pass holds ``[B, T, V]`` float32 logits at once.
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import fused_is_flash
 from models.shapes import check_shape
 from sparse_rl_jax.kv_state import visibility_from_record
 from sparse_rl_jax.page_sparsity import mask_from_page_record
@@ -86,6 +88,8 @@ def _response_hidden(model, prompt, prompt_mask, response, eviction_record, page
     elif eviction_record is not None:
         key_expiry = visibility_from_record(eviction_record, positions)
         hidden = model(tokens, positions, key_expiry=key_expiry, return_logits=False).hidden
+    elif not fused_is_flash(model.dtype):
+        hidden = model(tokens, positions, return_logits=False).hidden
     else:
         # The fused backend wants right-padded rows: rotate each row's left padding to its end.
         padding_Nx1 = p - prompt_mask.astype(jnp.int32).sum(axis=1, keepdims=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,7 @@ def forbid_placement(monkeypatch):
         raise AssertionError("tensor data placed before validation finished")
 
     monkeypatch.setattr(jax, "make_array_from_callback", placed)
+    monkeypatch.setattr(jax, "device_put", placed)
 
 
 def test_missing_directory_and_files(tmp_path):
@@ -151,3 +153,52 @@ def test_config_from_hf_both_spellings_and_back():
     kwargs = cfg.to_hf_dict()
     assert ModelConfig.from_hf(transformers.AutoConfig.for_model(kwargs.pop("model_type"),
                                                                  **kwargs)) == cfg
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
+    ("qwen2", {}),
+    ("qwen3", dict(head_dim=32)),
+])
+def test_read_config_without_transformers_equals_autoconfig(tmp_path, monkeypatch, family,
+                                                            overrides):
+    """config.json read directly (no transformers import) maps like AutoConfig; one that leaves
+    a family default implicit (qwen3's head_dim 128, llama's rope theta) goes through
+    AutoConfig and gets that default."""
+    path = Path(make_tiny_hf(tmp_path, family, tokenizer=False, **overrides))
+    expected = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(path))
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.AutoConfig, "from_pretrained", None)  # not called
+        assert models.read_config(path) == expected
+    auto = lambda p: ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(p))  # noqa: E731
+    config = json.loads((path / "config.json").read_text())
+    implicit = "head_dim" if family == "qwen3" else "rope_parameters"
+    config.pop(implicit)
+    (path / "config.json").write_text(json.dumps(config))
+    assert models.read_config(path) == auto(path)
+    if family == "qwen3":
+        assert models.read_config(path).head_dim == 128
+
+
+@pytest.mark.parametrize("src_dtype, out_dtype", [
+    (np.float32, None), (np.float16, None), (np.float64, None), (jnp.bfloat16, None),
+    (np.float32, jnp.bfloat16), (jnp.bfloat16, np.float32), (np.float64, np.float16),
+])
+def test_copy_finite_agrees_with_isfinite_on_every_dtype(src_dtype, out_dtype):
+    """The loader's bit-level NaN/inf test (chunked, fused with the copy) against np.isfinite
+    of the copy, for each float width, across chunk boundaries (a 3-row chunk here)."""
+    from models.loading import _copy_finite
+
+    rng = np.random.default_rng(0)
+    for bad in (None, np.nan, np.inf, -np.inf, 1e300):
+        src = rng.standard_normal((10, 7)).astype(src_dtype)
+        if bad is not None:
+            src[7, 3] = np.asarray(bad).astype(src_dtype)  # 1e300: inf in every narrower type
+        out = None if out_dtype is None else np.empty(src.shape, out_dtype)
+        row_bytes = 7 * np.dtype(out_dtype or src_dtype).itemsize
+        finite = _copy_finite(src, out, chunk_bytes=3 * row_bytes)
+        copy = src if out is None else out
+        if out is not None:
+            np.testing.assert_array_equal(out.astype(np.float64),
+                                          src.astype(out_dtype).astype(np.float64))
+        assert finite == bool(np.isfinite(copy.astype(np.float64)).all()), (bad, copy[7, 3])

@@ -76,7 +76,8 @@ def test_dense_sampler_logprobs_equal_scorer(tiny):
 @pytest.mark.parametrize("method", ["rkv", "snapkv"])
 def test_sparse_logprobs_equal_replayed_scorer_not_dense(tiny, method):
     _, graphdef, params, prompt, mask = tiny
-    sampling = SamplingConfig(max_new_tokens=40, num_samples=2, prompt_bucket=4)
+    sampling = SamplingConfig(max_new_tokens=40, num_samples=2, prompt_bucket=4,
+                              record_evictions=True)
     compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
     rollout = generate(graphdef, params, prompt, mask, jax.random.key(2), sampling, compression)
     assert int(rollout.num_compressions) >= 5
@@ -90,14 +91,17 @@ def test_sparse_logprobs_equal_replayed_scorer_not_dense(tiny, method):
     assert float(jnp.max(rollout.dense_kv_peak)) > compression.capacity
 
 
-def test_without_record_same_rollout_and_replay_is_refused(tiny):
+def test_default_keeps_no_record_same_rollout_and_replay_is_refused(tiny):
+    """SamplingConfig's default (record_evictions None: as needed, which the sampler alone
+    reads as off) keeps no record and changes nothing else."""
     _, graphdef, params, prompt, mask = tiny
-    sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4)
+    sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4,
+                              record_evictions=True)
     compression = CompressionConfig(method="rkv", budget=12, buffer=4, window=4)
     key = jax.random.key(5)
     kept = generate(graphdef, params, prompt, mask, key, sampling, compression)
     dropped = generate(graphdef, params, prompt, mask, key,
-                       dataclasses.replace(sampling, record_evictions=False), compression)
+                       dataclasses.replace(sampling, record_evictions=None), compression)
     assert int(dropped.num_compressions) >= 2
     assert dropped.eviction_record.shape == kept.eviction_record.shape[:3] + (0,)
     assert int(jnp.min(kept.eviction_record)) < kv_state.NEVER  # the kept one records

@@ -46,7 +46,8 @@ def tiny(tmp_path_factory):
 
 def _rollout(tiny, method):
     graphdef, params, prompt, mask = tiny
-    sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4)
+    sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4,
+                              record_evictions=True)
     compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
     return generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
 
@@ -222,3 +223,18 @@ def test_entropy_bonus_gradient_through_the_chunked_scorer(tiny):
     np.testing.assert_allclose(metrics["entropy_loss"], ref_metrics["entropy_loss"], rtol=1e-5)
     for a, g in zip(jax.tree.leaves(delta), jax.tree.leaves(grads)):
         np.testing.assert_allclose(a, -np.asarray(g), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, needed", [
+    ([], False),  # rkv rollouts, sparse_rl corrections: dense scoring reads no record
+    (["compression.method=none"], False),
+    (["compression.method=sparrow"], True),  # the acceptance alpha replays the page record
+    (["compression.method=sparrow", "compression.alpha_metric='off'"], False),
+    (["correction.kind=shadow_mask"], True),
+    (["correction.kind=shadow_mask", "compression.method=snapkv"], True),
+])
+def test_record_default_is_what_the_run_reads(overrides, needed):
+    assert SamplingConfig().record_evictions is None
+    cfg = load_config(RunConfig, None, overrides)
+    tok = types.SimpleNamespace(eos_ids=[2], pad_id=0)
+    assert resolve_sampling(cfg, tok).record_evictions is needed

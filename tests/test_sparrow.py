@@ -187,7 +187,7 @@ def _tiny(tmp_path_factory, heads, kv_heads, layers=2):
 
 SPARROW = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 1), (32, 3)),
                             dense_layers=(0,))
-SAMPLING = SamplingConfig(max_new_tokens=30, num_samples=2, prompt_bucket=4)
+SAMPLING = SamplingConfig(max_new_tokens=30, num_samples=2, prompt_bucket=4, record_evictions=True)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2), (4, 1)])
@@ -230,7 +230,8 @@ def test_dense_regime_equals_dense_sampler(tmp_path_factory):
     prompt, mask = left_padded_batch(np.random.default_rng(0), [11, 5, 8], width=11)
     wide = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 9),),
                              dense_layers=())
-    sampling = SamplingConfig(max_new_tokens=12, num_samples=2, prompt_bucket=4)
+    sampling = SamplingConfig(max_new_tokens=12, num_samples=2, prompt_bucket=4,
+                              record_evictions=True)
     sparse = generate(graphdef, params, prompt, mask, jax.random.key(5), sampling, wide)
     dense = generate(graphdef, params, prompt, mask, jax.random.key(5), sampling,
                      CompressionConfig(method="none"))
@@ -247,7 +248,8 @@ def test_decode_compiles_once_per_schedule(tmp_path_factory):
     decode loop: one compile per schedule (the schedule is part of the static config)."""
     graphdef, params = _tiny(tmp_path_factory, 4, 2)
     prompt, mask = left_padded_batch(np.random.default_rng(1), [11, 5], width=11)
-    sampling = SamplingConfig(max_new_tokens=22, prompt_bucket=4)  # lengths 13 .. 34 cross 32
+    sampling = SamplingConfig(max_new_tokens=22, prompt_bucket=4,  # lengths 13 .. 34 cross 32
+                              record_evictions=True)
     with count_compiles() as compiles:
         for seed in (1, 2):
             r = generate(graphdef, params, prompt, mask, jax.random.key(seed), sampling, SPARROW)
