@@ -7,6 +7,7 @@ import json
 import re
 import struct
 import sys
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -263,6 +264,23 @@ def _wandb_records(run_file: Path):
     return records
 
 
+def _wandb_history(run_file: Path) -> tuple[list, dict[int, dict]]:
+    """The records of a W&B run log and its history by step (a record still being written
+    ends the read)."""
+    try:
+        records = _wandb_records(run_file)
+    except Exception:  # a torn trailing record: read again later
+        return [], {}
+    history = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                     for i in record.history.item}
+            history[items.pop("_step")] = {k: v for k, v in items.items()
+                                           if not k.startswith("_")}
+    return records, history
+
+
 def test_wandb_offline_logs_the_tensorboard_tags_and_the_config_once(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[wandb]')")
     from sparse_rl_jax.metrics_writer import WandbRun
@@ -274,14 +292,14 @@ def test_wandb_offline_logs_the_tensorboard_tags_and_the_config_once(tmp_path, m
         for step in (1, 2, 3):
             writer.log(step, _metrics(step))
     (run_file,) = tmp_path.glob("wandb/offline-run-*-run0/run-run0.wandb")
-    records = _wandb_records(run_file)
-    history = {}
-    for record in records:
-        if record.WhichOneof("record_type") == "history":
-            items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json)
-                     for i in record.history.item}
-            history[items.pop("_step")] = {k: v for k, v in items.items()
-                                           if not k.startswith("_")}
+    # wandb-core (a separate process) may still be writing the log when finish() returns on
+    # a loaded machine: read it until the three steps are there (or give up after 60 s).
+    deadline = time.monotonic() + 60
+    while True:
+        records, history = _wandb_history(run_file)
+        if sorted(history) == [1, 2, 3] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     tb = _scalars(_read_events(tmp_path / "tb"))
     assert sorted(history) == [1, 2, 3]
     for step in (1, 2, 3):
