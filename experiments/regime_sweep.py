@@ -137,6 +137,21 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cell_footer(prompts: int, samples: int, started: float) -> str:
+    """The line under a sweep table: its cell size and the wall time since ``started``."""
+    return (f"{prompts} prompts x {samples} samples per cell; "
+            f"wall time {time.monotonic() - started:.0f} s")
+
+
+def write_results(out: Path, stem: str, data, table: str, footer: str) -> None:
+    """Writes ``out/<stem>.json`` (``data``) and ``out/<stem>.md`` (``table``, then
+    ``footer``), and prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{stem}.md").write_text(f"{table}\n\n{footer}\n")
+    print(table)
+
+
 def main(argv=None) -> int:
     """Runs the grid and writes the table."""
     parser = argparse.ArgumentParser(description=__doc__,
@@ -185,13 +200,8 @@ def main(argv=None) -> int:
                                         dense_runs))
                 rows.append(row)
                 print(format_table([row]).splitlines()[-1], flush=True)
-    table = format_table(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
-    (out / "sweep.md").write_text(
-        table + f"\n\n{args.prompts} prompts x {sampling.num_samples} samples per cell; "
-        f"wall time {time.monotonic() - started:.0f} s\n")
-    print(table)
+    write_results(out, "sweep", rows, format_table(rows), cell_footer(
+        args.prompts, sampling.num_samples, started))
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from experiments.regime_sweep import cell_footer, write_results  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
 from sparse_rl_jax.collect import RolloutPolicy, collect_prompts  # noqa: E402
 from sparse_rl_jax.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
@@ -131,12 +131,8 @@ def main(argv=None) -> int:
                     default=None) for m in args.methods}
     table = format_table(rows) + "\n\nsmallest budget in the regime: " + ", ".join(
         f"{m} {b if b is not None else 'none'}" for m, b in picks.items())
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "calibration.json").write_text(json.dumps({"rows": rows, "picks": picks}, indent=1))
-    (out / "calibration.md").write_text(
-        table + f"\n\n{args.prompts} prompts x {sampling.num_samples} samples per cell; "
-        f"wall time {time.monotonic() - started:.0f} s\n")
-    print(table)
+    write_results(out, "calibration", {"rows": rows, "picks": picks}, table,
+                  cell_footer(args.prompts, sampling.num_samples, started))
     return 0
 
 
