@@ -220,11 +220,10 @@ def _abstract_decoder(config: ModelConfig, dtype) -> Decoder:
 def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = None) -> Decoder:
     """Load a local HF checkpoint directory into a :class:`Decoder` with params in ``dtype``.
 
-    Each device's shard of a param is read from the memory-mapped safetensors files, checked
-    for NaN/inf and converted on the host in one pass, and copied to the device, which
-    applies the HF -> NNX transposition in its copy (``[out, in]`` -> ``[in, out]``). A
-    layer-stacked param's layers are gathered into one host buffer first. Nothing is
-    compiled, and at most one host copy of one param exists at a time.
+    Each device's shard is read from the memory-mapped files, checked for NaN/inf and
+    converted in one host pass (a layer-stacked param's layers into one buffer); the device
+    copy applies the HF -> NNX transposition. Nothing is compiled; at most one host copy of
+    one param exists at a time.
 
     Args:
       path: directory with ``config.json`` and ``*.safetensors`` (optionally sharded with
@@ -254,9 +253,8 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
     bad = set()
 
     def read(name, transpose, index, out=None):
-        """HF tensor ``name``'s part behind NNX ``index``, in HF layout, and whether it is a
-        fresh host array (else a view of the memory map); written into ``out`` if given.
-        Adds ``name`` to ``bad`` if the part holds NaN/inf."""
+        """HF tensor ``name``'s part at NNX ``index`` (HF layout; into ``out`` if given) and
+        whether it is a fresh host array, not a memory-map view; NaN/inf adds it to ``bad``."""
         part = tensors[name][tuple(reversed(index)) if transpose else index]
         fresh = out is not None or part.dtype != dtype
         if out is None and fresh:
@@ -286,18 +284,22 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
         return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
 
     state = jax.tree_util.tree_map_with_path(place, state, param_shardings(state, mesh))
-    if jax.process_count() > 1:  # every process raises, or none
-        names = sorted(tensors)
-        flags = np.array([name in bad for name in names])
-        flags = multihost_utils.process_allgather(flags).reshape(-1, len(names)).any(axis=0)
-        bad = {name for name, flag in zip(names, flags) if flag}
+    _raise_if_nonfinite(path, state, sorted(tensors), bad)
+    return nnx.merge(graphdef, state)
+
+
+def _raise_if_nonfinite(path: Path, state, names: list[str], bad: set[str]) -> None:
+    """ValueError naming (in param order) the HF tensors any process found holding NaN/inf
+    (``bad``: this process's finds, among ``names``); every process raises, or none."""
+    if jax.process_count() > 1:
+        flags = multihost_utils.process_allgather(np.array([name in bad for name in names]))
+        bad = {name for name, f in zip(names, flags.reshape(-1, len(names)).any(axis=0)) if f}
     if bad:
         ordered = [name for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
                    for name, _, _ in hf_tensors(path_str(key_path), leaf.shape)
                    if name in bad]
         raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(ordered)} hold NaN or inf "
                          f"values")
-    return nnx.merge(graphdef, state)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sparse_rl_jax.metrics_writer import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~70 s on 2 idle cores: one warm start and two arms trained, then evaluated
 def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     out = tmp_path / "repro"
     tiny = ["warm_start.hidden_size=32", "warm_start.num_layers=1", "warm_start.num_heads=2",
