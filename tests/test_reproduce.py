@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from sparse_rl_jax.metrics_writer import read_metrics
+from tiny_rl import TINY_WARM_START
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,10 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow  # ~70 s on 2 idle cores: one warm start and two arms trained, then evaluated
 def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     out = tmp_path / "repro"
-    tiny = ["warm_start.hidden_size=32", "warm_start.num_layers=1", "warm_start.num_heads=2",
-            "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
-            "data.task.n_min=2", "data.task.n_max=3", "sampling.max_new_tokens=16",
-            "compression.buffer=4", "compression.window=2",
+    tiny = [*TINY_WARM_START, "data.task.n_min=2", "data.task.n_max=3",
+            "sampling.max_new_tokens=16", "compression.buffer=4", "compression.window=2",
             "trainer.logp_chunk=16", "warm_start.steps=10"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
@@ -100,9 +99,7 @@ def test_first_difference_counts_changed_tokens_and_early_stops():
 
 def test_regime_sweep_quick_couples_dense_and_sparse_samples(tmp_path):
     out = tmp_path / "sweep"
-    tiny = ["warm_start.hidden_size=32", "warm_start.num_layers=1", "warm_start.num_heads=2",
-            "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
-            "warm_start.steps=10", "compression.buffer=4", "compression.window=2",
+    tiny = [*TINY_WARM_START, "warm_start.steps=10", "compression.buffer=4", "compression.window=2",
             "trainer.logp_chunk=16"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     result = subprocess.run(

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tiny_rl import TINY_WARM_START
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,9 +47,7 @@ def test_log_ratio_stats_and_regime_test():
 
 def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
     out = tmp_path / "calib"
-    tiny = ["warm_start.hidden_size=32", "warm_start.num_layers=1", "warm_start.num_heads=2",
-            "warm_start.num_kv_heads=1", "warm_start.intermediate_size=64",
-            "warm_start.steps=4", "warm_start.batch_size=4", "data.walk.c_max=1",
+    tiny = [*TINY_WARM_START, "warm_start.steps=4", "warm_start.batch_size=4", "data.walk.c_max=1",
             "data.walk.distractors_max=2", "sampling.max_new_tokens=32",
             "sampling.num_samples=2", "trainer.minibatch_size=16",
             "trainer.logp_chunk=16"]

@@ -19,6 +19,10 @@ from sparse_rl_jax.run_config import RunConfig
 from tiny_hf import make_tiny_hf
 
 PROMPTS, G, MAX_NEW = 4, 2, 12
+TINY_WARM_START = ["warm_start.hidden_size=32", "warm_start.num_layers=1",
+                   "warm_start.num_heads=2", "warm_start.num_kv_heads=1",
+                   "warm_start.intermediate_size=64"]
+"""Overrides that shrink the embedded default model (1 layer, 2 heads): the script tests."""
 
 
 def hash_reward(completions, answers):
