@@ -14,13 +14,14 @@ One Qwen2 HF checkpoint (``--checkpoint``, else a random 5.2M-param one written 
   the ``tunix`` extra (``google-tunix``, which pins ``safetensors<0.8``, so keep it in its
   own virtual environment).
 
-Cells: the first load in the process (after the imports, from the page cache: the files
-are read once before; GB/s = safetensors bytes / wall seconds), the compile seconds of one decode and one score shape (first call minus a steady
-call), and steady decode (``--batch`` rows, ``--prompt`` + ``--new`` tokens) and scoring
-(``--batch`` x ``--score-len``) seconds, the best of ``--repeats``. Each cell reports wall
-and process CPU seconds; on a shared machine CPU seconds are the fairer number. The script
-checks and prints that both sides (and ``transformers``) produce the same greedy tokens and
-the same log-probs. ``--load-only`` times only the load (e.g. a 1.5B checkpoint).
+Cells: the first load in the process (after the imports, from the page cache: the files are
+read once before; GB/s = safetensors bytes / wall seconds), the compile seconds of one
+decode and one score shape (first call minus a steady call), and steady decode (``--batch``
+rows, ``--prompt`` + ``--new`` tokens) and scoring (``--batch`` x ``--score-len``) seconds,
+the best of ``--repeats``. Each cell reports wall and process CPU seconds; on a shared
+machine CPU seconds are the fairer number. The script checks and prints that both sides (and
+``transformers``) produce the same greedy tokens and the same log-probs. ``--load-only``
+times only the load (e.g. a 1.5B checkpoint).
 """
 
 from __future__ import annotations

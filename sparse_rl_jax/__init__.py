@@ -30,7 +30,8 @@ from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import ScoreOutput, response_logprobs, score
 
 __all__ = [
-    "AdvantageConfig", "compute_advantages", "CompressionConfig", "CorrectionConfig", "Corrections", "GRPOLossConfig", "LossBatch",
+    "AdvantageConfig", "compute_advantages", "CompressionConfig", "CorrectionConfig",
+    "Corrections", "GRPOLossConfig", "LossBatch",
     "Rollout", "SamplingConfig", "ScoreOutput", "compute_corrections", "generate",
     "grpo_loss", "group_advantages", "response_logprobs", "score",
     "Collected", "RolloutPolicy", "collect_prompts",

@@ -1,11 +1,12 @@
 """Device memory planned before compiling: bytes of a rollout, a score or an update call.
 
 The estimates are analytic: exact for the resident buffers (weights, KV cache, query ring,
-eviction or page-selection record, sparrow's page keys, optimizer state) and an upper-leaning model of the transients (one layer's
-activations under the layer scan, one attention block, one LM-head chunk, the residuals the
-update keeps for its backward). Every estimate is affine in the batch, which gives the
-largest batch that fits a limit. The limit is the device's ``bytes_limit`` from
-``memory_stats()`` where JAX reports one (GPU, TPU), else a configured number of bytes.
+eviction or page-selection record, sparrow's page keys, optimizer state) and an
+upper-leaning model of the transients (one layer's activations under the layer scan, one
+attention block, one LM-head chunk, the residuals the update keeps for its backward). Every
+estimate is affine in the batch, which gives the largest batch that fits a limit. The limit
+is the device's ``bytes_limit`` from ``memory_stats()`` where JAX reports one (GPU, TPU),
+else a configured number of bytes.
 """
 
 from __future__ import annotations

@@ -111,7 +111,8 @@ def build_default_model(
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, warm.lr, min(50, warm.steps // 10 + 1), warm.steps, warm.lr * 0.05)
     optimizer = nnx.Optimizer(
-        model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)),
+        model, optax.chain(optax.clip_by_global_norm(1.0),
+                           optax.adamw(schedule, weight_decay=0.01)),
         wrt=nnx.Param)
 
     @nnx.jit
