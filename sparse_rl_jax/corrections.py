@@ -24,6 +24,9 @@ from sparse_rl_jax.masked_math import (
 )
 
 NORMALIZE_MIN_MEAN = 1e-8
+LOW_RATIO = 1e-4
+"""A token with `r_t` below this is one the dense policy all but rules out (a bad eviction);
+the `low_r_*` metrics count such tokens in every correction kind, so arms compare on them."""
 
 
 @struct.dataclass
@@ -95,6 +98,7 @@ def _metrics(cfg: CorrectionConfig, log_r_tok, r, weights, valid, token_mask, se
     (`veto`, `seq_mask`: `[B]`)."""
     has_tokens = jnp.any(valid, axis=1)
     kept = token_mask & seq_mask[:, None]
+    low = valid & (log_r_tok < math.log(LOW_RATIO))
     truncates = cfg.kind in ("tis", "sparse_rl")
     return {
         "rejection_rate": masked_mean(~seq_mask, has_tokens),
@@ -108,6 +112,8 @@ def _metrics(cfg: CorrectionConfig, log_r_tok, r, weights, valid, token_mask, se
         "log_ratio_max": masked_max(log_r_tok, valid),
         "log_ratio_min": masked_min(log_r_tok, valid),
         "is_weight_mean": masked_mean(weights, kept),
+        "low_r_token_fraction": masked_mean(low, valid),
+        "low_r_sequence_fraction": masked_mean(jnp.any(low, axis=1), has_tokens),
     }
 
 
@@ -141,6 +147,9 @@ def compute_corrections(
                             KL(pi_sparse || pi_old_dense))
       log_ratio_mean/max/min  of the clamped token log ratio over loss-mask tokens
       is_weight_mean        mean final weight over kept tokens
+      low_r_token_fraction  fraction of loss-mask tokens with token `r_t < LOW_RATIO` (1e-4)
+      low_r_sequence_fraction  fraction of sequences holding such a token (what a 1e-4 veto
+                            would drop; logged for every kind)
       is_norm_factor        the divisor applied by normalisation (1 when off or skipped)
     """
     check_shape("logp_old_dense", logp_old_dense, dtype=float, B=None, T=None)

@@ -83,6 +83,9 @@ def np_corrections(old, sparse, mask, cfg):
         "log_ratio_min": lr_valid.min(),
         "is_weight_mean": weights[kept].mean() if kept.any() else 0.0,
         "is_norm_factor": factor,
+        "low_r_token_fraction": (np.exp(lr_valid) < 1e-4).mean(),
+        "low_r_sequence_fraction": np.mean([np.any(np.exp(tok_lr[i][mask[i]]) < 1e-4)
+                                            for i in np.flatnonzero(nonempty)]),
     }
     return weights, token_mask, seq_mask, metrics
 
