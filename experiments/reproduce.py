@@ -43,7 +43,16 @@ from sparse_rl_jax.trainer import train  # noqa: E402
 DISTILL = 0.1  # shadow-mask arm's loss.distill_coef (the paper's value is not public)
 COMPARE_KEYS = ("reward_mean", "rejection_rate", "clip_fraction", "mismatch_k3",
                 "repetition_fraction", "kv_token_savings", "kv_peak_savings",
-                "response_length_mean", "token_mask_fraction")
+                "response_length_mean", "token_mask_fraction", "truncated_fraction",
+                "low_r_sequence_fraction")
+# Collapse, defined before any run (issue 14): a run collapses when, for at least a quarter
+# of its steps in a row, its training reward (smoothed over a tenth of the run) sits at least
+# COLLAPSE_DROP below its peak while its truncated fraction (smoothed alike) is at least
+# COLLAPSE_TRUNCATION x its baseline (its first tenth) and at least COLLAPSE_TRUNCATION_FLOOR.
+# An arm collapses when at least 2 of 3 seeds (2/3 of its seeds) do.
+COLLAPSE_DROP = 0.2
+COLLAPSE_TRUNCATION = 3.0
+COLLAPSE_TRUNCATION_FLOOR = 0.05
 
 
 def arms(methods: list[str], budgets: list[int]) -> list[tuple[str, list[str]]]:
@@ -60,6 +69,33 @@ def arms(methods: list[str], budgets: list[int]) -> list[tuple[str, list[str]]]:
     return out
 
 
+def collapse_steps(records: list[dict]) -> int:
+    """The longest run of consecutive collapsed steps (see COLLAPSE_DROP) in one run."""
+    steps = len(records)
+    if not steps:
+        return 0
+    window = max(1, steps // 10)
+
+    def smooth(key):
+        values = np.array([r.get(key, np.nan) for r in records], float)
+        return np.array([np.nanmean(values[max(0, i - window + 1):i + 1]) for i in range(steps)])
+
+    reward, truncated = smooth("reward_mean"), smooth("truncated_fraction")
+    baseline = truncated[window - 1]
+    bad = ((reward <= np.nanmax(reward) - COLLAPSE_DROP)
+           & (truncated >= max(COLLAPSE_TRUNCATION * baseline, COLLAPSE_TRUNCATION_FLOOR)))
+    longest = current = 0
+    for flag in bad:
+        current = current + 1 if flag else 0
+        longest = max(longest, current)
+    return longest
+
+
+def collapsed(records: list[dict]) -> bool:
+    """Whether one run collapsed: ``collapse_steps`` spans at least a quarter of its steps."""
+    return bool(records) and collapse_steps(records) >= max(1, len(records) // 4)
+
+
 def summarize(records: list[dict], tail: int) -> dict:
     """Means over the first and the last ``tail`` steps of a run's metrics (reward), and
     over the whole run (everything else)."""
@@ -68,6 +104,7 @@ def summarize(records: list[dict], tail: int) -> dict:
     first, last = records[:tail], records[-tail:]
     return {
         "reward_first": mean(first, "reward_mean"), "reward_last": mean(last, "reward_mean"),
+        "collapsed": collapsed(records),
         **{key: mean(records, key) for key in COMPARE_KEYS if key != "reward_mean"},
     }
 
@@ -91,6 +128,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/reproduce")
+    parser.add_argument("--config", default=None,
+                        help="a run YAML for every arm (e.g. configs/walk/common.yaml); without "
+                             "it, the shipped digit task at its documented settings")
     parser.add_argument("--quick", action="store_true",
                         help="a few steps per arm, first seed and budget only (smoke test)")
     parser.add_argument("--methods", nargs="+", default=["rkv", "snapkv"])
@@ -102,7 +142,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     # The settings of the documented runs (docs/reproduce_*.md), which predate today's
     # defaults of the embedded run; the command-line overrides still come last.
-    base = ["optim.lr=3e-4", "trainer.steps=50", "warm_start.steps=1000"]
+    base = [] if args.config else ["optim.lr=3e-4", "trainer.steps=50", "warm_start.steps=1000"]
     if args.quick:
         # Eval batches shaped like training rollouts (8 prompts x 8 samples) reuse the
         # compiled sampler, which keeps the quick mode's compile time down.
@@ -112,7 +152,7 @@ def main(argv=None) -> int:
         args.seeds, args.budgets = args.seeds[:1], args.budgets[:1]
     base += args.overrides
     started = time.monotonic()
-    shared = load_config(RunConfig, None, [f"run_dir={out / 'shared'}"] + base)
+    shared = load_config(RunConfig, args.config, [f"run_dir={out / 'shared'}"] + base)
     policy = policy_path(shared)  # one warm start, shared by every arm
     # Every policy is evaluated dense and under every sparse setting that an arm trains with.
     inference = [dataclasses.replace(shared.compression, method=m, budget=b)
@@ -122,7 +162,7 @@ def main(argv=None) -> int:
         runs = []
         for label, arm in arms(args.methods, args.budgets):
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")
-            cfg = load_config(RunConfig, None, [
+            cfg = load_config(RunConfig, args.config, [
                 f"run_dir={run_dir}", f"model.path={policy}", f"trainer.seed={seed}",
                 "trainer.plots=false", *base, *arm])
             print(f"== {label} (seed {seed}) -> {run_dir}", flush=True)
@@ -185,7 +225,8 @@ def training_table(results: list[dict], per_seed: bool = False) -> str:
     digits = 3 if per_seed else 2
     head = ("| arm | " + ("seed | " if per_seed else "")
             + "reward first→last quarter | rejection | tok masked | clip frac | mismatch k3 | "
-            "repetition | KV saved mean / peak | eval pass@1 dense | eval pass@1 own sparse |")
+            "repetition | truncated | seq r<1e-4 | collapsed | KV saved mean / peak | "
+            "eval pass@1 dense | eval pass@1 own sparse |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, rows in _by_arm(results, per_seed):
         col = lambda key: _mean([r[key] for r in rows])  # noqa: E731
@@ -195,6 +236,8 @@ def training_table(results: list[dict], per_seed: bool = False) -> str:
             f"{_cell([r['reward_last'] for r in rows], digits)} | {col('rejection_rate'):.3f} | "
             f"{col('token_mask_fraction'):.3f} | {col('clip_fraction'):.4f} | "
             f"{col('mismatch_k3'):.3f} | {col('repetition_fraction'):.3f} | "
+            f"{col('truncated_fraction'):.3f} | {col('low_r_sequence_fraction'):.3f} | "
+            f"{sum(r.get('collapsed', False) for r in rows)}/{len(rows)} | "
             f"{col('kv_token_savings'):.3f} / {col('kv_peak_savings'):.3f} | "
             f"{_cell([_pass1(r, 'dense') for r in rows], digits)} | "
             f"{_cell(own, digits) if rows[0]['own_eval'] != 'dense' else '–'} |")

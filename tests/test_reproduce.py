@@ -128,3 +128,22 @@ def test_reward_curve_table_averages_seeds_per_span():
     table = reproduce.reward_curve_table(curves, blocks=2).splitlines()
     # Spans of steps 1-3 and 4-5; seed means 0.1, 0.3, 0.5, 0.7, 0.9.
     assert table[2] == "| dense | 0.300 → 0.800 |"
+
+
+def test_collapse_needs_a_long_reward_drop_with_truncation():
+    reproduce = _load_script("reproduce")
+
+    def run(rewards, truncated):
+        return [{"step": i + 1, "reward_mean": r, "truncated_fraction": t}
+                for i, (r, t) in enumerate(zip(rewards, truncated))]
+
+    healthy = run([0.5] * 40, [0.02] * 40)
+    # Reward falls 0.4 below its peak and truncation goes from 0.02 to 0.3 for the last 15 of
+    # 40 steps: smoothing over 4 steps delays the flag by up to 3 steps, still >= 40 // 4.
+    falls = run([0.5] * 25 + [0.1] * 15, [0.02] * 25 + [0.3] * 15)
+    short = run([0.5] * 34 + [0.1] * 6, [0.02] * 34 + [0.3] * 6)
+    no_truncation = run([0.5] * 25 + [0.1] * 15, [0.02] * 40)
+    assert reproduce.collapse_steps(healthy) == 0 and not reproduce.collapsed(healthy)
+    assert 10 <= reproduce.collapse_steps(falls) <= 15 and reproduce.collapsed(falls)
+    assert not reproduce.collapsed(short)  # 6 bad steps < 10
+    assert reproduce.collapse_steps(no_truncation) == 0
