@@ -14,10 +14,13 @@ densely. Per cell:
                     below 1e-4 (a token the dense policy all but rules out: a bad eviction)
   log r q0.1%       the 0.1% quantile of log r over all sampled response tokens
   truncated         fraction of compressed samples that hit max_new_tokens (missing halt)
+  alpha p5 / bin    Sparrow's statistic for this evicting cache: the 5th percentile of the
+                    per-token acceptance sum_x min(p_sparse, p_dense) per bin of --alpha-bin
+                    response positions (exact, replayed from the eviction record)
 
 A budget is *in the regime* when kv saved >= 0.35, greedy sparse >= 0.9 x greedy dense and
 3-10% of sequences hold an r < 1e-4 token; the script prints, per method, the smallest such
-budget (the most compression), or none. Sparrow's alpha p5 per bin is not measured here.
+budget (the most compression), or none.
 
   python experiments/walk_calibration.py --quick          # smoke version
   python experiments/walk_calibration.py --budgets 48 64 96 128 --prompts 64
@@ -41,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.regime_sweep import cell_footer, write_results  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
+from sparse_rl_jax.acceptance import acceptance_percentile_per_bin  # noqa: E402
 from sparse_rl_jax.collect import RolloutPolicy, collect_prompts  # noqa: E402
 from sparse_rl_jax.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
 from sparse_rl_jax.prompt_source import eval_examples  # noqa: E402
@@ -72,10 +76,12 @@ def in_regime(row: dict) -> bool:
 
 def format_table(rows: list[dict]) -> str:
     """A markdown table of the cells, one line each."""
-    names = ["method", "budget"] + [title for _, title in COLUMNS] + ["in regime"]
+    names = (["method", "budget"] + [title for _, title in COLUMNS]
+             + ["alpha p5 / bin", "in regime"])
     lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
     for r in rows:
         cells = [r["method"], str(r["budget"])] + [f"{r[k]:.3f}" for k, _ in COLUMNS]
+        cells.append(" / ".join(f"{a:.3f}" for a in r["alpha_p5"]))
         lines.append("| " + " | ".join(cells + ["yes" if in_regime(r) else "no"]) + " |")
     return "\n".join(lines)
 
@@ -90,6 +96,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=["rkv", "snapkv"])
     parser.add_argument("--budgets", nargs="+", type=int, default=[48, 64, 96, 128, 160])
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts per cell")
+    parser.add_argument("--alpha-bin", type=int, default=128,
+                        help="response positions per bin of the alpha p5 column")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
     args = parser.parse_args(argv)
     if args.quick:
@@ -117,7 +125,10 @@ def main(argv=None) -> int:
         for budget in args.budgets:
             compression = dataclasses.replace(cfg.compression, method=method, budget=budget,
                                               buffer=16, window=8)
-            sparse = collect_prompts(*run_args, compression=compression)
+            # The eviction record lets the scorer replay the sparse policy for alpha.
+            sparse = collect_prompts(*run_args, compression=compression,
+                                     sampling=dataclasses.replace(sampling,
+                                                                  record_evictions=True))
             rollout = sparse.rollout
             row = {"method": method, "budget": budget,
                    "kv_saved": float(kv_token_savings(rollout.kv_mean, rollout.dense_kv_mean)),
@@ -125,6 +136,8 @@ def main(argv=None) -> int:
                    "greedy_sparse": greedy_accuracy(compression),
                    "truncated": float(1 - np.mean(np.asarray(rollout.finished)))}
             row.update(log_ratio_stats(sparse.logp_old, rollout.logp, rollout.response_mask))
+            row["alpha_p5"] = acceptance_percentile_per_bin(
+                sparse.alpha, rollout.response_mask, bin_tokens=args.alpha_bin).tolist()
             rows.append(row)
             print(format_table([row]).splitlines()[-1], flush=True)
     picks = {m: min((r["budget"] for r in rows if r["method"] == m and in_regime(r)),

@@ -65,5 +65,8 @@ def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
     # so the same key gives the dense samples and the dense scorer agrees with the sampler.
     assert large["kv_saved"] == 0.0 and large["seq_low_r"] == 0.0
     assert abs(large["log_r_q001"]) < 1e-3
+    # alpha = sum_x min(p_sparse, p_dense) is 1 where the cache never compressed.
+    np.testing.assert_allclose(large["alpha_p5"], 1.0, atol=1e-4)
+    assert len(small["alpha_p5"]) == 1 and 0 < small["alpha_p5"][0] <= 1 + 1e-6
     assert large["greedy_sparse"] == large["greedy_dense"] == small["greedy_dense"]
     assert "smallest budget in the regime: rkv" in (out / "calibration.md").read_text()
