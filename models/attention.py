@@ -77,20 +77,21 @@ def page_visibility(q_pages: jax.Array, k_pos: jax.Array, page_size: int) -> jax
         the page of a key with position ``-1`` is immaterial (the causal rule hides it).
       page_size: tokens per page (static).
 
-    Costs ``[B, Hkv, T, ceil(S / page_size)]`` page flags plus the ``[B, Hkv, T, S]`` result:
-    called per query block, the replay never holds more than one block of rows.
+    Costs ``[B, Hkv, T, ceil(S / page_size)]`` page flags, the scatter's ``[B, Hkv, T, K]``
+    indices and the ``[B, Hkv, T, S]`` result: called per query block, the replay never holds
+    more than one block of rows.
     """
-    b, h, t, _ = q_pages.shape
     num_pages = -(-k_pos.shape[-1] // page_size)
     slot = jnp.where(q_pages >= 0, q_pages, num_pages)  # -1 -> out of range: dropped
-    rows = jnp.arange(b)[:, None, None, None]
-    heads = jnp.arange(h)[None, :, None, None]
-    queries = jnp.arange(t)[None, None, :, None]
-    chosen = jnp.zeros((b, h, t, num_pages), bool).at[rows, heads, queries, slot].set(
-        True, mode="drop")
+
+    def page_flags(pages):  # [K] -> [P]
+        return jnp.zeros((num_pages,), bool).at[pages].set(True, mode="drop")
+
+    chosen = jax.vmap(jax.vmap(jax.vmap(page_flags)))(slot)  # [B, Hkv, T, P]
     page_of_key = jnp.maximum(k_pos, 0) // page_size  # [B, Hkv, S]
-    seen = jnp.take_along_axis(
-        chosen, jnp.broadcast_to(page_of_key[:, :, None, :], (b, h, t, k_pos.shape[-1])), axis=-1)
+    # one gather of whole query columns per key: indices [B, Hkv, S], never [B, Hkv, T, S]
+    seen = jax.vmap(jax.vmap(lambda flags_TxP, page_S: jnp.take(flags_TxP, page_S, axis=1)))(
+        chosen, page_of_key)
     return seen | jnp.all(q_pages < 0, axis=-1)[..., None]
 
 
