@@ -17,19 +17,26 @@ from models.page_sparse import NO_PAGE, PageReplay
 from sparse_rl_jax.compression_config import CompressionConfig
 
 
-def schedule_budget(cfg: CompressionConfig, lengths: jax.Array) -> jax.Array:
-    """k per row ``[B]`` int32 for cached lengths ``lengths [B]`` (current token included).
-
-    Row ``b`` takes ``k_i`` of the last schedule entry with ``start_i <= ceil(L / page_size) *
+def schedule_bin(cfg: CompressionConfig, lengths: jax.Array) -> jax.Array:
+    """Index ``[B]`` int32 of the ``budget_schedule`` entry of cached lengths ``lengths [B]``
+    (current token included): the last entry with ``start_i <= ceil(L / page_size) *
     page_size`` (with 16-token pages and 2000-token starts this is Sparrow's
-    ``bin = ceil(L / 16) // 125``, the last bin open-ended).
-    """
+    ``bin = ceil(L / 16) // 125``, the last bin open-ended)."""
     starts = jnp.asarray([s for s, _ in cfg.budget_schedule], jnp.int32)
-    ks = jnp.asarray([k for _, k in cfg.budget_schedule], jnp.int32)
     ps = cfg.page_size
-    covered = (lengths.astype(jnp.int32) + ps - 1) // ps * ps
+    covered = (jnp.asarray(lengths).astype(jnp.int32) + ps - 1) // ps * ps
     idx = jnp.sum(covered[:, None] >= starts[None, :], axis=1) - 1
-    return ks[jnp.clip(idx, 0, len(cfg.budget_schedule) - 1)]
+    return jnp.clip(idx, 0, len(cfg.budget_schedule) - 1)
+
+
+def schedule_budget(cfg: CompressionConfig, lengths: jax.Array,
+                    ks: jax.Array | None = None) -> jax.Array:
+    """k per row ``[B]`` int32 for cached lengths ``lengths [B]``: the k of each row's
+    :func:`schedule_bin`, from ``ks [len(budget_schedule)]`` (a traced schedule, e.g. the
+    closed loop's) or else the schedule's own."""
+    if ks is None:
+        ks = jnp.asarray([k for _, k in cfg.budget_schedule], jnp.int32)
+    return jnp.asarray(ks, jnp.int32)[schedule_bin(cfg, lengths)]
 
 
 def num_pages(max_len: int, page_size: int) -> int:
