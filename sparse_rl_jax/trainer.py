@@ -256,7 +256,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                         save_every=cfg.trainer.checkpoint_every)
     params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
                                                          log)
-    budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if start else None)
+    resumed = start and cfg.compression.adapt_k
+    budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
     writer = MetricsWriter(run_dir, resume_step=start if start else None,
                            tensorboard="tensorboard" in cfg.logging.backends,
                            wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None)
