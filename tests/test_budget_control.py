@@ -154,33 +154,38 @@ def _ks_and_p5(records):
              [r.get(f"alpha_p5_kbin{i}", math.nan) for i in range(2)]) for r in records]
 
 
-def test_training_moves_k_by_the_live_p5_and_resumes_with_it(tmp_path):
+@pytest.mark.parametrize("threshold", ["1.0", "0.01"])
+def test_training_moves_k_by_the_live_p5(tmp_path, threshold):
     """threshold 1: every bin with a sparse token is below it (k rises); threshold 0.01 with
-    no margin: every bin with tokens has slack (k falls to adapt_min_k). A run stopped after
-    one step resumes with the checkpointed ks: its metrics equal the uninterrupted run's."""
+    no margin: every bin with tokens has slack (k falls to adapt_min_k)."""
     from sparse_rl_jax.trainer import train
 
     path = tiny_task_policy(tmp_path / "policy")[0]
-    quiet = lambda _: None  # noqa: E731
-    for threshold in ("1.0", "0.01"):
-        steps = "3" if threshold == "1.0" else "2"  # run1.0 is also the resume reference
-        cfg = _loop_config(path, tmp_path / f"run{threshold}", f"trainer.steps={steps}",
-                           f"compression.alpha_threshold={threshold}")
-        train(cfg, log=quiet)
-        steps = _ks_and_p5(read_metrics(tmp_path / f"run{threshold}" / "metrics.jsonl"))
-        assert steps[0][0] == [1, 2]  # the schedule's own ks first
-        for (ks, p5), (after, _) in zip(steps, steps[1:]):
-            assert tuple(after) == reference_next(ks, p5, threshold=float(threshold), margin=0.0,
-                                                  step=1, low=0, highs=(3, 3))
-        moved = [b - a for (ks_a, _), (ks_b, _) in zip(steps, steps[1:])
-                 for a, b in zip(ks_a, ks_b)]
-        assert (max(moved) > 0) if threshold == "1.0" else (min(moved) < 0)
-    first = tmp_path / "resumed"
-    train(_loop_config(path, first, "trainer.steps=1", "compression.alpha_threshold=1.0"),
-          log=quiet)
+    train(_loop_config(path, tmp_path / "run", "trainer.steps=2",
+                       f"compression.alpha_threshold={threshold}"), log=lambda _: None)
+    steps = _ks_and_p5(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+    assert steps[0][0] == [1, 2]  # the schedule's own ks first
+    (ks, p5), (after, _) = steps
+    assert tuple(after) == reference_next(ks, p5, threshold=float(threshold), margin=0.0,
+                                          step=1, low=0, highs=(3, 3))
+    moved = [b - a for a, b in zip(ks, after)]
+    assert (max(moved) > 0) if threshold == "1.0" else (min(moved) < 0)
+
+
+def test_resumed_training_continues_with_the_checkpointed_ks(tmp_path):
+    """A run stopped after one step resumes with the ks its checkpoint saved (moved by step
+    1's p5), not the schedule's own."""
+    from sparse_rl_jax.trainer import train
+
+    path = tiny_task_policy(tmp_path / "policy")[0]
+    run_dir = tmp_path / "run"
+    train(_loop_config(path, run_dir, "trainer.steps=1", "compression.alpha_threshold=1.0"),
+          log=lambda _: None)
     messages = []
-    train(_loop_config(path, first, "trainer.steps=3", "compression.alpha_threshold=1.0"),
+    train(_loop_config(path, run_dir, "trainer.steps=2", "compression.alpha_threshold=1.0"),
           log=messages.append)
     assert any("resumed from step 1" in m for m in messages)
-    assert _ks_and_p5(read_metrics(first / "metrics.jsonl")) == _ks_and_p5(
-        read_metrics(tmp_path / "run1.0" / "metrics.jsonl"))
+    (ks, p5), (resumed, _) = _ks_and_p5(read_metrics(run_dir / "metrics.jsonl"))
+    assert ks == [1, 2] and resumed != ks
+    assert tuple(resumed) == reference_next(ks, p5, threshold=1.0, margin=0.0, step=1, low=0,
+                                            highs=(3, 3))
