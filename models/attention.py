@@ -1,9 +1,10 @@
 """The one attention function every path uses (full forward, cached decode, mask replay).
 
 Visibility rule: key ``s`` is visible to the query at position ``t`` iff
-``0 <= kpos[s] <= t`` (and ``t < expiry[s]`` when an eviction record is replayed), ANDed with
-an optional arbitrary boolean mask. Padding queries carry position ``-1`` and see nothing;
-such rows give a zero output instead of NaN.
+``0 <= kpos[s] <= t`` (and ``t < expiry[s]`` when an eviction record is replayed, and the
+key's page ``kpos[s] // page_size`` is one the query selected when a page-sparse rollout is
+replayed), ANDed with an optional arbitrary boolean mask. Padding queries carry position
+``-1`` and see nothing; such rows give a zero output instead of NaN.
 
 Three backends compute it (``attention(..., backend=...)``):
 
@@ -11,6 +12,7 @@ Three backends compute it (``attention(..., backend=...)``):
   blocks), the visibility computed per block from positions / expiry times, with a custom
   backward that recomputes each block. Neither the forward nor the backward holds a
   ``[T, S]`` score or mask array once ``T * S`` exceeds one block; exact for any positions.
+  A page selection (``q_pages``) becomes mask rows one query block at a time.
 - ``"fused"``: ``jax.nn.dot_product_attention`` with a causal + padding mask (cuDNN flash on
   GPU for half-precision inputs, XLA elsewhere). Valid only for a full forward whose rows are
   right-padded: keys are the queries and each row's positions are ``0, 1, ..., n - 1``
@@ -39,6 +41,8 @@ def visibility(
     k_pos: jax.Array,
     k_expiry: jax.Array | None = None,
     mask: jax.Array | None = None,
+    q_pages: jax.Array | None = None,
+    page_size: int = 16,
 ) -> jax.Array:
     """Boolean ``[B, Hkv, T, S]``: which key each query may attend to.
 
@@ -47,6 +51,7 @@ def visibility(
       k_pos: ``[B, Hkv, S]`` int key positions (``-1`` = empty/padding).
       k_expiry: optional ``[B, Hkv, S]`` int; key ``s`` is hidden from queries at ``t >= expiry``.
       mask: optional bool, broadcastable to ``[B, Hkv, T, S]``, ANDed in.
+      q_pages, page_size: optional page selection, see :func:`page_visibility`.
     """
     qp = q_pos[:, None, :, None]
     kp = k_pos[:, :, None, :]
@@ -55,7 +60,39 @@ def visibility(
         visible &= qp < k_expiry[:, :, None, :]
     if mask is not None:
         visible &= mask
+    if q_pages is not None:
+        visible &= page_visibility(q_pages, k_pos, page_size)
     return visible
+
+
+def page_visibility(q_pages: jax.Array, k_pos: jax.Array, page_size: int) -> jax.Array:
+    """Boolean ``[B, Hkv, T, S]``: whether key ``s``'s page is among query ``t``'s pages.
+
+    Args:
+      q_pages: ``[B, Hkv, T, K]`` int page indices each query attends to (page ``p`` holds
+        positions ``[p * page_size, (p + 1) * page_size)``); ``-1`` marks an unused slot, and a
+        query with no page at all (``-1`` only) sees every page (a dense step).
+      k_pos: ``[B, Hkv, S]`` int key positions, below ``S`` (so pages below
+        ``ceil(S / page_size)``: true of a forward over its own tokens and of a dense cache);
+        the page of a key with position ``-1`` is immaterial (the causal rule hides it).
+      page_size: tokens per page (static).
+
+    Costs ``[B, Hkv, T, ceil(S / page_size)]`` page flags, the scatter's ``[B, Hkv, T, K]``
+    indices and the ``[B, Hkv, T, S]`` result: called per query block, the replay never holds
+    more than one block of rows.
+    """
+    num_pages = -(-k_pos.shape[-1] // page_size)
+    slot = jnp.where(q_pages >= 0, q_pages, num_pages)  # -1 -> out of range: dropped
+
+    def page_flags(pages):  # [K] -> [P]
+        return jnp.zeros((num_pages,), bool).at[pages].set(True, mode="drop")
+
+    chosen = jax.vmap(jax.vmap(jax.vmap(page_flags)))(slot)  # [B, Hkv, T, P]
+    page_of_key = jnp.maximum(k_pos, 0) // page_size  # [B, Hkv, S]
+    # one gather of whole query columns per key: indices [B, Hkv, S], never [B, Hkv, T, S]
+    seen = jax.vmap(jax.vmap(lambda flags_TxP, page_S: jnp.take(flags_TxP, page_S, axis=1)))(
+        chosen, page_of_key)
+    return seen | jnp.all(q_pages < 0, axis=-1)[..., None]
 
 
 def attention(
@@ -67,6 +104,8 @@ def attention(
     *,
     k_expiry: jax.Array | None = None,
     mask: jax.Array | None = None,
+    q_pages: jax.Array | None = None,
+    page_size: int = 16,
     backend: str = "blockwise",
     block_size: int | None = None,
 ) -> jax.Array:
@@ -77,6 +116,8 @@ def attention(
       k, v: ``[B, Hkv, S, D]`` keys (after RoPE) and values. Query head ``h`` reads KV head
         ``h // (Hq // Hkv)`` (HF grouping), without repeating K/V.
       q_pos, k_pos, k_expiry, mask: see :func:`visibility`.
+      q_pages, page_size: optional ``[B, Hkv, T, K]`` page selection of each query (see
+        :func:`page_visibility`); ``"blockwise"`` expands it one query block at a time.
       backend: ``"blockwise"``, ``"fused"`` or ``"reference"`` (see the module docstring).
       block_size: query and key block length of ``"blockwise"``; ``None``: one block while
         ``T * S <= 2**20``, else blocks of 512.
@@ -85,10 +126,11 @@ def attention(
       ``[B, T, Hq, D]`` in ``q.dtype``; zero for queries that see no key.
     """
     if backend == "reference":
-        return reference_attention(q, k, v, q_pos, k_pos, k_expiry=k_expiry, mask=mask)
+        return reference_attention(q, k, v, q_pos, k_pos, k_expiry=k_expiry, mask=mask,
+                                   q_pages=q_pages, page_size=page_size)
     if backend == "fused":
-        if k_expiry is not None or mask is not None:
-            raise ValueError("attention: backend='fused' takes no k_expiry or mask; "
+        if k_expiry is not None or mask is not None or q_pages is not None:
+            raise ValueError("attention: backend='fused' takes no k_expiry, mask or q_pages; "
                              "use backend='blockwise'")
         return fused_attention(q, k, v, q_pos)
     if backend != "blockwise":
@@ -97,7 +139,7 @@ def attention(
         raise ValueError(f"attention: block_size must be None or a positive int, "
                          f"got {block_size!r}")
     return blockwise_attention(q, k, v, q_pos, k_pos, k_expiry=k_expiry, mask=mask,
-                               block_size=block_size)
+                               q_pages=q_pages, page_size=page_size, block_size=block_size)
 
 
 def masked_softmax(x: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
@@ -111,7 +153,8 @@ def masked_softmax(x: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
     return e / jnp.where(total > 0, total, 1.0)
 
 
-def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None) -> jax.Array:
+def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None, q_pages=None,
+                        page_size=16) -> jax.Array:
     """The naive einsum over every ``[T, S]`` pair (the oracle). Same contract as
     :func:`attention`."""
     b, t, hq, d = q.shape
@@ -119,7 +162,7 @@ def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None) -> j
     q_BxTxKxGxD = q.reshape(b, t, hkv, hq // hkv, d)
     logits_BxKxGxTxS = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxD, k,
                                   preferred_element_type=jnp.float32) * (d ** -0.5)
-    visible_BxKx1xTxS = visibility(q_pos, k_pos, k_expiry, mask)[:, :, None]
+    visible_BxKx1xTxS = visibility(q_pos, k_pos, k_expiry, mask, q_pages, page_size)[:, :, None]
     probs_BxKxGxTxS = masked_softmax(logits_BxKxGxTxS, visible_BxKx1xTxS)
     out_BxTxKxGxD = jnp.einsum("bkgts,bksd->btkgd", probs_BxKxGxTxS.astype(v.dtype), v)
     return out_BxTxKxGxD.reshape(b, t, hq, d).astype(q.dtype)
@@ -176,7 +219,8 @@ def _join_blocks(x, axis):
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
 
 
-def blockwise_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None, block_size=None):
+def blockwise_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None, q_pages=None,
+                        page_size=16, block_size=None):
     """Online-softmax attention over query x key blocks; same contract as :func:`attention`.
 
     Queries and keys are padded to multiples of ``block_size`` (padding keys and queries get
@@ -201,16 +245,19 @@ def blockwise_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None, bloc
     if mask is not None:
         mask = jnp.broadcast_to(mask, (b, hkv, t, s))
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)))
-    out = _flash(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk)  # [B, Hkv, G, T', D]
+    if q_pages is not None:
+        q_pages = jnp.pad(q_pages.astype(jnp.int32), ((0, 0), (0, 0), (0, pad_t), (0, 0)),
+                          constant_values=-1)
+    out = _flash(qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, bq, bk, page_size)
     out = out.transpose(0, 3, 1, 2, 4)[:, :t].reshape(b, t, hq, d)
     return out.astype(q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _flash(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, bq, bk, page_size):
     """``qg [B, Hkv, G, T, D]`` (T a multiple of ``bq``), ``k, v [B, Hkv, S, D]`` (S a multiple
     of ``bk``) -> fp32 ``[B, Hkv, G, T, D]``."""
-    return _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk)[0]
+    return _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, bq, bk, page_size)[0]
 
 
 def _key_blocks(k, v, k_pos, k_expiry, mask_rows, bk):
@@ -221,10 +268,20 @@ def _key_blocks(k, v, k_pos, k_expiry, mask_rows, bk):
             None if mask_rows is None else _split_blocks(mask_rows, 3, bk))
 
 
-def _query_blocks(qg, q_pos, mask, bq):
+def _query_blocks(qg, q_pos, mask, q_pages, bq):
     """Query-block views for ``lax.scan``/``lax.map``; ``mask`` (if any) stays whole."""
     return (_split_blocks(qg, 3, bq), _split_blocks(q_pos, 1, bq),
-            None if mask is None else _split_blocks(mask, 2, bq))
+            None if mask is None else _split_blocks(mask, 2, bq),
+            None if q_pages is None else _split_blocks(q_pages, 2, bq))
+
+
+def _block_mask_rows(mask_rows, page_rows, k_pos, page_size):
+    """One query block's mask rows ``[B, Hkv, Tq, S]`` (or None): the given rows ANDed with
+    the block's page selection ``page_rows [B, Hkv, Tq, K]`` expanded over the keys."""
+    if page_rows is None:
+        return mask_rows
+    seen = page_visibility(page_rows, k_pos, page_size)
+    return seen if mask_rows is None else mask_rows & seen
 
 
 def _scan(step, init, xs):
@@ -241,14 +298,15 @@ def _skip_empty(visible, compute, carry):
     return jax.lax.cond(jnp.any(visible), compute, lambda c: c, carry)
 
 
-def _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
+def _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, bq, bk, page_size):
     """Forward: output fp32 ``[B, Hkv, G, T, D]`` and row log-sum-exp ``[B, Hkv, G, T]``."""
     d = qg.shape[-1]
     scale = d ** -0.5
     many = k.shape[2] > bk or qg.shape[3] > bq
 
     def one_query_block(qblock):
-        qb, qp, mask_rows = qblock
+        qb, qp, mask_rows, page_rows = qblock
+        mask_rows = _block_mask_rows(mask_rows, page_rows, k_pos, page_size)
 
         def step(carry, key_block):
             kb, vb, kp, ke, mb = key_block
@@ -279,29 +337,31 @@ def _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
                         jnp.inf)
         return None, (out, lse)
 
-    queries = _query_blocks(qg, q_pos, mask, bq)
+    queries = _query_blocks(qg, q_pos, mask, q_pages, bq)
     _, (out, lse) = _scan(lambda _, qblock: one_query_block(qblock), None, queries)
     return _join_blocks(out, 3), _join_blocks(lse, 3)
 
 
-def _flash_fwd(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk):
-    out, lse = _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, bq, bk)
-    return out, (qg, k, v, q_pos, k_pos, k_expiry, mask, out, lse)
+def _flash_fwd(qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, bq, bk, page_size):
+    out, lse = _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, bq, bk,
+                              page_size)
+    return out, (qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, out, lse)
 
 
-def _flash_bwd(bq, bk, residuals, d_out):
+def _flash_bwd(bq, bk, page_size, residuals, d_out):
     """Recompute each block's probabilities from the saved log-sum-exp (no ``[T, S]`` kept)."""
-    qg, k, v, q_pos, k_pos, k_expiry, mask, out, lse = residuals
+    qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, out, lse = residuals
     d = qg.shape[-1]
     scale = d ** -0.5
     d_out = d_out.astype(jnp.float32)
     delta = jnp.sum(d_out * out, axis=-1)  # [B, Hkv, G, T]
     many = k.shape[2] > bk or qg.shape[3] > bq
-    queries = _query_blocks(qg, q_pos, mask, bq) + (
+    queries = _query_blocks(qg, q_pos, mask, q_pages, bq) + (
         _split_blocks(d_out, 3, bq), _split_blocks(delta, 3, bq), _split_blocks(lse, 3, bq))
 
     def one_query_block(dkv, qblock):
-        qb, qp, mask_rows, dob, deltab, lseb = qblock
+        qb, qp, mask_rows, page_rows, dob, deltab, lseb = qblock
+        mask_rows = _block_mask_rows(mask_rows, page_rows, k_pos, page_size)
         keys = _key_blocks(k, v, k_pos, k_expiry, mask_rows, bk)
 
         def step(dq, key_block):
@@ -333,7 +393,7 @@ def _flash_bwd(bq, bk, residuals, d_out):
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     (dk, dv), dq = _scan(one_query_block, init, queries)
     return (_join_blocks(dq, 3).astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -20,7 +20,7 @@ from flax import nnx
 from models.attention import attention
 from models.cache import KVCache
 from models.config import ModelConfig
-from models.page_sparse import PageSparsity, page_sparse_attention
+from models.page_sparse import PageReplay, PageSparsity, page_sparse_attention
 from models.rope import apply_rope, inv_frequencies
 from models.shapes import check_shape
 
@@ -109,9 +109,11 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.cfg = cfg
 
-    def __call__(self, x, positions, layer, cache, key_expiry, mask, backend, pages=None):
+    def __call__(self, x, positions, layer, cache, key_expiry, mask, backend, pages=None,
+                 replay=None):
         """x ``[B, T, H]`` -> (out ``[B, T, H]``, queries ``[B, T, Hq, D]``, cache, selected
-        pages ``[B, Hkv, K]`` or None). ``pages``: this layer's :class:`PageSparsity`."""
+        pages ``[B, Hkv, K]`` or None). ``pages``: this layer's :class:`PageSparsity`;
+        ``replay``: this layer's :class:`PageReplay` (``pages [B, Hkv, T, K]``)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -128,6 +130,8 @@ class Attention(nnx.Module):
             k, v, k_pos = cache.k[layer], cache.v[layer], cache.pos[layer]
         if pages is None:
             out = attention(q, k, v, positions, k_pos, k_expiry=key_expiry, mask=mask,
+                            q_pages=None if replay is None else replay.pages,
+                            page_size=16 if replay is None else replay.page_size,
                             backend=backend)
             selected = None
         else:
@@ -186,9 +190,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, rngs=rngs, **kw)
 
-    def __call__(self, x, positions, layer, cache, key_expiry, mask, backend, pages=None):
+    def __call__(self, x, positions, layer, cache, key_expiry, mask, backend, pages=None,
+                 replay=None):
         attn, q, cache, selected = self.self_attn(self.input_layernorm(x), positions, layer,
-                                                  cache, key_expiry, mask, backend, pages)
+                                                  cache, key_expiry, mask, backend, pages,
+                                                  replay)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), q, cache, selected
 
@@ -243,6 +249,7 @@ class Decoder(nnx.Module):
         return_logits: bool = True,
         attention_backend: str = "blockwise",
         pages: PageSparsity | None = None,
+        page_replay: PageReplay | None = None,
     ) -> DecoderOutput:
         """Forward ``tokens [B, T]``.
 
@@ -267,28 +274,34 @@ class Decoder(nnx.Module):
             ``"reference"`` (the einsum oracle); see :mod:`models.attention`.
           pages: page-sparse decode (:mod:`models.page_sparse`): needs a cache and ``T == 1``;
             the output's ``pages`` holds what each layer attended to.
+          page_replay: a page-sparse rollout's selection (:class:`PageReplay`, ``pages
+            [L, B, Hkv, T, K]``) replayed on a full forward (no cache): each query sees only
+            the keys of its pages, expanded one query block at a time (never ``[T, S]`` per
+            layer beyond one block).
         """
         cfg = self.config
         check_shape("tokens", tokens, dtype=int, B=None, T=None)
         t = tokens.shape[1]
         positions = _resolve_positions(tokens, positions, attention_mask, cache)
         _check_call(cfg, tokens, cache, key_expiry, mask, return_queries, attention_backend,
-                    pages)
+                    pages, page_replay)
 
         layer_graph, layer_params = nnx.split(self.layers)
         shared_mask = mask[0] if mask is not None and mask.shape[0] == 1 else None
         per_layer = (jnp.arange(cfg.num_layers), layer_params, key_expiry,
                      None if shared_mask is not None else mask,
-                     None if pages is None else pages.page_keys)
+                     None if pages is None else pages.page_keys,
+                     None if page_replay is None else page_replay.pages)
 
         def one_layer(carry, xs):
             x, cache = carry
-            layer, params, layer_expiry, layer_mask, page_keys = xs
+            layer, params, layer_expiry, layer_mask, page_keys, replay_pages = xs
             block = nnx.merge(layer_graph, params)
             layer_mask = shared_mask if shared_mask is not None else layer_mask
             layer_pages = None if pages is None else pages.replace(page_keys=page_keys)
+            replay = None if page_replay is None else page_replay.replace(pages=replay_pages)
             x, q, cache, selected = block(x, positions, layer, cache, layer_expiry, layer_mask,
-                                          attention_backend, layer_pages)
+                                          attention_backend, layer_pages, replay)
             q = q[:, t - return_queries:].transpose(0, 2, 1, 3) if return_queries else None
             return (x, cache), (q, selected)
 
@@ -333,7 +346,7 @@ def _resolve_positions(tokens, positions, attention_mask, cache) -> jax.Array:
 
 
 def _check_call(cfg: ModelConfig, tokens, cache, key_expiry, mask, return_queries: int,
-                attention_backend: str, pages) -> None:
+                attention_backend: str, pages, page_replay=None) -> None:
     """Reject :meth:`Decoder.__call__` arguments that do not fit ``tokens [B, T]`` (ValueError
     naming the argument) before any compute."""
     b, t = tokens.shape
@@ -350,6 +363,14 @@ def _check_call(cfg: ModelConfig, tokens, cache, key_expiry, mask, return_querie
     if pages is not None and (cache is None or t != 1):
         raise ValueError(f"pages: page-sparse attention needs a cache and one token per row "
                          f"(T=1), got T={t}, cache={'set' if cache is not None else None}")
+    if page_replay is not None:
+        check_shape("page_replay.pages", page_replay.pages, dtype=int, L=cfg.num_layers, B=b,
+                    Hkv=cfg.num_kv_heads, T=t, K=None)
+        if cache is not None or attention_backend == "fused":
+            raise ValueError("page_replay: replays on a full forward (no cache) with the "
+                             f"blockwise or reference backend, got cache="
+                             f"{'set' if cache is not None else None}, "
+                             f"attention_backend={attention_backend!r}")
 
 
 def _check_cache_room(cache: KVCache | None, t: int) -> None:

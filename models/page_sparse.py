@@ -50,6 +50,20 @@ class PageSparsity:
         return middle_slots(self.max_k, self.page_keys.shape[-2]) + 3
 
 
+@struct.dataclass
+class PageReplay:
+    """A page-sparse rollout's selection replayed by a teacher-forced forward (a pytree).
+
+    Attributes:
+      pages: ``[L, B, Hkv, T, K]`` int32 pages each query attended to (``NO_PAGE`` unused; a
+        query with ``NO_PAGE`` only attends densely: prompt queries, dense layers).
+      page_size: tokens per page (static).
+    """
+
+    pages: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+
 def middle_slots(max_k: int, num_pages: int) -> int:
     """Top-k slots of a selection: ``max_k`` capped at the ``num_pages - 3`` middle pages."""
     return max(0, min(max_k, num_pages - 3))

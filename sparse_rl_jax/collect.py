@@ -51,6 +51,8 @@ class RolloutPolicy:
       score_batch: sequences per scoring call; 0 = all rows in one call.
       fit_score_batch: lower ``score_batch`` to the largest divisor of the rows that the
         memory plan fits, when the device reports a memory limit.
+      budget_ks: ``sparrow``'s k per ``budget_schedule`` bin in place of the schedule's own
+        (the closed loop's, ``budget_control``), or None; used with ``compression`` only.
     """
 
     graphdef: nnx.GraphDef
@@ -64,6 +66,7 @@ class RolloutPolicy:
     logp_chunk: int = 128
     score_batch: int = 0
     fit_score_batch: bool = False
+    budget_ks: tuple[int, ...] | None = None
 
     @classmethod
     def from_run(cls, cfg: RunConfig, graphdef: nnx.GraphDef, tokenizer, reward_fn: Callable,
@@ -204,7 +207,8 @@ def collect_prompts(policy: RolloutPolicy, params, prompts: Sequence[str],
         compression=comp, num_samples=samples, step=samples,
         record_evictions=sampling.record_evictions, **plan)
     rollout, seconds["rollout"] = timed(generate, policy.graphdef, params, prompt, prompt_mask,
-                                        key, sampling, comp)
+                                        key, sampling, comp,
+                                        policy.budget_ks if compression is None else None)
     if edit is not None:
         rollout = edit(rollout)
     start = time.perf_counter()

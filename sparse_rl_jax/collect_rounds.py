@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_rl_jax.anomaly_control import control_rows, inject_missed_increment
+from sparse_rl_jax.budget_control import bin_p5, p5_metrics
 from sparse_rl_jax.collect import Collected, collect_prompts
 from sparse_rl_jax.kv_state import NEVER
 from sparse_rl_jax.overlong import overlong_penalty
@@ -171,8 +172,11 @@ def _metrics(rounds: list[Collected], ctx) -> dict[str, jax.Array]:
         metrics["overlong_penalty_mean"] = jnp.mean(overlong_penalty(
             np.asarray(mask).sum(1), ctx.sampling.max_new_tokens, ctx.cfg.overlong))
     if all(out.alpha is not None for out in rounds):
-        metrics.update(acceptance_metrics(jnp.concatenate([out.alpha for out in rounds]), mask,
-                                          ctx.cfg.compression.alpha_threshold))
+        alpha = jnp.concatenate([out.alpha for out in rounds])
+        metrics.update(acceptance_metrics(alpha, mask, ctx.cfg.compression.alpha_threshold))
+        if ctx.cfg.compression.adapt_k:  # the closed loop's input: p5 per schedule bin
+            plen = np.concatenate([np.asarray(out.rollout.prompt_mask).sum(1) for out in rounds])
+            metrics.update(p5_metrics(bin_p5(ctx.cfg.compression, alpha, mask, plen)))
     return metrics
 
 

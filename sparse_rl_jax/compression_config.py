@@ -99,6 +99,16 @@ class CompressionConfig:
       alpha_metric: how training logs alpha when the rollout keeps its record
         (``sampling.record_evictions``): ``exact`` (full vocabulary), ``top20`` (Sparrow's
         lower bound) or ``off``. Costs a sparse (replay) and a dense forward per sequence.
+      adapt_k: (``sparrow``) closed loop, off by default: after each RL step, k of each
+        ``budget_schedule`` bin moves by ``adapt_step`` pages from that bin's live alpha p5
+        (``budget_control``): up where p5 < ``alpha_threshold``, down where p5 >=
+        ``alpha_threshold + adapt_margin``, within ``[adapt_min_k, adapt_max_k]`` and the
+        bin's middle pages. Needs the alpha metric (``alpha_metric`` not ``off``).
+      adapt_step: pages k moves per step of the closed loop, >= 1.
+      adapt_margin: slack above ``alpha_threshold`` before k is lowered, in [0, 1).
+      adapt_min_k: smallest k the closed loop sets, >= 0.
+      adapt_max_k: largest k the closed loop sets: the compiled size of the page selection
+        (``max_pages_k``), so adapting never recompiles; None = the schedule's largest k.
     """
 
     method: Method = "snapkv"
@@ -118,6 +128,11 @@ class CompressionConfig:
     dense_layers: tuple[int, ...] = (0, 1)
     alpha_threshold: float = 0.86
     alpha_metric: AlphaMetric = "exact"
+    adapt_k: bool = False
+    adapt_step: int = 8
+    adapt_margin: float = 0.02
+    adapt_min_k: int = 0
+    adapt_max_k: int | None = None
 
     def __post_init__(self) -> None:
         check_choice(self, "method", METHODS)
@@ -163,6 +178,28 @@ class CompressionConfig:
         check_distinct(self, "dense_layers", lambda x: is_int(x) and x >= 0,
                        "must be distinct ints >= 0")
         check_number(self, "alpha_threshold", gt=0, le=1)
+        self._check_adapt()
+
+    def _check_adapt(self) -> None:
+        """The closed-loop fields: types and bounds, and (when on) a sparrow method with the
+        alpha metric and a schedule whose every k lies in ``[adapt_min_k, adapt_max_k]``."""
+        check(isinstance(self.adapt_k, bool), self, "adapt_k", "must be true or false")
+        check_int(self, "adapt_step", 1)
+        check_number(self, "adapt_margin", ge=0, lt=1)
+        check_int(self, "adapt_min_k", 0)
+        check_int(self, "adapt_max_k", self.adapt_min_k,
+                  f"must be None or an int >= adapt_min_k ({self.adapt_min_k})", optional=True)
+        if not self.adapt_k:
+            return
+        check(self.method == "sparrow", self, "adapt_k",
+              f"needs method sparrow (got {self.method!r}): it adapts the page budget")
+        check(self.alpha_metric != "off", self, "adapt_k",
+              "needs alpha_metric exact or top20 (the loop is driven by the alpha p5)")
+        ks = [k for _, k in self.budget_schedule]
+        check(self.adapt_min_k <= min(ks), self, "adapt_min_k",
+              f"must be <= every k of budget_schedule (smallest {min(ks)}) with adapt_k")
+        check(self.adapt_max_k is None or self.adapt_max_k >= max(ks), self, "adapt_max_k",
+              f"must be >= every k of budget_schedule (largest {max(ks)}) with adapt_k")
 
     def _check_bin(self, i: int, entry) -> None:
         """Entry ``i`` of the resolved ``budget_schedule``: a pair of ints ``(start, k)``, the
@@ -202,7 +239,10 @@ class CompressionConfig:
 
     @property
     def max_pages_k(self) -> int:
-        """The largest k of ``budget_schedule`` (static size of the page selection)."""
+        """The largest k of ``budget_schedule`` (static size of the page selection), or with
+        ``adapt_k`` the largest the closed loop may set (``adapt_max_k`` when given)."""
+        if self.adapt_k and self.adapt_max_k is not None:
+            return self.adapt_max_k
         return max(k for _, k in self.budget_schedule)
 
     @property

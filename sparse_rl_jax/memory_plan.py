@@ -135,15 +135,32 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
 
 
 def _scoring_parts(cfg: ModelConfig, batch: int, total_len: int, chunk: int,
-                   itemsize: int) -> dict[str, int]:
-    """The parts of a teacher-forced forward's peak (``kind="score"``), in bytes."""
+                   itemsize: int, replay: CompressionConfig | None = None) -> dict[str, int]:
+    """The parts of a teacher-forced forward's peak (``kind="score"``), in bytes; ``replay``:
+    the ``sparrow`` config whose page-selection record the forward replays."""
     return {
         "weights": param_count(cfg) * itemsize,
         "activations": _layer_activations(cfg, batch, total_len, itemsize)
         + _attention_block(cfg, batch, total_len, total_len),
         "lm_head_chunk": _lm_head_chunk(cfg, batch, chunk),
         "hidden": batch * total_len * cfg.hidden_size * itemsize,
+        "page_replay": _page_replay(cfg, batch, total_len, replay),
     }
+
+
+def _page_replay(cfg: ModelConfig, batch: int, total_len: int,
+                 replay: CompressionConfig | None) -> int:
+    """Bytes of a page-selection replay (``scoring`` with ``page_record``): the selection of
+    every query ``[L, N, Hkv, S, K]`` int32 and, for one query block, the page flags and
+    visibility rows ``[N, Hkv, bq, ceil(S / page_size) + S]`` bool plus the flags' scatter
+    indices ``[N, Hkv, bq, K, 4]`` int32 (``models.attention.page_visibility``)."""
+    if replay is None or not replay.page_sparse:
+        return 0
+    pages = num_pages(total_len, replay.page_size)
+    selected = middle_slots(replay.max_pages_k, pages) + 3
+    rows = total_len if total_len * total_len <= _ONE_BLOCK_PAIRS else min(_BLOCK, total_len)
+    return (cfg.num_layers * batch * cfg.num_kv_heads * total_len * selected * 4
+            + batch * cfg.num_kv_heads * rows * (pages + total_len + selected * 16))
 
 
 def _residual_width(cfg: ModelConfig, remat: str, total_len: int, itemsize: int) -> int:
@@ -194,7 +211,8 @@ def estimate(
       cfg: the model's architecture.
       batch: sequences ``N`` (for a rollout, prompts x ``num_samples``).
       prompt_len, new_tokens: ``P`` (bucketed prompt width) and ``M`` (max new tokens).
-      compression: the rollout's KV policy (``None`` = dense); unused by score/update.
+      compression: the rollout's KV policy (``None`` = dense); for score/update, a
+        ``sparrow`` config with ``record_evictions`` counts the replay of its page record.
       dtype: parameter / compute / KV dtype.
       num_samples: samples per prompt (a rollout prefills ``N / num_samples`` prompts).
       logp_chunk: response columns per LM-head chunk (score/update).
@@ -212,7 +230,8 @@ def estimate(
                                num_samples, record_evictions)
     else:
         parts = _scoring_parts(cfg, batch, prompt_len + new_tokens,
-                               min(logp_chunk, new_tokens), itemsize)
+                               min(logp_chunk, new_tokens), itemsize,
+                               compression if record_evictions else None)
         if kind == "update":
             parts = _with_backward(parts, cfg, batch, prompt_len + new_tokens,
                                    min(logp_chunk, new_tokens), itemsize, remat)

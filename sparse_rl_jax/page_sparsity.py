@@ -3,7 +3,7 @@
 - :func:`schedule_budget`: k of each row from ``budget_schedule`` and its cached length.
 - :func:`refresh_page_keys`: the page-mean keys of the pages just written (the model scores
   only full pages, so a page's mean is final once it fills).
-- :func:`mask_from_page_record`: the selection record as the visibility mask of a
+- :func:`replay_from_page_record`: the selection record as the per-query pages of a
   teacher-forced forward, which replays the sampler's page-sparse policy exactly.
 """
 
@@ -13,22 +13,30 @@ import jax
 import jax.numpy as jnp
 
 from models.cache import KVCache
+from models.page_sparse import NO_PAGE, PageReplay
 from sparse_rl_jax.compression_config import CompressionConfig
 
 
-def schedule_budget(cfg: CompressionConfig, lengths: jax.Array) -> jax.Array:
-    """k per row ``[B]`` int32 for cached lengths ``lengths [B]`` (current token included).
-
-    Row ``b`` takes ``k_i`` of the last schedule entry with ``start_i <= ceil(L / page_size) *
+def schedule_bin(cfg: CompressionConfig, lengths: jax.Array) -> jax.Array:
+    """Index ``[B]`` int32 of the ``budget_schedule`` entry of cached lengths ``lengths [B]``
+    (current token included): the last entry with ``start_i <= ceil(L / page_size) *
     page_size`` (with 16-token pages and 2000-token starts this is Sparrow's
-    ``bin = ceil(L / 16) // 125``, the last bin open-ended).
-    """
+    ``bin = ceil(L / 16) // 125``, the last bin open-ended)."""
     starts = jnp.asarray([s for s, _ in cfg.budget_schedule], jnp.int32)
-    ks = jnp.asarray([k for _, k in cfg.budget_schedule], jnp.int32)
     ps = cfg.page_size
-    covered = (lengths.astype(jnp.int32) + ps - 1) // ps * ps
+    covered = (jnp.asarray(lengths).astype(jnp.int32) + ps - 1) // ps * ps
     idx = jnp.sum(covered[:, None] >= starts[None, :], axis=1) - 1
-    return ks[jnp.clip(idx, 0, len(cfg.budget_schedule) - 1)]
+    return jnp.clip(idx, 0, len(cfg.budget_schedule) - 1)
+
+
+def schedule_budget(cfg: CompressionConfig, lengths: jax.Array,
+                    ks: jax.Array | None = None) -> jax.Array:
+    """k per row ``[B]`` int32 for cached lengths ``lengths [B]``: the k of each row's
+    :func:`schedule_bin`, from ``ks [len(budget_schedule)]`` (a traced schedule, e.g. the
+    closed loop's) or else the schedule's own."""
+    if ks is None:
+        ks = jnp.asarray([k for _, k in cfg.budget_schedule], jnp.int32)
+    return jnp.asarray(ks, jnp.int32)[schedule_bin(cfg, lengths)]
 
 
 def num_pages(max_len: int, page_size: int) -> int:
@@ -67,10 +75,12 @@ def refresh_page_keys(
         means.transpose(1, 3, 0, 2, 4).astype(page_keys.dtype), mode="drop")
 
 
-def mask_from_page_record(
+def replay_from_page_record(
     record: jax.Array, positions: jax.Array, prompt_lengths: jax.Array, page_size: int
-) -> jax.Array:
-    """Visibility ``[L, B, Hkv, S, S]`` of a teacher-forced forward over prompt + response.
+) -> PageReplay:
+    """The selection record as the per-query pages of a teacher-forced forward over
+    prompt + response (``models.Decoder(..., page_replay=...)``), which replays the
+    sampler's page-sparse policy exactly.
 
     Args:
       record: ``[L, B, Hkv, M, K]`` int32: the pages the query at response index ``r`` (position
@@ -79,26 +89,18 @@ def mask_from_page_record(
       positions: ``[B, S]`` positions of the columns (``-1`` padding), see
         ``scoring.sequence_positions``.
       prompt_lengths: ``[B]`` real prompt tokens per row.
+      page_size: tokens per page of ``record``.
 
-    Prompt queries (prefill) are dense. ANDed with the causal rule by the model. The mask is
-    materialised whole (fine at test and small-scale lengths; a blockwise replay from the
-    per-step page sets is the scalable form, not built yet).
+    Returns:
+      :class:`PageReplay` with ``pages [L, B, Hkv, S, K]`` (``-1`` only on prompt and padding
+      columns: prefill is dense). It is as compact as the record: the attention expands it
+      into visibility one query block at a time, never ``[S, S]`` per layer and head.
     """
-    n_layers, b, h, m, _ = record.shape
-    total_pages = (positions.shape[1] + page_size - 1) // page_size + 1
-    page_of_key = jnp.where(positions >= 0, positions // page_size, total_pages - 1)  # [B, S]
-    chosen = jnp.zeros((n_layers, b, h, m, total_pages), bool)
-    chosen = jax.vmap(jax.vmap(jax.vmap(jax.vmap(
-        lambda row, sel: row.at[sel].set(True, mode="drop")))))(
-        chosen, jnp.where(record >= 0, record, total_pages))
-    dense_step = jnp.all(record < 0, axis=-1)  # [L, B, Hkv, M]
+    n_layers, b, h, m, k = record.shape
     s = positions.shape[1]
-    idx = jnp.broadcast_to(page_of_key[None, :, None, None, :], (n_layers, b, h, m, s))
-    seen = jnp.take_along_axis(chosen, idx, axis=-1) | dense_step[..., None]  # [L, B, Hkv, M, S]
     r = positions - prompt_lengths[:, None]  # response index of each query column
     in_resp = (r >= 0) & (r < m)
-    q_idx = jnp.broadcast_to(jnp.clip(r, 0, m - 1)[None, :, None, :, None],
-                             (n_layers, b, h, s, s))
-    rows = jnp.take_along_axis(seen, q_idx, axis=3)  # [L, B, Hkv, S, S]
-    return rows | ~in_resp[None, :, None, :, None]
-
+    index = jnp.broadcast_to(jnp.clip(r, 0, m - 1)[None, :, None, :, None], (n_layers, b, h, s, k))
+    pages = jnp.take_along_axis(record.astype(jnp.int32), index, axis=3)
+    pages = jnp.where(in_resp[None, :, None, :, None], pages, NO_PAGE)
+    return PageReplay(pages=pages, page_size=page_size)

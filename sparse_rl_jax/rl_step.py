@@ -55,6 +55,8 @@ class StepContext:
       update: the jitted ``update(params, opt_state, minibatch)``.
       mesh: the device mesh.
       ref_params: frozen reference params for the KL term, or None.
+      budget_ks: ``sparrow``'s closed-loop k per schedule bin for this step's rollouts
+        (``budget_control``), or None for the schedule's own.
     """
 
     cfg: RunConfig
@@ -66,12 +68,14 @@ class StepContext:
     update: Callable
     mesh: Any
     ref_params: Any = None
+    budget_ks: tuple[int, ...] | None = None
 
     @property
     def policy(self) -> RolloutPolicy:
         """The run's :class:`RolloutPolicy` (``collect.collect_prompts``'s fixed settings)."""
-        return RolloutPolicy.from_run(self.cfg, self.graphdef, self.tokenizer, self.reward_fn,
-                                      self.sampling)
+        policy = RolloutPolicy.from_run(self.cfg, self.graphdef, self.tokenizer,
+                                        self.reward_fn, self.sampling)
+        return dataclasses.replace(policy, budget_ks=self.budget_ks)
 
 
 def planned_micro_batch(ctx: StepContext, params, full: Minibatch) -> int:

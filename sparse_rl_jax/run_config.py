@@ -270,6 +270,10 @@ class RunConfig:
               "shadow_mask replays an eviction record; sparrow keeps a page-selection record the "
               "update step does not replay yet: use sparse_rl, tis, mis or none with sparrow",
               correction.kind)
+        check(not (self.compression.adapt_k and sampling.record_evictions is False), self,
+              "sampling.record_evictions", "cannot be false with compression.adapt_k (the "
+              "closed loop reads alpha from the page record); leave it unset (auto) or true",
+              sampling.record_evictions)
         check(self.overlong.buffer_len < sampling.max_new_tokens, self, "overlong.buffer_len",
               f"must be < sampling.max_new_tokens={sampling.max_new_tokens}",
               self.overlong.buffer_len)

@@ -15,7 +15,7 @@ With ``sparrow`` the cache stays dense and each decode step attends to selected 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -228,14 +228,14 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
 
 
 def _step(model, c: DecodeLoop, *, lengths, slot_offset, sampling: SamplingConfig,
-          compression: CompressionConfig) -> DecodeLoop:
+          compression: CompressionConfig, budget_ks=None) -> DecodeLoop:
     """One decode forward: feed ``c.last``, sample the next token of every active row."""
     positions = (lengths + c.step - 1)[:, None]
     pages = None
     if compression.page_sparse:
         pages = PageSparsity(
             page_keys=c.state.page_keys,
-            budget=schedule_budget(compression, positions[:, 0] + 1),
+            budget=schedule_budget(compression, positions[:, 0] + 1, budget_ks),
             slot_offset=slot_offset, page_size=compression.page_size,
             max_k=compression.max_pages_k, dense_layers=compression.dense_layers)
     out = model(c.last[:, None], positions, cache=c.state.cache, return_queries=1,
@@ -272,7 +272,8 @@ def _step(model, c: DecodeLoop, *, lengths, slot_offset, sampling: SamplingConfi
 
 
 def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: SamplingConfig,
-                compression: CompressionConfig) -> DecodeLoop:
+                compression: CompressionConfig, budget_ks: jax.Array | None = None
+                ) -> DecodeLoop:
     """The decode loop, not jitted (:func:`decode` is its jit; call this to trace a fresh one).
 
     Feeds the newest token, samples the next, compresses the cache whenever it fills, until
@@ -283,6 +284,9 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
       prefilled: :func:`prefill`'s result (``N`` rows).
       key: PRNG key of tokens ``1 .. M-1``.
       sampling, compression: the same configs :func:`prefill` got.
+      budget_ks: ``sparrow``: optional ``[len(budget_schedule)]`` int32 k per schedule bin
+        (traced: changing it does not recompile; each at most ``compression.max_pages_k``),
+        in place of the schedule's own ks; see :func:`generate`.
 
     Returns:
       The final :class:`DecodeLoop` (``response [N, M]``, ``logp [N, M]``, ``done [N]``, ...).
@@ -313,7 +317,7 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
     )
     slot_offset = state.cache.index - lengths  # [N] slot of position 0 (left padding)
     step = functools.partial(_step, model, lengths=lengths, slot_offset=slot_offset,
-                             sampling=sampling, compression=compression)
+                             sampling=sampling, compression=compression, budget_ks=budget_ks)
     capacity = state.cache.capacity
 
     def running(c: DecodeLoop):
@@ -335,6 +339,21 @@ decode = jax.jit(decode_loop, static_argnames=("graphdef", "sampling", "compress
 decode.__doc__ = """Jitted :func:`decode_loop`; the ``prefilled`` argument is donated."""
 
 
+def _checked_budget_ks(budget_ks, compression: CompressionConfig) -> jax.Array | None:
+    """``budget_ks`` as an int32 array, or ValueError naming it when it does not fit the
+    schedule (one k per bin, each in ``[0, max_pages_k]``) or the method is not sparrow."""
+    if budget_ks is None:
+        return None
+    ks = np.asarray(budget_ks)
+    bins, largest = len(compression.budget_schedule), compression.max_pages_k
+    if not compression.page_sparse or ks.shape != (bins,) or ks.dtype.kind not in "iu" or (
+            ks.min() < 0 or ks.max() > largest):
+        raise ValueError(f"budget_ks: expected {bins} ints in [0, max_pages_k={largest}] (one "
+                         f"per budget_schedule bin) with compression.method sparrow, got "
+                         f"{ks.tolist()} with method {compression.method!r}")
+    return jnp.asarray(ks, jnp.int32)
+
+
 def generate(
     graphdef: nnx.GraphDef,
     params,
@@ -343,6 +362,7 @@ def generate(
     key: jax.Array,
     sampling: SamplingConfig,
     compression: CompressionConfig,
+    budget_ks: Sequence[int] | None = None,
 ) -> Rollout:
     """Samples ``sampling.num_samples`` responses per prompt with a compressed KV cache.
 
@@ -353,10 +373,14 @@ def generate(
       key: PRNG key (the only source of randomness: same key, same rollout).
       sampling: decoding rule, lengths, group size, EOS ids.
       compression: KV budget and eviction method (``none`` = dense cache).
+      budget_ks: ``sparrow`` only: k per ``budget_schedule`` bin in place of the schedule's
+        own (the closed loop's, ``budget_control``), each in ``[0, max_pages_k]``; a value
+        passed to the compiled decode loop, so new ks do not recompile it.
 
     Returns:
       A :class:`Rollout` with ``N = B * num_samples`` rows.
     """
+    ks = _checked_budget_ks(budget_ks, compression)
     prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     max_len = prompt.shape[1] + sampling.max_new_tokens
     k_prefill, k_decode = jax.random.split(key)
@@ -365,7 +389,7 @@ def generate(
         sampling=sampling, compression=compression, max_len=max_len,
     )
     loop = decode(graphdef, params, prefilled, k_decode, sampling=sampling,
-                  compression=compression)
+                  compression=compression, budget_ks=ks)
     n = sampling.num_samples
     steps = jnp.arange(sampling.max_new_tokens)
     response_len = jnp.where(

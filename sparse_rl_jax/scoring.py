@@ -2,7 +2,8 @@
 
 Dense scoring runs cuDNN flash attention where it exists (the fused backend on a GPU in half
 precision, rows rotated to right padding), else the blockwise backend, which takes the
-left-padded rows as they are; the replay runs the blockwise backend with each key's expiry.
+left-padded rows as they are; the replay runs the blockwise backend with each key's expiry
+(eviction record) or each query's pages (page-selection record).
 Neither materialises ``[T, S]`` scores at training lengths.
 
 The LM head is applied in chunks along the response axis under ``jax.checkpoint``, so neither
@@ -24,7 +25,7 @@ from flax import nnx
 from models.attention import fused_is_flash
 from models.shapes import check_shape
 from sparse_rl_jax.kv_state import visibility_from_record
-from sparse_rl_jax.page_sparsity import mask_from_page_record
+from sparse_rl_jax.page_sparsity import replay_from_page_record
 
 
 class ScoreOutput(NamedTuple):
@@ -82,9 +83,9 @@ def _response_hidden(model, prompt, prompt_mask, response, eviction_record, page
             raise ValueError("page_record is empty: sample with "
                              "SamplingConfig(record_evictions=True) to replay the sparse context")
         check_shape("page_record", page_record, L=None, N=n, Hkv=None, M=m, K=None)
-        mask = mask_from_page_record(page_record, positions,
-                                     prompt_mask.astype(jnp.int32).sum(axis=1), page_size)
-        hidden = model(tokens, positions, mask=mask, return_logits=False).hidden
+        replay = replay_from_page_record(page_record, positions,
+                                         prompt_mask.astype(jnp.int32).sum(axis=1), page_size)
+        hidden = model(tokens, positions, page_replay=replay, return_logits=False).hidden
     elif eviction_record is not None:
         key_expiry = visibility_from_record(eviction_record, positions)
         hidden = model(tokens, positions, key_expiry=key_expiry, return_logits=False).hidden

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import models
+from sparse_rl_jax.budget_control import BudgetLoop
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.config_io import save_config, to_dict
 from sparse_rl_jax.evaluation import eval_metrics
@@ -255,6 +256,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                         save_every=cfg.trainer.checkpoint_every)
     params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
                                                          log)
+    resumed = start and cfg.compression.adapt_k
+    budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
     writer = MetricsWriter(run_dir, resume_step=start if start else None,
                            tensorboard="tensorboard" in cfg.logging.backends,
                            wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None)
@@ -266,7 +269,9 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
         for step in range(start, cfg.trainer.steps):
             ckpt.check()  # a save that has already failed stops the run before another step
-            params, opt_state, metrics = rl_step(ctx, params, opt_state, step, position)
+            params, opt_state, metrics = rl_step(budget.context(ctx), params, opt_state, step,
+                                                 position)
+            budget.observe(metrics)  # sparrow's closed loop (adapt_k): log k, move it by p5
             position += int(metrics["collect_rounds"])
             done = step + 1
             if evaluate_now is not None and cfg.eval.every_steps and (
@@ -285,7 +290,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
             guard.record(done, nonfinite)
             if ckpt.save(done, {"params": params, "opt_state": opt_state},
                          {"step": done, "config_hash": chash, "data_position": position,
-                          "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped},
+                          "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped,
+                          **budget.meta()},
                          force=done == cfg.trainer.steps):
                 pending = done
     ckpt.close()

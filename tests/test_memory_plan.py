@@ -68,6 +68,31 @@ def test_score_estimate_covers_the_compiled_score():
     assert used <= est <= 8 * used
 
 
+def test_score_estimate_covers_the_compiled_page_replay():
+    """Scoring with a ``sparrow`` page record: the estimate counts the per-query selection it
+    replays (the record's size over prompt + response columns) and covers the compiled call."""
+    cfg = CONFIGS[0]
+    model = models.Decoder(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    n, p, m = 4, 16, 48
+    sparrow = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 3),))
+    selected = 3 + 3  # top-3 + sink + 2 newest, with 16 pages of 4 tokens
+    record = jax.ShapeDtypeStruct((cfg.num_layers, n, cfg.num_kv_heads, m, selected), jnp.int32)
+    ints = jax.ShapeDtypeStruct((n, p), jnp.int32)
+    compiled = score.lower(graphdef, params, ints, ints, jax.ShapeDtypeStruct((n, m), jnp.int32),
+                           page_record=record, page_size=4, chunk_size=16).compile()
+    stats = compiled.memory_analysis()
+    used = stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+    est = memory_plan.estimate("score", cfg, batch=n, prompt_len=p, new_tokens=m,
+                               logp_chunk=16, compression=sparrow)
+    replay = est.parts["page_replay"]
+    assert replay >= cfg.num_layers * n * cfg.num_kv_heads * (p + m) * selected * 4
+    assert used <= est.total <= 8 * used
+    assert memory_plan.estimate("score", cfg, batch=n, prompt_len=p, new_tokens=m,
+                                compression=sparrow, record_evictions=False
+                                ).parts["page_replay"] == 0
+
+
 def test_request_over_the_limit_fails_naming_estimate_and_largest_batch():
     cfg = CONFIGS[1]
     kw = dict(prompt_len=32, new_tokens=96, dtype=jnp.float32)
