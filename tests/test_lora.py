@@ -16,16 +16,18 @@ import peft
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import models
+from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.checkpoint_state import base_fingerprint
 from sparse_rl_jax.config_io import ConfigError, load_config
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.metrics_writer import read_metrics
 from sparse_rl_jax.optim import OptimConfig, make_optimizer
-from sparse_rl_jax.policy import LORA_ADAPTER_DIR
+from sparse_rl_jax.policy import LORA_ADAPTER_DIR, export_policy, load_policy
 from sparse_rl_jax.rewards import available_reward_fns, register_reward_fn
 from sparse_rl_jax.run_config import RunConfig, WarmStartConfig
 from sparse_rl_jax.task import TaskConfig
@@ -150,12 +152,28 @@ def _comparable(records):
              and k != "tokens_per_second"} for r in records]
 
 
-def test_resumed_lora_run_equals_an_uninterrupted_one(lora_run):
+@pytest.fixture(scope="module")
+def finished_lora_run(lora_run):
+    """``(root, config, run directory)`` of a finished 2-step LoRA run of ``lora_run``."""
+    root, config = lora_run
+    train(load_config(RunConfig, config, [f"run_dir={root / 'a'}"]), log=lambda _: None)
+    return root, config, root / "a"
+
+
+def _assert_same_files(expected_dir, actual_dir):
+    """The exported merged weights and the adapter of two directories are bit-identical."""
+    for name in ("model.safetensors", f"{LORA_ADAPTER_DIR}/adapter_model.safetensors"):
+        expected, actual = load_file(expected_dir / name), load_file(actual_dir / name)
+        assert actual.keys() == expected.keys()
+        for key in expected:
+            np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+def test_resumed_lora_run_equals_an_uninterrupted_one(finished_lora_run):
     """A copy of a finished 2-step run without its step-2 checkpoint and export (what a run
     killed after step 1 leaves) resumes to the same metrics, merged export and adapter."""
-    root, config = lora_run
-    a, b = root / "a", root / "b"
-    train(load_config(RunConfig, config, [f"run_dir={a}"]), log=lambda _: None)
+    root, config, a = finished_lora_run
+    b = root / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "2")
     shutil.rmtree(b / "final")
@@ -170,13 +188,62 @@ def test_resumed_lora_run_equals_an_uninterrupted_one(lora_run):
     written = read_metrics(b / "metrics.jsonl")[-1]
     assert seen[0][1] and all(written[k] == pytest.approx(v, nan_ok=True)
                               for k, v in seen[0][1].items())
-    for name in ("model.safetensors", f"{LORA_ADAPTER_DIR}/adapter_model.safetensors"):
-        expected, resumed = load_file(a / "final" / name), load_file(b / "final" / name)
-        assert resumed.keys() == expected.keys()
-        for key in expected:
-            np.testing.assert_array_equal(resumed[key], expected[key], err_msg=key)
+    _assert_same_files(a / "final", b / "final")
     adapter = load_file(a / "final" / LORA_ADAPTER_DIR / "adapter_model.safetensors")
     assert any(np.abs(x).max() > 0 for key, x in adapter.items() if "lora_B" in key)
+
+
+def _bytes_under(path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_lora_checkpoint_stores_the_adapters_and_names_its_base(finished_lora_run):
+    """The saved params are the adapters alone (q_proj and up_proj, A and B), far smaller
+    than the base weights, and the meta records the base the run loaded."""
+    root, _, a = finished_lora_run
+    with Checkpointer(a / "checkpoints", read_only=True) as ckpt:
+        shapes, meta = ckpt.stored_shapes(), ckpt.read_meta()
+    saved = sorted(name for name in shapes if name.startswith("params/"))
+    assert saved == [f"params/layers/{block}/{proj}/lora/{ab}"
+                     for block, proj in (("mlp", "up_proj"), ("self_attn", "q_proj"))
+                     for ab in ("lora_a/value", "lora_b/value")]
+    base_bytes = sum(x.nbytes for x in load_file(root / "policy" / "model.safetensors").values())
+    # Adapters + their Adam moments: 3 x 320 float32 values; the rest is orbax's metadata.
+    assert 4 * sum(np.prod(shape) for shape in shapes.values()) < base_bytes / 10
+    assert _bytes_under(a / "checkpoints" / "2" / "state") < base_bytes
+    assert meta["lora_base"] == {"path": str((root / "policy").resolve()),
+                                 "fingerprint": base_fingerprint(root / "policy")}
+
+
+def test_export_from_a_lora_checkpoint_equals_the_final_export(finished_lora_run, tmp_path):
+    """``load_policy`` puts the checkpoint's adapters on the base: its export (merged and
+    adapter alone) is the run's own final export."""
+    _, config, a = finished_lora_run
+    graphdef, params, tokenizer = load_policy(load_config(RunConfig, config, [f"run_dir={a}"]),
+                                              log=lambda _: None)
+    _assert_same_files(a / "final", export_policy(graphdef, params, tokenizer, tmp_path / "x"))
+
+
+def test_lora_resume_on_another_base_is_refused_naming_model_path(lora_run, tmp_path):
+    """The base's fingerprint depends on its content only (a copy keeps it); after the base
+    changes under a LoRA run, resuming or loading its checkpoint names ``model.path``."""
+    root, config = lora_run
+    base = tmp_path / "base"
+    shutil.copytree(root / "policy", base)
+    assert base_fingerprint(base) == base_fingerprint(root / "policy")
+    overrides = [f"run_dir={tmp_path / 'run'}", f"model.path={base}"]
+    train(load_config(RunConfig, config, [*overrides, "trainer.steps=1"]), log=lambda _: None)
+    weights = load_file(base / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name] + np.float32(1e-3).astype(weights[name].dtype)
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    assert base_fingerprint(base) != base_fingerprint(root / "policy")
+    cfg = load_config(RunConfig, config, overrides)
+    with pytest.raises(CheckpointError, match=r"lora_base\.fingerprint=.*model\.path"):
+        train(cfg, log=lambda _: None)
+    with pytest.raises(CheckpointError, match=r"lora_base\.fingerprint=.*model\.path"):
+        load_policy(cfg, log=lambda _: None)
 
 
 @pytest.mark.parametrize("override, field", [
