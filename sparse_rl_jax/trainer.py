@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 import models
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.checkpoint_state import (BASE_KEY, base_record, check_base, restore_target,
+                                            restored_params, train_state)
 from sparse_rl_jax.config_io import save_config, to_dict
 from sparse_rl_jax.evaluation import eval_metrics
+from sparse_rl_jax.kl_reference import kl_reference
 from sparse_rl_jax.metrics_writer import MetricsWriter, WandbRun, read_metrics
 from sparse_rl_jax.optim import make_optimizer
 from sparse_rl_jax.plots import plot_metrics
-from sparse_rl_jax.checkpoint_state import (BASE_KEY, base_record, check_base, restore_target,
-                                            restored_params, train_state)
 from sparse_rl_jax.policy import export_policy, make_run_mesh, policy_path, resolve_sampling
 from sparse_rl_jax.preflight import (check_sampling_ids, checked_eval_set,
                                      checked_prompt_source, default_task_tokenizer,
@@ -240,7 +240,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     model.remat = cfg.model.remat
     graphdef, params = nnx.split(model)
     del model
-    ref_params = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef > 0 else None
+    reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(cfg.optim)
     opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
     update = jit_update_step(
@@ -251,7 +251,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     ctx = StepContext(
         cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
         tokenizer=tokenizer, source=source, reward_fn=reward_fn, update=update, mesh=mesh,
-        ref_params=ref_params,
+        reference=reference,
     )
 
     chash = config_hash(cfg)

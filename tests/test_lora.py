@@ -19,19 +19,23 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import models
+from models.lora import LoRA, LoRADropoutKey
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.checkpoint_state import base_fingerprint
 from sparse_rl_jax.config_io import ConfigError, load_config
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch
+from sparse_rl_jax.kl_reference import kl_reference
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.metrics_writer import read_metrics
 from sparse_rl_jax.optim import OptimConfig, make_optimizer
 from sparse_rl_jax.policy import LORA_ADAPTER_DIR, export_policy, load_policy
 from sparse_rl_jax.rewards import available_reward_fns, register_reward_fn
 from sparse_rl_jax.run_config import RunConfig, WarmStartConfig
+from sparse_rl_jax.scoring import score
 from sparse_rl_jax.task import TaskConfig
-from sparse_rl_jax.train_step import Minibatch, init_optimizer, jit_update_step
+from sparse_rl_jax.train_step import (Minibatch, dropout_key, init_optimizer, jit_update_step,
+                                      minibatch_loss)
 from sparse_rl_jax.trainer import train
 from sparse_rl_jax.warm_start import build_default_model
 from tiny_hf import hf_logits, left_padded_batch, load_hf, make_tiny_hf
@@ -39,11 +43,11 @@ from tiny_hf import hf_logits, left_padded_batch, load_hf, make_tiny_hf
 RANK, ALPHA = 4, 8.0
 
 
-def _adapted(path, targets=models.LORA_TARGETS, seed=0):
+def _adapted(path, targets=models.LORA_TARGETS, seed=0, dropout=0.0):
     """The fp32 checkpoint at ``path`` with rank-4 adapters; ``(graphdef, lora, base)``."""
     model = models.load_pretrained(path, dtype=jnp.float32)
     models.add_lora(model, RANK, ALPHA, targets, rngs=nnx.Rngs(seed),
-                    mesh=models.make_mesh(devices=jax.devices()[:1]))
+                    mesh=models.make_mesh(devices=jax.devices()[:1]), dropout=dropout)
     graphdef, state = nnx.split(model)
     return (graphdef, *models.split_trainable(state))
 
@@ -58,6 +62,14 @@ def _minibatch(n=4, width=5, m=6) -> Minibatch:
                                       mask, corrections)
     return Minibatch(jnp.asarray(prompt), jnp.asarray(prompt_mask),
                      jnp.asarray(rng.integers(3, 100, (n, m)), jnp.int32), loss)
+
+
+def _with_nonzero_adapters(lora, seed=1):
+    """``lora`` plus N(0, 0.05) noise, so that B != 0 and the adapters change the model."""
+    noise = jax.random.split(jax.random.key(seed), len(jax.tree.leaves(lora)))
+    leaves, tree = jax.tree.flatten(lora)
+    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, noise)])
 
 
 def test_update_trains_only_the_adapters(tmp_path):
@@ -94,10 +106,7 @@ def test_update_trains_only_the_adapters(tmp_path):
 def test_merged_export_and_adapter_match_the_adapted_model(tmp_path):
     path = make_tiny_hf(tmp_path / "base", "qwen2")
     graphdef, lora, base = _adapted(path)
-    noise = jax.random.split(jax.random.key(1), len(jax.tree.leaves(lora)))
-    leaves, tree = jax.tree.flatten(lora)
-    lora = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape)
-                                     for x, k in zip(leaves, noise)])  # B != 0
+    lora = _with_nonzero_adapters(lora)
     model = nnx.merge(graphdef, lora, base)
     rng = np.random.default_rng(0)
     tokens, mask = left_padded_batch(rng, [7, 4], width=7)
@@ -117,6 +126,82 @@ def test_merged_export_and_adapter_match_the_adapted_model(tmp_path):
     assert models.has_lora(model) and not models.has_lora(models.merge_lora(model))
 
 
+def test_kl_reference_of_a_lora_policy_is_the_base_model(tmp_path):
+    """With adapters, the KL reference scores like the checkpoint loaded without LoRA, and
+    shares the policy's base arrays instead of copying them."""
+    path = make_tiny_hf(tmp_path, "qwen2", tokenizer=False, hidden_size=32,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        intermediate_size=64)
+    graphdef, lora, base = _adapted(path)
+    params = nnx.merge_state(_with_nonzero_adapters(lora), base)
+    reference = kl_reference(params)(params)
+    ref_base = models.split_trainable(reference)[1]
+    assert all(a is b for a, b in zip(jax.tree.leaves(ref_base), jax.tree.leaves(base)))
+    plain_graphdef, plain = nnx.split(models.load_pretrained(path, dtype=jnp.float32))
+    batch = _minibatch()
+    def logp(g, p):
+        return np.asarray(score(g, p, batch.prompt, batch.prompt_mask, batch.response,
+                                chunk_size=4).logp)
+    np.testing.assert_array_equal(logp(graphdef, reference), logp(plain_graphdef, plain))
+    assert np.abs(logp(graphdef, params) - logp(plain_graphdef, plain)).max() > 1e-3
+
+
+def test_lora_dropout_acts_in_the_update_only(tmp_path):
+    """Dropout 0.5 changes the update's gradients (deterministically per key) but no score
+    outside it; dropout 0 with a key is today's update, bit for bit."""
+    path = make_tiny_hf(tmp_path, "qwen2", tokenizer=False, hidden_size=32,
+                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                        intermediate_size=64)
+    targets = ("q_proj", "down_proj")
+    plain_def, lora, base = _adapted(path, targets)
+    drop_def, drop_lora, _ = _adapted(path, targets, dropout=0.5)
+    jax.tree.map(np.testing.assert_array_equal, drop_lora, lora)  # the rate draws nothing
+    lora = _with_nonzero_adapters(lora)
+    batch, cfg = _minibatch(), GRPOLossConfig()
+    key = dropout_key(0, 3, 1)
+
+    def grads(graphdef, key):
+        return jax.jit(jax.grad(lambda p: minibatch_loss(
+            graphdef, p, base, batch, None, loss_cfg=cfg, chunk_size=4, dropout_key=key)[0]))(
+                lora)
+
+    def logp(graphdef):
+        return score(graphdef, nnx.merge_state(lora, base), batch.prompt, batch.prompt_mask,
+                     batch.response, chunk_size=4).logp
+
+    np.testing.assert_array_equal(logp(drop_def), logp(plain_def))  # scoring: no dropout
+    today = grads(plain_def, None)
+    jax.tree.map(np.testing.assert_array_equal, grads(plain_def, key), today)
+    jax.tree.map(np.testing.assert_array_equal, grads(drop_def, None), today)
+    dropped = grads(drop_def, key)
+    jax.tree.map(np.testing.assert_array_equal, grads(drop_def, key), dropped)
+    change = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), dropped, today)
+    assert all(c > 1e-4 for c in jax.tree.leaves(change)), change
+    other = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()),
+                         grads(drop_def, dropout_key(0, 3, 2)), dropped)
+    assert max(jax.tree.leaves(other)) > 1e-4
+
+
+def test_lora_dropout_masks_the_adapter_input():
+    """One adapter with keys: ``(alpha / r) * (x * keep / (1 - p)) @ A @ B`` (NumPy), with
+    ``keep`` the Bernoulli(1 - p) draw of its key; without keys ``(alpha / r) x @ A @ B``."""
+    p, rank, alpha = 0.25, 2, 3.0
+    adapter = LoRA(6, rank, 5, alpha=alpha, num_layers=1, dtype=jnp.float32,
+                   param_dtype=jnp.float32, rngs=nnx.Rngs(0), dropout=p)
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(6, rank)), rng.normal(size=(rank, 5))
+    adapter.lora_a[...] = jnp.asarray(a, jnp.float32)  # one layer's slices, as the scan does
+    adapter.lora_b[...] = jnp.asarray(b, jnp.float32)
+    x = rng.normal(size=(3, 4, 6)).astype(np.float32)
+    np.testing.assert_allclose(adapter(jnp.asarray(x)), alpha / rank * x @ a @ b, rtol=1e-5)
+    key = jax.random.key(7)
+    adapter.dropout_key = LoRADropoutKey(key)
+    keep = np.asarray(jax.random.bernoulli(key, 1 - p, x.shape))
+    assert 0 < keep.mean() < 1
+    np.testing.assert_allclose(adapter(jnp.asarray(x)),
+                               alpha / rank * (x * keep / (1 - p)) @ a @ b, rtol=1e-5)
+
+
 def length_parity(completions, answers):
     """A reward that differs between samples (the tiny policy's task reward is 0 everywhere),
     so the advantages and the adapters' gradients are not zero."""
@@ -125,7 +210,7 @@ def length_parity(completions, answers):
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A tiny warm-started policy and a LoRA run config for it."""
+    """A tiny warm-started policy and a LoRA run config for it (adapter dropout, a KL term)."""
     if "length_parity" not in available_reward_fns():
         register_reward_fn("length_parity", lambda: length_parity)
     root = tmp_path_factory.mktemp("lora_run")
@@ -136,7 +221,9 @@ def lora_run(tmp_path_factory):
         TaskConfig(n_min=2, n_max=4), log=lambda _: None)
     config = root / "lora.yaml"
     config.write_text(f"""
-model: {{path: {policy}, lora: {{rank: 2, alpha: 4.0, targets: [q_proj, up_proj]}}}}
+model: {{path: {policy}, lora: {{rank: 2, alpha: 4.0, targets: [q_proj, up_proj],
+                               dropout: 0.1}}}}
+loss: {{kl_coef: 0.01}}
 data: {{task: {{n_min: 2, n_max: 4}}, reward: length_parity}}
 sampling: {{max_new_tokens: 8, num_samples: 4, prompt_bucket: 8}}
 compression: {{method: none}}
@@ -170,14 +257,16 @@ def _assert_same_files(expected_dir, actual_dir):
 
 
 def test_resumed_lora_run_equals_an_uninterrupted_one(finished_lora_run):
-    """A copy of a finished 2-step run without its step-2 checkpoint and export (what a run
-    killed after step 1 leaves) resumes to the same metrics, merged export and adapter."""
+    """A copy of a finished 2-step run (adapter dropout 0.1, a KL term to the base) without
+    its step-2 checkpoint and export (what a run killed after step 1 leaves) resumes to the
+    same metrics, merged export and adapter."""
     root, config, a = finished_lora_run
     b = root / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "2")
     shutil.rmtree(b / "final")
-    assert read_metrics(a / "metrics.jsonl")[-1]["grad_norm"] > 0
+    last = read_metrics(a / "metrics.jsonl")[-1]
+    assert last["grad_norm"] > 0 and last["kl_loss"] > 0  # the adapted policy left the base
     seen = []
     train(load_config(RunConfig, config, [f"run_dir={b}"]), log=lambda _: None,
           on_step=lambda step, metrics: seen.append((step, dict(metrics))))
@@ -253,7 +342,7 @@ def test_lora_resume_on_another_base_is_refused_naming_model_path(lora_run, tmp_
     ("model.lora.targets=[q_proj,qkv]", "model.lora.targets"),
     ("model.lora.targets=[]", "model.lora.targets"),
     ("model.lora.dropout=1.0", "model.lora.dropout"),
-    ("model.lora.dropout=0.1", "model.lora.dropout"),
+    ("model.lora.dropout=-0.1", "model.lora.dropout"),
 ])
 def test_bad_lora_config_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
