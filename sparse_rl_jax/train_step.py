@@ -215,7 +215,8 @@ def jit_update_step(
     batch_sharding,
     chunk_size: int = 128,
 ):
-    """``update_step`` jitted with explicit shardings; params and optimizer state are donated.
+    """``update_step`` jitted with explicit shardings (compiled as ``update_minibatch``);
+    params and optimizer state are donated.
 
     Args:
       graphdef: the policy's ``nnx.GraphDef``.
@@ -231,14 +232,14 @@ def jit_update_step(
       ``dropout_key`` as in :func:`update_step` (a key or None: one compile each).
     """
 
-    def step(params, opt_state, batch, dropout_key, micro_batch_size):
+    def update_minibatch(params, opt_state, batch, dropout_key, micro_batch_size):
         return update_step(
             graphdef, params, opt_state, batch, loss_cfg=loss_cfg, optimizer=optimizer,
             chunk_size=chunk_size, micro_batch_size=micro_batch_size, dropout_key=dropout_key,
         )
 
     jitted = jax.jit(
-        step,
+        update_minibatch,
         in_shardings=(param_shardings, opt_shardings, batch_sharding, None),
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),

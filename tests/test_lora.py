@@ -22,6 +22,7 @@ import models
 from models.lora import LoRA, LoRADropoutKey
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.checkpoint_state import base_fingerprint
+from sparse_rl_jax.compile_count import count_compiles
 from sparse_rl_jax.config_io import ConfigError, load_config
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch
@@ -241,10 +242,20 @@ def _comparable(records):
 
 @pytest.fixture(scope="module")
 def finished_lora_run(lora_run):
-    """``(root, config, run directory)`` of a finished 2-step LoRA run of ``lora_run``."""
+    """``(root, config, run directory, compilations)`` of a finished 2-step LoRA run of
+    ``lora_run`` (``compile_count.count_compiles`` over the run)."""
     root, config = lora_run
-    train(load_config(RunConfig, config, [f"run_dir={root / 'a'}"]), log=lambda _: None)
-    return root, config, root / "a"
+    with count_compiles() as compiles:
+        train(load_config(RunConfig, config, [f"run_dir={root / 'a'}"]), log=lambda _: None)
+    return root, config, root / "a", compiles
+
+
+def test_a_two_step_run_compiles_the_update_once(finished_lora_run):
+    """Four updates (2 steps x 2 minibatches, a checkpoint after each step) reuse one
+    compiled update: params, optimizer state and key keep their shapes, dtypes and
+    shardings from call to call."""
+    compiles = finished_lora_run[3]
+    assert compiles["jit(update_minibatch)"] == 1, dict(compiles)
 
 
 def _assert_same_files(expected_dir, actual_dir):
@@ -260,7 +271,7 @@ def test_resumed_lora_run_equals_an_uninterrupted_one(finished_lora_run):
     """A copy of a finished 2-step run (adapter dropout 0.1, a KL term to the base) without
     its step-2 checkpoint and export (what a run killed after step 1 leaves) resumes to the
     same metrics, merged export and adapter."""
-    root, config, a = finished_lora_run
+    root, config, a, _ = finished_lora_run
     b = root / "b"
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "2")
@@ -290,7 +301,7 @@ def _bytes_under(path) -> int:
 def test_lora_checkpoint_stores_the_adapters_and_names_its_base(finished_lora_run):
     """The saved params are the adapters alone (q_proj and up_proj, A and B), far smaller
     than the base weights, and the meta records the base the run loaded."""
-    root, _, a = finished_lora_run
+    root, _, a, _ = finished_lora_run
     with Checkpointer(a / "checkpoints", read_only=True) as ckpt:
         shapes, meta = ckpt.stored_shapes(), ckpt.read_meta()
     saved = sorted(name for name in shapes if name.startswith("params/"))
@@ -308,7 +319,7 @@ def test_lora_checkpoint_stores_the_adapters_and_names_its_base(finished_lora_ru
 def test_export_from_a_lora_checkpoint_equals_the_final_export(finished_lora_run, tmp_path):
     """``load_policy`` puts the checkpoint's adapters on the base: its export (merged and
     adapter alone) is the run's own final export."""
-    _, config, a = finished_lora_run
+    _, config, a, _ = finished_lora_run
     graphdef, params, tokenizer = load_policy(load_config(RunConfig, config, [f"run_dir={a}"]),
                                               log=lambda _: None)
     _assert_same_files(a / "final", export_policy(graphdef, params, tokenizer, tmp_path / "x"))
