@@ -52,10 +52,12 @@ def base_fingerprint(path: str | Path) -> str:
 
     sha256 over ``config.json``'s parsed content and, for every ``*.safetensors`` file (by
     name), its size, its header (every tensor's name, dtype, shape and offsets) and the first
-    and last :data:`SAMPLE_BYTES` of each tensor's bytes: some KiB a tensor, so milliseconds
-    for a 7B checkpoint. It depends on the content only, never on paths or modification
-    times, so a copied or moved checkpoint keeps it; another architecture, dtype or a
-    fine-tune (which changes every tensor it touches) gets another one.
+    and last :data:`SAMPLE_BYTES` of each tensor's bytes: at most 8 KiB a tensor (about
+    2.7 MiB for the 339 tensors of a Qwen2.5-7B checkpoint), never the whole weights. It
+    depends on the content only, never on paths or modification times, so a copied or moved
+    checkpoint keeps it; another architecture, dtype or a fine-tune (which changes every
+    tensor it touches, so their sampled bytes) gets another one. A change confined to the
+    middle of a tensor larger than 8 KiB goes unseen.
     """
     path = Path(path)
     digest = hashlib.sha256()

@@ -52,7 +52,8 @@ class StepContext:
       tokenizer: ``models.Tokenizer``.
       source: the prompt source.
       reward_fn: ``(completions, answers) -> [N]`` rewards.
-      update: the jitted ``update(params, opt_state, minibatch)``.
+      update: the jitted ``update(params, opt_state, minibatch, micro_batch_size,
+        dropout_key)`` (``train_step.jit_update_step``).
       mesh: the device mesh.
       reference: ``params -> the KL term's reference params``
         (``kl_reference.kl_reference``), or None (no KL term).

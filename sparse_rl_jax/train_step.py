@@ -10,7 +10,9 @@ params, the optimizer state or a checkpoint.
 
 With LoRA adapters on the policy (``models.lora``) only the adapter params are
 differentiated and updated, and the optimizer state covers them alone; the base weights pass
-through unchanged (``models.split_trainable``).
+through unchanged (``models.split_trainable``). Adapters with input dropout drop only here,
+in the learner's forward, with a key the caller derives from the seed, RL step and minibatch
+(:func:`dropout_key`); rollouts and scoring never drop.
 
 Gradient accumulation: with ``micro_batch_size`` below the minibatch, one jitted step runs
 the forward/backward over micro-batches under ``lax.scan``, sums their gradients in float32
