@@ -377,7 +377,7 @@ def save_adapter(model: Decoder, path: str | Path) -> None:
     ``target_modules``, so ``peft.PeftModel.from_pretrained(base, path)`` applies them to the
     base checkpoint. ValueError if the model has no adapters. Process 0 writes.
     """
-    arrays, targets, rank, alpha = {}, [], None, None
+    arrays, targets, rank, alpha, dropout = {}, [], None, None, 0.0
     for name, linear in adapted(model):
         block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
         a, b = _to_host(linear.lora.lora_a[...]), _to_host(linear.lora.lora_b[...])
@@ -386,7 +386,7 @@ def save_adapter(model: Decoder, path: str | Path) -> None:
             arrays[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
             arrays[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
         targets.append(name)
-        rank, alpha = linear.lora.rank, linear.lora.alpha
+        rank, alpha, dropout = linear.lora.rank, linear.lora.alpha, linear.lora.dropout
     if not targets:
         raise ValueError("save_adapter: the model has no LoRA adapters")
     if jax.process_index() != 0:
@@ -395,6 +395,6 @@ def save_adapter(model: Decoder, path: str | Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     save_file(arrays, path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "target_modules": targets, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": targets, "lora_dropout": dropout, "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": None}
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))

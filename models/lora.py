@@ -7,7 +7,8 @@ every forward (rollouts, scoring, the update) uses the adapted model. Parameter 
 ``lora/lora_a`` (``[L, in, r]``) and ``lora/lora_b`` (``[L, r, out]``) to the projection's
 path (``layers/self_attn/q_proj/lora/lora_a``); the base ``kernel`` / ``bias`` keep theirs.
 :func:`split_trainable` separates the adapter params (trained) from the frozen base;
-:func:`merge_lora` folds the adapters into the kernels (the export).
+:func:`merge_lora` folds the adapters into the kernels (the export); :func:`without_adapters`
+turns them off (the base model, e.g. the KL reference).
 """
 
 from __future__ import annotations
@@ -32,28 +33,41 @@ def _stacked(init, num_layers: int):
     return lambda key, shape, dtype: init(key, (num_layers, *shape), dtype)
 
 
+class LoRADropoutKey(nnx.Variable):
+    """Per-layer PRNG keys ``[L]`` of one adapter's input dropout (set by
+    :func:`drop_adapter_inputs` on a model built for one update, never saved)."""
+
+
 class LoRA(nnx.LoRA):
     """``nnx.LoRA`` whose output is scaled by ``alpha / rank``: ``x [..., in]`` ->
-    ``(alpha / rank) * x @ lora_a @ lora_b`` ``[..., out]``.
+    ``(alpha / rank) * dropout(x) @ lora_a @ lora_b`` ``[..., out]``.
 
     Built for the stacked layers: ``lora_a`` is ``[L, in, r]`` (He-uniform per layer),
     ``lora_b`` ``[L, r, out]`` (zeros, so a fresh adapter changes nothing); the decoder's
-    layer scan calls it on one layer's slices.
+    layer scan calls it on one layer's slices. ``dropout`` is the rate at which input
+    entries are zeroed (the kept ones scaled by ``1 / (1 - dropout)``, as in PEFT); it acts
+    only while ``dropout_key`` holds keys (:func:`drop_adapter_inputs`), otherwise the
+    adapter is deterministic.
     """
 
     def __init__(self, in_features: int, rank: int, out_features: int, *, alpha: float,
-                 num_layers: int, dtype, param_dtype, rngs: nnx.Rngs):
+                 num_layers: int, dtype, param_dtype, rngs: nnx.Rngs, dropout: float = 0.0):
         super().__init__(
             in_features, rank, out_features, dtype=dtype, param_dtype=param_dtype,
             a_initializer=_stacked(nnx.initializers.he_uniform(batch_axis=(0,)), num_layers),
             b_initializer=_stacked(nnx.initializers.zeros, num_layers), rngs=rngs)
         self.alpha = alpha
+        self.dropout = dropout
+        self.dropout_key = nnx.data(None)
 
     @property
     def rank(self) -> int:
         return self.lora_a.shape[-1]
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.dropout_key is not None:
+            keep = jax.random.bernoulli(self.dropout_key[...], 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
         return super().__call__(x) * (self.alpha / self.rank)
 
 
@@ -77,28 +91,46 @@ def has_lora(model) -> bool:
 
 
 def add_lora(model, rank: int, alpha: float, targets: tuple[str, ...], *, rngs: nnx.Rngs,
-             mesh: Mesh | None = None) -> None:
+             mesh: Mesh | None = None, dropout: float = 0.0) -> None:
     """Adds an adapter of ``rank`` and ``alpha`` to each projection in ``targets`` of every
-    layer of the ``models.Decoder`` ``model`` (in place). Params take the base kernel's dtype;
+    layer of the ``models.Decoder`` ``model`` (in place), with input ``dropout`` in [0, 1)
+    (active only under :func:`drop_adapter_inputs`). Params take the base kernel's dtype;
     with ``mesh`` they are placed by ``models.partitioning``'s rules.
 
-    Raises ValueError when a target names no projection (see :data:`LORA_TARGETS`) or the
-    model already has adapters.
+    Raises ValueError when a target names no projection (see :data:`LORA_TARGETS`), the
+    dropout is outside [0, 1) or the model already has adapters.
     """
     unknown = [name for name in targets if name not in LORA_TARGETS]
     if unknown:
         raise ValueError(f"lora targets {unknown} name no module; the decoder's projections "
                          f"are {list(LORA_TARGETS)}")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"lora dropout={dropout!r} must be in [0, 1)")
     if has_lora(model):
         raise ValueError("the model already has LoRA adapters")
     for name in targets:
         linear = _projection(model, name)
         num_layers, fan_in, fan_out = linear.kernel.shape
         linear.lora = LoRA(fan_in, rank, fan_out, alpha=alpha, num_layers=num_layers,
-                           dtype=model.dtype, param_dtype=linear.kernel.dtype, rngs=rngs)
+                           dtype=model.dtype, param_dtype=linear.kernel.dtype, rngs=rngs,
+                           dropout=dropout)
     if mesh is not None:
         state = nnx.state(model, nnx.LoRAParam)
         nnx.update(model, jax.device_put(state, param_shardings(state, mesh)))
+
+
+def drop_adapter_inputs(model, key: jax.Array) -> None:
+    """Turns on the input dropout of every adapter of ``model`` whose rate is > 0 (in place;
+    for a model built for one training forward/backward, e.g. inside a jitted update): its
+    forwards then drop with per-layer keys drawn from ``key`` (a typed PRNG key), one stream
+    per projection name, the same masks on every call (so a rematerialised forward repeats
+    them)."""
+    for name, linear in adapted(model):
+        lora = linear.lora
+        if lora.dropout > 0:
+            keys = jax.random.split(jax.random.fold_in(key, LORA_TARGETS.index(name)),
+                                    lora.lora_a.shape[0])
+            lora.dropout_key = LoRADropoutKey(keys)
 
 
 def merge_lora(model):
@@ -116,6 +148,14 @@ def merge_lora(model):
         linear.kernel[...] = (kernel.astype(jnp.float32) + delta).astype(kernel.dtype)
         linear.lora = None
     return merged
+
+
+def without_adapters(state: nnx.State) -> nnx.State:
+    """A policy's ``nnx.split`` ``state`` with every adapter param zeroed, so the adapted
+    projections compute ``x @ W + 0`` (exactly the base model); the base arrays are shared,
+    not copied (only the small adapter leaves are new)."""
+    lora, base = nnx.split_state(state, nnx.LoRAParam, ...)
+    return nnx.merge_state(jax.tree.map(jnp.zeros_like, lora), base)
 
 
 def split_trainable(state: nnx.State) -> tuple[nnx.State, nnx.State]:

@@ -161,6 +161,19 @@ class Checkpointer:
             ) from err
         return dict(restored[_META])
 
+    def stored_shapes(self, step: int | None = None) -> dict[str, tuple[int, ...]]:
+        """``{leaf name: shape}`` of the state stored at ``step`` (default: latest), from its
+        metadata without loading any arrays (typed keys appear as their raw key data)."""
+        step = self._resolve_step(step)
+        where = f"checkpoint step {step} in {self.directory}"
+        try:
+            stored = self._manager.metadata(step).item_metadata[_STATE]
+        except Exception as err:  # orbax/tensorstore raise many types; name the checkpoint
+            raise CheckpointError(f"{where} is unreadable: {err}") from err
+        if stored is None:
+            raise CheckpointError(f"{where} has no '{_STATE}' item")
+        return flat_shapes(stored.tree if hasattr(stored, "tree") else stored)
+
     # -- save ----------------------------------------------------------------------------
 
     def save(
@@ -234,14 +247,10 @@ class Checkpointer:
             impls = self._manager.restore(
                 step, args=ocp.args.Composite(**{_PRNG: ocp.args.JsonRestore()})
             )[_PRNG]
-            stored = self._manager.metadata(step).item_metadata[_STATE]
         except Exception as err:  # orbax/tensorstore raise many types; name the checkpoint
             raise CheckpointError(f"{where} is unreadable: {err}") from err
-        if stored is None:
-            raise CheckpointError(f"{where} has no '{_STATE}' item")
-        stored_tree = stored.tree if hasattr(stored, "tree") else stored
         target = raw_target(abstract_state, impls, where)
-        check_layout(flat_shapes(stored_tree), flat_shapes(target), where)
+        check_layout(self.stored_shapes(step), flat_shapes(target), where)
         try:
             restored = self._manager.restore(
                 step,

@@ -19,8 +19,10 @@ class LoraConfig:
       rank: adapter rank ``r`` (an int >= 1).
       alpha: scale numerator: the adapter adds ``(alpha / rank) * x @ A @ B`` (> 0).
       targets: the projections adapted in every layer, among :data:`LORA_TARGETS`.
-      dropout: adapter input dropout; only 0.0 is supported (rollouts, scoring and the
-        update must compute the same policy, and the update has no dropout rng).
+      dropout: adapter input dropout rate in [0, 1), applied in the learner's forward of
+        each optimizer update only (rollouts, the old-policy and reference scores and eval
+        stay deterministic); its keys derive from ``trainer.seed``, the RL step and the
+        minibatch (``train_step.dropout_key``), so a resumed run draws the same masks.
     """
 
     rank: int = 8
@@ -37,6 +39,3 @@ class LoraConfig:
               self, "targets", f"must be distinct projection names among {list(LORA_TARGETS)}"
               + (f"; {unknown} name no module" if unknown else ""))
         check_number(self, "dropout", ge=0, lt=1)
-        check(self.dropout == 0, self, "dropout",
-              "is not supported: only 0.0 (the update has no dropout rng, and rollouts, "
-              "scoring and the update must compute the same policy)")

@@ -17,6 +17,8 @@ from flax import nnx
 
 import models
 from sparse_rl_jax.checkpoint import Checkpointer
+from sparse_rl_jax.checkpoint_state import (base_record, check_base, restore_target,
+                                            restored_params)
 from sparse_rl_jax.config_io import ConfigError
 from sparse_rl_jax.optim import make_optimizer
 from sparse_rl_jax.preflight import load_checked_policy
@@ -71,11 +73,6 @@ def resolve_sampling(cfg: RunConfig, tokenizer: models.Tokenizer):
     return sampling
 
 
-def abstract_like(tree):
-    """``ShapeDtypeStruct`` s (with shardings) of ``tree``'s arrays: a restore target."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 LORA_ADAPTER_DIR = "lora_adapter"
 """Where :func:`export_policy` writes a LoRA policy's adapter alone (PEFT format)."""
 
@@ -103,7 +100,9 @@ def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[st
     Args:
       cfg: the run config (its ``run_dir``, model and warm-start sections).
       checkpoint: an HF checkpoint directory (has ``config.json``), or a run directory whose
-        latest orbax checkpoint is restored; None means ``cfg.run_dir``.
+        latest orbax checkpoint is restored (a LoRA checkpoint's adapters onto the base
+        ``cfg.model`` names, which must be the one they were trained on:
+        ``checkpoint_state.check_base``); None means ``cfg.run_dir``.
     """
     target = Path(checkpoint or cfg.run_dir)
     if (target / "config.json").is_file():
@@ -121,11 +120,9 @@ def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[st
         ckpt_dir = target / "checkpoints"
         opt_state = jax.eval_shape(make_optimizer(cfg.optim).init,
                                    models.split_trainable(params)[0])
-        abstract = {"params": abstract_like(params),
-                    "opt_state": jax.tree.map(
-                        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), opt_state)}
         with Checkpointer(ckpt_dir, read_only=True) as ckpt:
-            state, meta = ckpt.restore(abstract)
-        params = state["params"]
+            state, meta = ckpt.restore(restore_target(params, opt_state))
+        check_base(meta, base_record(path), f"checkpoint step {meta['step']} in {ckpt_dir}")
+        params = restored_params(state, params)
         log(f"loaded step {meta['step']} from {ckpt_dir}")
     return graphdef, params, tokenizer

@@ -35,7 +35,7 @@ def load_checked_policy(path: str, cfg, mesh) -> tuple[models.Tokenizer, models.
     lora = cfg.model.lora
     if lora is not None:
         models.add_lora(model, lora.rank, lora.alpha, lora.targets,
-                        rngs=nnx.Rngs(cfg.trainer.seed), mesh=mesh)
+                        rngs=nnx.Rngs(cfg.trainer.seed), mesh=mesh, dropout=lora.dropout)
     tokenizer.check_fits(model.config.vocab_size)
     check_sampling_ids(cfg, model.config.vocab_size)
     return tokenizer, model

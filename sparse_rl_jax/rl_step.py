@@ -31,7 +31,7 @@ from sparse_rl_jax.grpo_loss import LossBatch, check_loss_batch
 from sparse_rl_jax.prompt_source import PromptSource
 from sparse_rl_jax.run_config import RunConfig
 from sparse_rl_jax.sampling_config import SamplingConfig
-from sparse_rl_jax.train_step import Minibatch
+from sparse_rl_jax.train_step import Minibatch, dropout_key
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -52,9 +52,11 @@ class StepContext:
       tokenizer: ``models.Tokenizer``.
       source: the prompt source.
       reward_fn: ``(completions, answers) -> [N]`` rewards.
-      update: the jitted ``update(params, opt_state, minibatch)``.
+      update: the jitted ``update(params, opt_state, minibatch, micro_batch_size,
+        dropout_key)`` (``train_step.jit_update_step``).
       mesh: the device mesh.
-      ref_params: frozen reference params for the KL term, or None.
+      reference: ``params -> the KL term's reference params``
+        (``kl_reference.kl_reference``), or None (no KL term).
       budget_ks: ``sparrow``'s closed-loop k per schedule bin for this step's rollouts
         (``budget_control``), or None for the schedule's own.
     """
@@ -67,7 +69,7 @@ class StepContext:
     reward_fn: Callable
     update: Callable
     mesh: Any
-    ref_params: Any = None
+    reference: Callable[[Any], Any] | None = None
     budget_ks: tuple[int, ...] | None = None
 
     @property
@@ -113,8 +115,8 @@ def collect(ctx: StepContext, params, position: int
     # and the reference is scored under the same record; the dense scores still feed the
     # mismatch metrics.
     logp_ref = None
-    if ctx.ref_params is not None:
-        logp_ref, t_ref = timed(score_all, ctx.policy, ctx.ref_params, batch.prompt,
+    if ctx.reference is not None:
+        logp_ref, t_ref = timed(score_all, ctx.policy, ctx.reference(params), batch.prompt,
                                 batch.prompt_mask, batch.response, batch.record)
         clock["score"] += t_ref
     mask = batch.loss_mask
@@ -143,7 +145,8 @@ def check_minibatch(full: Minibatch) -> None:
 
 def update(ctx: StepContext, params, opt_state, full: Minibatch, step: int):
     """The second half of an RL step: ``full``'s rows in a ``(trainer.seed, step)`` order,
-    one optimizer update per ``trainer.minibatch_size`` of them (``ctx.update``).
+    one optimizer update per ``trainer.minibatch_size`` of them (``ctx.update``; with LoRA
+    dropout, keyed by ``train_step.dropout_key``).
 
     ``params`` and ``opt_state`` are donated: use the returned ones. A leaf of ``full`` of
     the wrong shape raises ValueError naming it (:func:`check_minibatch`).
@@ -157,10 +160,12 @@ def update(ctx: StepContext, params, opt_state, full: Minibatch, step: int):
     order = np.random.default_rng([ctx.cfg.trainer.seed, step]).permutation(
         full.response.shape[0])
     sharding = batch_sharding(ctx.mesh)
+    lora = ctx.cfg.model.lora
     per_minibatch = []
-    for rows in np.split(order, len(order) // ctx.cfg.trainer.minibatch_size):
+    for i, rows in enumerate(np.split(order, len(order) // ctx.cfg.trainer.minibatch_size)):
         minibatch = jax.device_put(jax.tree.map(lambda x: x[rows], full), sharding)
-        params, opt_state, m = ctx.update(params, opt_state, minibatch, micro)
+        key = dropout_key(ctx.cfg.trainer.seed, step, i) if lora and lora.dropout else None
+        params, opt_state, m = ctx.update(params, opt_state, minibatch, micro, key)
         per_minibatch.append(m)
     per_minibatch = jax.device_get(per_minibatch)
     metrics = {name: float(np.mean([m[name] for m in per_minibatch]))

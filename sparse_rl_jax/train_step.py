@@ -10,7 +10,9 @@ params, the optimizer state or a checkpoint.
 
 With LoRA adapters on the policy (``models.lora``) only the adapter params are
 differentiated and updated, and the optimizer state covers them alone; the base weights pass
-through unchanged (``models.split_trainable``).
+through unchanged (``models.split_trainable``). Adapters with input dropout drop only here,
+in the learner's forward, with a key the caller derives from the seed, RL step and minibatch
+(:func:`dropout_key`); rollouts and scoring never drop.
 
 Gradient accumulation: with ``micro_batch_size`` below the minibatch, one jitted step runs
 the forward/backward over micro-batches under ``lax.scan``, sums their gradients in float32
@@ -29,7 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.lora import split_trainable
+from models.lora import drop_adapter_inputs, split_trainable
 from sparse_rl_jax.grpo_loss import LossBatch, LossNorm, combine_metrics, grpo_loss, loss_norm
 from sparse_rl_jax.loss_config import GRPOLossConfig
 from sparse_rl_jax.scoring import response_logprobs, shadow_logprobs
@@ -68,12 +70,17 @@ def micro_batches(batch: Minibatch, micro_batch_size: int) -> Minibatch:
 
 
 def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
-                   norm: LossNorm | None, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128):
+                   norm: LossNorm | None, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128,
+                   dropout_key: jax.Array | None = None):
     """``(loss, metrics)`` of ``grpo_loss`` on ``batch`` scored by the policy
     ``trainable`` + ``frozen`` (``split_trainable``; dense, or with ``batch.eviction_record``
     under the recorded sparse context); ``norm``: the aggregation denominators (None:
-    ``batch``'s own). Differentiable in ``trainable``."""
+    ``batch``'s own); ``dropout_key``: the adapters' input dropout keys
+    (``models.lora.drop_adapter_inputs``; None: no dropout). Differentiable in
+    ``trainable``."""
     model = nnx.merge(graphdef, trainable, frozen)
+    if dropout_key is not None:
+        drop_adapter_inputs(model, dropout_key)
     with_entropy = loss_cfg.entropy_coef > 0
     if batch.eviction_record is None:
         out = response_logprobs(
@@ -91,24 +98,31 @@ def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
 
 
 def accumulated_grads(graphdef: nnx.GraphDef, params, frozen, batch: Minibatch,
-                      micro_batch_size: int, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128):
+                      micro_batch_size: int, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128,
+                      dropout_key: jax.Array | None = None):
     """``(loss, metrics, grads)`` of the whole minibatch ``batch`` computed over micro-batches
     of ``micro_batch_size`` sequences (``lax.scan``), gradients with respect to the trainable
     ``params`` (``frozen`` held fixed) summed in float32 and returned in the params' dtypes.
     Each micro-batch loss uses the minibatch's ``loss_norm``, so the sums are the minibatch's
-    loss and gradient; metrics are merged by ``combine_metrics``."""
+    loss and gradient; metrics are merged by ``combine_metrics``. ``dropout_key`` (None: no
+    adapter dropout) is split into one key per micro-batch."""
     norm = loss_norm(batch.loss, loss_cfg)
     grad_fn = jax.value_and_grad(
-        lambda p, micro: minibatch_loss(graphdef, p, frozen, micro, norm, loss_cfg=loss_cfg,
-                                        chunk_size=chunk_size), has_aux=True)
+        lambda p, micro, key: minibatch_loss(graphdef, p, frozen, micro, norm,
+                                             loss_cfg=loss_cfg, chunk_size=chunk_size,
+                                             dropout_key=key), has_aux=True)
 
-    def one(acc, micro):
-        (loss, metrics), grads = grad_fn(params, micro)
+    def one(acc, xs):
+        micro, key = xs
+        (loss, metrics), grads = grad_fn(params, micro, key)
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         return acc, (loss, metrics)
 
+    micros = micro_batches(batch, micro_batch_size)
+    keys = None if dropout_key is None else jax.random.split(dropout_key,
+                                                              micros.response.shape[0])
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    acc, (losses, metrics) = jax.lax.scan(one, zeros, micro_batches(batch, micro_batch_size))
+    acc, (losses, metrics) = jax.lax.scan(one, zeros, (micros, keys))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc, params)
     return jnp.sum(losses), combine_metrics(metrics), grads
 
@@ -123,6 +137,7 @@ def update_step(
     optimizer: optax.GradientTransformation,
     chunk_size: int = 128,
     micro_batch_size: int | None = None,
+    dropout_key: jax.Array | None = None,
 ):
     """Loss, gradients and one optimizer update.
 
@@ -133,6 +148,8 @@ def update_step(
     micro_batch_size: None (or ``N``) runs the minibatch in one forward/backward; a divisor
       of ``N`` accumulates gradients over ``N / micro_batch_size`` micro-batches
       (:func:`accumulated_grads`), the same update up to float rounding.
+    dropout_key: the LoRA adapters' input dropout key (:func:`dropout_key`; None, or
+      adapters of rate 0: no dropout, the update is deterministic).
 
     Returns:
       ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` and
@@ -144,12 +161,13 @@ def update_step(
     if micro_batch_size is None or micro_batch_size == n:
         (loss, metrics), grads = jax.value_and_grad(
             lambda p: minibatch_loss(graphdef, p, frozen, batch, None, loss_cfg=loss_cfg,
-                                     chunk_size=chunk_size), has_aux=True)(trainable)
+                                     chunk_size=chunk_size, dropout_key=dropout_key),
+            has_aux=True)(trainable)
     else:
         loss, metrics, grads = accumulated_grads(graphdef, trainable, frozen, batch,
                                                  micro_batch_size, loss_cfg=loss_cfg,
-                                                 chunk_size=chunk_size)
-    metrics["grad_norm"] = optax.global_norm(grads)
+                                                 chunk_size=chunk_size, dropout_key=dropout_key)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]))
 
     def apply(operand):
@@ -199,7 +217,8 @@ def jit_update_step(
     batch_sharding,
     chunk_size: int = 128,
 ):
-    """``update_step`` jitted with explicit shardings; params and optimizer state are donated.
+    """``update_step`` jitted with explicit shardings (compiled as ``update_minibatch``);
+    params and optimizer state are donated.
 
     Args:
       graphdef: the policy's ``nnx.GraphDef``.
@@ -210,20 +229,36 @@ def jit_update_step(
         (sequence) axis over the batch mesh axes.
 
     Returns:
-      ``step(params, opt_state, batch, micro_batch_size=None) -> (params, opt_state,
-      metrics)``; ``micro_batch_size`` (positional) is static: one compile per value.
+      ``step(params, opt_state, batch, micro_batch_size=None, dropout_key=None) -> (params,
+      opt_state, metrics)``; ``micro_batch_size`` is static (one compile per value),
+      ``dropout_key`` as in :func:`update_step` (a key or None: one compile each).
     """
 
-    def step(params, opt_state, batch, micro_batch_size=None):
+    def update_minibatch(params, opt_state, batch, dropout_key, micro_batch_size):
         return update_step(
             graphdef, params, opt_state, batch, loss_cfg=loss_cfg, optimizer=optimizer,
-            chunk_size=chunk_size, micro_batch_size=micro_batch_size,
+            chunk_size=chunk_size, micro_batch_size=micro_batch_size, dropout_key=dropout_key,
         )
 
-    return jax.jit(
-        step,
-        in_shardings=(param_shardings, opt_shardings, batch_sharding),
+    jitted = jax.jit(
+        update_minibatch,
+        in_shardings=(param_shardings, opt_shardings, batch_sharding, None),
         out_shardings=(param_shardings, opt_shardings, None),
         donate_argnums=(0, 1),
-        static_argnums=(3,),
+        static_argnums=(4,),
     )
+
+    def call(params, opt_state, batch, micro_batch_size=None, dropout_key=None):
+        """The jitted update (jit takes no keyword arguments alongside in_shardings)."""
+        return jitted(params, opt_state, batch, dropout_key, micro_batch_size)
+
+    return call
+
+
+def dropout_key(seed: int, step: int, minibatch: int) -> jax.Array:
+    """The adapters' dropout key of minibatch ``minibatch`` (0-based) of RL step ``step``
+    of a run seeded ``seed``: a stream of its own (``split(key(seed))[1]``; the rollouts
+    fold the data position into ``key(seed)``), folded with the step and minibatch, so a
+    resumed run draws the same masks."""
+    stream = jax.random.split(jax.random.key(seed))[1]
+    return jax.random.fold_in(jax.random.fold_in(stream, step), minibatch)

@@ -21,19 +21,20 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 import models
 from sparse_rl_jax.budget_control import BudgetLoop
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.checkpoint_state import (BASE_KEY, base_record, check_base, restore_target,
+                                            restored_params, train_state)
 from sparse_rl_jax.config_io import save_config, to_dict
 from sparse_rl_jax.evaluation import eval_metrics
+from sparse_rl_jax.kl_reference import kl_reference
 from sparse_rl_jax.metrics_writer import MetricsWriter, WandbRun, read_metrics
 from sparse_rl_jax.optim import make_optimizer
 from sparse_rl_jax.plots import plot_metrics
-from sparse_rl_jax.policy import (abstract_like, export_policy, make_run_mesh, policy_path,
-                                  resolve_sampling)
+from sparse_rl_jax.policy import export_policy, make_run_mesh, policy_path, resolve_sampling
 from sparse_rl_jax.preflight import (check_sampling_ids, checked_eval_set,
                                      checked_prompt_source, default_task_tokenizer,
                                      load_checked_policy)
@@ -211,22 +212,25 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
             owner.close()
 
 
-def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log):
+def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log, base=None):
     """``(params, opt_state, start step, data position, NonFiniteGuard)`` from the newest
     checkpoint of ``ckpt`` that restores (corrupt newer ones are set aside), or the initial
-    ones at step 0 when there is none."""
+    ones at step 0 when there is none. ``base``: a LoRA run's ``base_record``, which the
+    checkpoint's must match (``checkpoint_state.check_base``)."""
     guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
     if ckpt.latest_step() is None:
         return params, opt_state, 0, 0, guard
-    state, meta = ckpt.restore_newest_good(
-        abstract_like({"params": params, "opt_state": opt_state}), log)
+    state, meta = ckpt.restore_newest_good(restore_target(params, opt_state), log)
     start = meta["step"]
+    if base is not None:
+        check_base(meta, base, f"checkpoint step {start} in {ckpt.directory}")
     guard.skipped = meta.get("skipped_nonfinite_steps", 0)
     recorded = owner.manifest.get("last_good_step") if owner and owner.manifest else None
     if recorded is not None and recorded > start:
         log(f"warning: the manifest records step {recorded} as saved; resuming from {start}")
     log(f"resumed from step {start} in {cfg.run_dir}")
-    return state["params"], state["opt_state"], start, meta.get("data_position", start), guard
+    return (restored_params(state, params), state["opt_state"], start,
+            meta.get("data_position", start), guard)
 
 
 def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
@@ -237,7 +241,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     model.remat = cfg.model.remat
     graphdef, params = nnx.split(model)
     del model
-    ref_params = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef > 0 else None
+    reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(cfg.optim)
     opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
     update = jit_update_step(
@@ -248,14 +252,15 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     ctx = StepContext(
         cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
         tokenizer=tokenizer, source=source, reward_fn=reward_fn, update=update, mesh=mesh,
-        ref_params=ref_params,
+        reference=reference,
     )
 
     chash = config_hash(cfg)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
                         save_every=cfg.trainer.checkpoint_every)
+    base = base_record(policy_path(cfg, lambda _: None)) if cfg.model.lora else None
     params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
-                                                         log)
+                                                         log, base)
     resumed = start and cfg.compression.adapt_k
     budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
     writer = MetricsWriter(run_dir, resume_step=start if start else None,
@@ -288,10 +293,10 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
             if on_step is not None:
                 on_step(done, metrics)
             guard.record(done, nonfinite)
-            if ckpt.save(done, {"params": params, "opt_state": opt_state},
+            if ckpt.save(done, train_state(params, opt_state),
                          {"step": done, "config_hash": chash, "data_position": position,
                           "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped,
-                          **budget.meta()},
+                          **budget.meta(), **({BASE_KEY: base} if base else {})},
                          force=done == cfg.trainer.steps):
                 pending = done
     ckpt.close()

@@ -86,7 +86,7 @@ def test_trainer_skips_nonfinite_steps_and_stops_naming_the_step(tiny, tmp_path)
     from flax import nnx
 
     from sparse_rl_jax.optim import make_optimizer
-    from sparse_rl_jax.policy import abstract_like
+    from sparse_rl_jax.checkpoint_state import abstract_like
     from sparse_rl_jax.train_step import init_optimizer
 
     initial = nnx.split(models.load_pretrained(model, dtype=jnp.float32))[1]
