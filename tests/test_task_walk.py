@@ -151,4 +151,4 @@ def test_shipped_walk_configs_load_and_fit():
         assert cfg.data.source == "walk" and isinstance(walk, WalkTaskConfig)
         assert cfg.sampling.max_new_tokens >= 1.4 * walk.max_response_tokens
     with pytest.raises(ValueError, match="sampling.max_new_tokens"):
-        load_config(RunConfig, "configs/walk/walk_rkv.yaml", ["sampling.max_new_tokens=200"])
+        load_config(RunConfig, "configs/walk/walk_rkv.yaml", ["sampling.max_new_tokens=100"])
