@@ -123,8 +123,7 @@ def main(argv=None) -> int:
     rows = []
     for method in args.methods:
         for budget in args.budgets:
-            compression = dataclasses.replace(cfg.compression, method=method, budget=budget,
-                                              buffer=16, window=8)
+            compression = dataclasses.replace(cfg.compression, method=method, budget=budget)
             # The eviction record lets the scorer replay the sparse policy for alpha.
             sparse = collect_prompts(*run_args, compression=compression,
                                      sampling=dataclasses.replace(sampling,

@@ -28,6 +28,7 @@ from sparse_rl_jax.budget_control import bin_p5, p5_metrics
 from sparse_rl_jax.collect import Collected, collect_prompts
 from sparse_rl_jax.kv_state import NEVER
 from sparse_rl_jax.overlong import overlong_penalty
+from sparse_rl_jax.rewards import repeat_answers
 from sparse_rl_jax.rollout_metrics import (acceptance_metrics, kv_token_savings,
                                            rollout_metrics)
 from sparse_rl_jax.sampler import Rollout
@@ -84,7 +85,7 @@ def _control_edit(ctx, position: int, prompts: list[str]) -> Callable[[Rollout],
         rows = control_rows(cfg.trainer.seed, position, len(rollout.response),
                             cfg.data.control_missed_increment)
         return inject_missed_increment(
-            rollout, rows, [p for p in prompts for _ in range(sampling.num_samples)],
+            rollout, rows, repeat_answers(prompts, sampling.num_samples),
             ctx.tokenizer, sampling.eos_ids[0], sampling.pad_id, cfg.data.synthetic.echo_every)
     return edit
 
