@@ -47,7 +47,7 @@ class PageSparsity:
     @property
     def num_selected(self) -> int:
         """Pages in a selection: ``k_max + 3`` with ``k_max`` capped by the middle pages."""
-        return middle_slots(self.max_k, self.page_keys.shape[-2]) + 3
+        return selected_slots(self.max_k, self.page_keys.shape[-2])
 
 
 @struct.dataclass
@@ -67,6 +67,11 @@ class PageReplay:
 def middle_slots(max_k: int, num_pages: int) -> int:
     """Top-k slots of a selection: ``max_k`` capped at the ``num_pages - 3`` middle pages."""
     return max(0, min(max_k, num_pages - 3))
+
+
+def selected_slots(max_k: int, num_pages: int) -> int:
+    """Slots of a whole selection: the top-k middle slots plus the sink and 2 newest pages."""
+    return middle_slots(max_k, num_pages) + 3
 
 
 def select_pages(

@@ -18,7 +18,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.decoder import REMAT_POLICIES
-from models.page_sparse import middle_slots
+from models.page_sparse import selected_slots
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.page_sparsity import num_pages
 
@@ -116,7 +116,7 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     similarity = 2 * batch * kv * slots * slots * _F32 if compression.compresses else 0
     pages = num_pages(total_len, compression.page_size) if compression.page_sparse else 0
     # sparrow: page-mean keys beside the cache, and the pages each decode step attended to
-    selected = middle_slots(compression.max_pages_k, pages) + 3 if pages else 0
+    selected = selected_slots(compression.max_pages_k, pages) if pages else 0
     page_record = (cfg.num_layers * batch * kv * new_tokens * selected * 4
                    if record_evictions and pages else 0)
     return {
@@ -157,7 +157,7 @@ def _page_replay(cfg: ModelConfig, batch: int, total_len: int,
     if replay is None or not replay.page_sparse:
         return 0
     pages = num_pages(total_len, replay.page_size)
-    selected = middle_slots(replay.max_pages_k, pages) + 3
+    selected = selected_slots(replay.max_pages_k, pages)
     rows = total_len if total_len * total_len <= _ONE_BLOCK_PAIRS else min(_BLOCK, total_len)
     return (cfg.num_layers * batch * cfg.num_kv_heads * total_len * selected * 4
             + batch * cfg.num_kv_heads * rows * (pages + total_len + selected * 16))

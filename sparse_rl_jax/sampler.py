@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.page_sparse import PageSparsity, middle_slots
+from models.page_sparse import PageSparsity, selected_slots
 from models.shapes import check_shape
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
@@ -297,7 +297,7 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
     model = nnx.merge(graphdef, params)
     state, lengths = prefilled.state, prefilled.lengths
     m, cfg = sampling.max_new_tokens, model.config
-    selected = middle_slots(compression.max_pages_k, state.page_keys.shape[3]) + 3
+    selected = selected_slots(compression.max_pages_k, state.page_keys.shape[3])
     keep_record = compression.page_sparse and sampling.record_evictions
     record_shape = (cfg.num_layers, n, cfg.num_kv_heads) + ((m, selected) if keep_record
                                                              else (0, 0))
