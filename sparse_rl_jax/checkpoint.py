@@ -344,5 +344,13 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Closes; when the block raised, a failure to close is added to that error as a note
+        instead of replacing it."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except CheckpointError as close_err:
+            exc.add_note(f"closing the checkpointer also failed: {close_err}")

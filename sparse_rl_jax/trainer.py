@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -256,53 +257,55 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     )
 
     chash = config_hash(cfg)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
-                        save_every=cfg.trainer.checkpoint_every)
-    base = base_record(policy_path(cfg, lambda _: None)) if cfg.model.lora else None
-    params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
-                                                         log, base)
-    resumed = start and cfg.compression.adapt_k
-    budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
-    writer = MetricsWriter(run_dir, resume_step=start if start else None,
-                           tensorboard="tensorboard" in cfg.logging.backends,
-                           wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None)
-    evaluate_now = _in_training_eval(cfg, ctx, eval_data)
-    if evaluate_now is not None and cfg.eval.before_train and start == 0:
-        writer.log(0, evaluate_now(params))
-    metrics: dict = {}
-    pending = None  # the step of the last save started, until it is known to be committed
-    with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
-        for step in range(start, cfg.trainer.steps):
-            ckpt.check()  # a save that has already failed stops the run before another step
-            params, opt_state, metrics = rl_step(budget.context(ctx), params, opt_state, step,
-                                                 position)
-            budget.observe(metrics)  # sparrow's closed loop (adapt_k): log k, move it by p5
-            position += int(metrics["collect_rounds"])
-            done = step + 1
-            if evaluate_now is not None and cfg.eval.every_steps and (
-                    done % cfg.eval.every_steps == 0):
-                metrics.update(evaluate_now(params))
-            nonfinite = metrics.get("nonfinite_update", 0) > 0
-            metrics["skipped_nonfinite_steps"] = guard.skipped + nonfinite
-            ckpt.wait()  # nothing after a failed save is recorded: it stops the run here
-            if owner is not None and pending is not None:
-                owner.write_manifest(pending)
-            pending = None
-            writer.log(done, metrics)
-            progress.update(done, metrics)
-            if on_step is not None:
-                on_step(done, metrics)
-            guard.record(done, nonfinite)
-            if ckpt.save(done, train_state(params, opt_state),
-                         {"step": done, "config_hash": chash, "data_position": position,
-                          "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped,
-                          **budget.meta(), **({BASE_KEY: base} if base else {})},
-                         force=done == cfg.trainer.steps):
-                pending = done
-    ckpt.close()
-    if owner is not None and pending is not None:
-        owner.write_manifest(pending)
-    writer.close()
+    with ExitStack() as closing:  # closed on error too (orbax threads, log filters, files)
+        ckpt = closing.enter_context(Checkpointer(
+            run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
+            save_every=cfg.trainer.checkpoint_every))
+        base = base_record(policy_path(cfg, lambda _: None)) if cfg.model.lora else None
+        params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
+                                                             log, base)
+        resumed = start and cfg.compression.adapt_k
+        budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
+        writer = closing.enter_context(MetricsWriter(
+            run_dir, resume_step=start if start else None,
+            tensorboard="tensorboard" in cfg.logging.backends,
+            wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None))
+        evaluate_now = _in_training_eval(cfg, ctx, eval_data)
+        if evaluate_now is not None and cfg.eval.before_train and start == 0:
+            writer.log(0, evaluate_now(params))
+        metrics: dict = {}
+        pending = None  # the step of the last save started, until it is known to be committed
+        with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
+            for step in range(start, cfg.trainer.steps):
+                ckpt.check()  # a save that has already failed stops the run before another step
+                params, opt_state, metrics = rl_step(budget.context(ctx), params, opt_state, step,
+                                                     position)
+                budget.observe(metrics)  # sparrow's closed loop (adapt_k): log k, move it by p5
+                position += int(metrics["collect_rounds"])
+                done = step + 1
+                if evaluate_now is not None and cfg.eval.every_steps and (
+                        done % cfg.eval.every_steps == 0):
+                    metrics.update(evaluate_now(params))
+                nonfinite = metrics.get("nonfinite_update", 0) > 0
+                metrics["skipped_nonfinite_steps"] = guard.skipped + nonfinite
+                ckpt.wait()  # nothing after a failed save is recorded: it stops the run here
+                if owner is not None and pending is not None:
+                    owner.write_manifest(pending)
+                pending = None
+                writer.log(done, metrics)
+                progress.update(done, metrics)
+                if on_step is not None:
+                    on_step(done, metrics)
+                guard.record(done, nonfinite)
+                if ckpt.save(done, train_state(params, opt_state),
+                             {"step": done, "config_hash": chash, "data_position": position,
+                              "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped,
+                              **budget.meta(), **({BASE_KEY: base} if base else {})},
+                             force=done == cfg.trainer.steps):
+                    pending = done
+        ckpt.wait()  # the last save is committed before the manifest names it
+        if owner is not None and pending is not None:
+            owner.write_manifest(pending)
     if cfg.trainer.plots:
         records = read_metrics(run_dir / "metrics.jsonl")
         plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10),

@@ -7,6 +7,7 @@ through the trainer / ``run.py``."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import signal
@@ -20,6 +21,7 @@ import pytest
 
 from fault_helpers import ROOT, run, run_args
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.checkpoint_errors import OrbaxErrorLog, save_error
 from sparse_rl_jax.config_io import load_config
 from sparse_rl_jax.metrics_writer import read_metrics
 from sparse_rl_jax.run_config import RunConfig
@@ -61,6 +63,40 @@ def test_corrupt_latest_checkpoint_falls_back_and_says_why(tmp_path, corruption)
         assert float(ckpt.restore(_state(0.0))[0]["w"][0, 0]) == 30.0
 
 
+def test_orbax_error_records_are_held_back_attached_to_the_error_and_never_lost(tmp_path,
+                                                                              caplog):
+    """While attached, an ERROR record about the checkpoint directory is held back (not
+    logged), a WARNING passes; save_error attaches what was held as a note; a record that
+    arrives after the error is logged when the log detaches."""
+    directory = str(tmp_path / "ckpt")
+    absl = logging.getLogger("absl")
+    held = OrbaxErrorLog(directory)
+    held.attach()
+    try:
+        absl.error("write of %s/2/state failed: File too large", directory)
+        absl.warning("a warning passes")
+        absl.error("an unrelated error passes")
+        error = save_error(directory, OSError("EFBIG: File too large"), 2, [1], held)
+        absl.error("late report about %s/2", directory)
+    finally:
+        held.detach()
+    assert str(error).startswith(f"saving checkpoint step 2 in {directory} failed (disk full?)")
+    assert error.__notes__ == [f"orbax's log of the failure:\nERROR:absl:write of {directory}"
+                               "/2/state failed: File too large"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "a warning passes", "an unrelated error passes", f"late report about {directory}/2"]
+    assert held not in absl.filters
+
+
+def test_checkpointer_closed_by_an_error_keeps_that_error(tmp_path):
+    """Leaving a ``with Checkpointer`` block by an exception closes it (its log filter is
+    detached) and the block's exception is the one raised."""
+    with pytest.raises(KeyError, match="boom"):
+        with Checkpointer(tmp_path / "ckpt") as ckpt:
+            raise KeyError("boom")
+    assert ckpt._orbax_log not in logging.getLogger("absl").filters
+
+
 def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path):
     """RLIMIT_FSIZE makes every write past 64 KiB fail (EFBIG) like a full disk."""
     big = {"w": jax.random.normal(jax.random.key(0), (256, 256))}  # 256 KiB, incompressible
@@ -86,7 +122,6 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tm
         signal.signal(signal.SIGXFSZ, previous)
     assert "(disk full?)" in str(err.value) and "committed checkpoints: [1]" in str(err.value)
     assert "resume from step 1" in str(err.value)
-    assert any("orbax's log of the failure" in note for note in err.value.__notes__)
     with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
         assert ckpt.all_steps() == [1]  # the half-written step 2 is not taken for one
         state, meta = ckpt.restore_newest_good(big, log=lambda _: None)

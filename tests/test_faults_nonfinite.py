@@ -5,6 +5,8 @@ a row stop the run with ``NonFiniteError`` naming the step, no checkpoint holdin
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import models
 from fault_helpers import run_args
 from sparse_rl_jax.checkpoint import Checkpointer
+from sparse_rl_jax.checkpoint_errors import OrbaxErrorLog
 from sparse_rl_jax.config_io import load_config
 from sparse_rl_jax.metrics_writer import read_metrics
 from sparse_rl_jax.run_config import RunConfig
@@ -80,6 +83,8 @@ def test_trainer_skips_nonfinite_steps_and_stops_naming_the_step(tiny, tmp_path)
     with pytest.raises(NonFiniteError, match=r"^step 2: the loss, gradients or updated params "
                                              r"were not finite in 2 RL steps in a row"):
         train(cfg, log=lambda _: None)
+    # the run's Checkpointer was closed on the error: none of its log filters is left behind
+    assert not [f for f in logging.getLogger("absl").filters if isinstance(f, OrbaxErrorLog)]
     records = read_metrics(run_dir)
     assert [(r["step"], r["nonfinite_update"], r["skipped_nonfinite_steps"])
             for r in records] == [(1, 1.0, 1), (2, 1.0, 2)]
