@@ -37,12 +37,15 @@ class Corrections:
     token_mask: `[B, T]` bool, loss mask minus tokens rejected individually (token level).
     seq_mask: `[B]` bool, False for sequences dropped whole (veto, or rejection at the
       sequence/geometric level).
+    low_r: `[B]` bool, sequences holding a loss-mask token with `r_t < LOW_RATIO` (what a
+      `sparse_rl` veto at 1e-4 drops), in every kind.
     metrics: scalar float32 diagnostics, see `compute_corrections`.
     """
 
     weights: jax.Array
     token_mask: jax.Array
     seq_mask: jax.Array
+    low_r: jax.Array
     metrics: dict[str, jax.Array]
 
 
@@ -93,12 +96,11 @@ def _normalize(weights: jax.Array, valid: jax.Array, cfg: CorrectionConfig
 
 
 def _metrics(cfg: CorrectionConfig, log_r_tok, r, weights, valid, token_mask, seq_mask,
-             veto) -> dict[str, jax.Array]:
+             veto, low) -> dict[str, jax.Array]:
     """`compute_corrections`'s metrics except `is_norm_factor` (see there); arrays `[B, T]`
-    (`veto`, `seq_mask`: `[B]`)."""
+    (`veto`, `seq_mask`: `[B]`; `low`: loss-mask tokens with `r_t < LOW_RATIO`)."""
     has_tokens = jnp.any(valid, axis=1)
     kept = token_mask & seq_mask[:, None]
-    low = valid & (log_r_tok < math.log(LOW_RATIO))
     truncates = cfg.kind in ("tis", "sparse_rl")
     return {
         "rejection_rate": masked_mean(~seq_mask, has_tokens),
@@ -169,11 +171,13 @@ def compute_corrections(
     else:
         token_mask, seq_mask = valid, ~(veto | jnp.any(reject, axis=1))
     weights, norm_factor = _normalize(jnp.where(valid, weights, 0.0), valid, cfg)
-    metrics = _metrics(cfg, log_r_tok, r, weights, valid, token_mask, seq_mask, veto)
+    low = valid & (log_r_tok < math.log(LOW_RATIO))
+    metrics = _metrics(cfg, log_r_tok, r, weights, valid, token_mask, seq_mask, veto, low)
     metrics["is_norm_factor"] = norm_factor
     return Corrections(
         weights=jax.lax.stop_gradient(weights.astype(jnp.float32)),
         token_mask=token_mask,
         seq_mask=seq_mask,
+        low_r=jnp.any(low, axis=1),
         metrics={k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()},
     )

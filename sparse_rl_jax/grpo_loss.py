@@ -61,6 +61,8 @@ class LossBatch:
     token_mask: `[B, T]` correction token mask (`Corrections.token_mask`).
     seq_mask: `[B]` correction sequence mask (`Corrections.seq_mask`).
     logp_ref: `[B, T]` log pi_ref for the KL penalty, or None.
+    low_r: `[B]` bool, sequences holding a token with `r_t < 1e-4` (`Corrections.low_r`),
+      or None; read only by the `low_r_grad_share` diagnostic of `train_step.update_step`.
     """
 
     logp_old_dense: jax.Array
@@ -70,6 +72,7 @@ class LossBatch:
     token_mask: jax.Array
     seq_mask: jax.Array
     logp_ref: jax.Array | None = None
+    low_r: jax.Array | None = None
 
     @classmethod
     def from_corrections(
@@ -89,6 +92,7 @@ class LossBatch:
             token_mask=corrections.token_mask,
             seq_mask=corrections.seq_mask,
             logp_ref=logp_ref,
+            low_r=corrections.low_r,
         )
 
 
@@ -181,7 +185,7 @@ def check_loss_batch(batch: LossBatch, b: int, t: int, name: str = "batch") -> N
     `[B, T]` = `[b, t]` (or `[B]` = `[b]` for the per-sequence leaves)."""
     for leaf in ("logp_old_dense", "loss_mask", "is_weights", "token_mask", "logp_ref"):
         check_shape(f"{name}.{leaf}", getattr(batch, leaf), B=b, T=t)
-    for leaf in ("advantages", "seq_mask"):
+    for leaf in ("advantages", "seq_mask", "low_r"):
         check_shape(f"{name}.{leaf}", getattr(batch, leaf), B=b)
 
 

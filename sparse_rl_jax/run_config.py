@@ -14,7 +14,7 @@ from models.decoder import REMAT_POLICIES
 from models.partitioning import mesh_size_error
 from sparse_rl_jax.advantages import AdvantageConfig
 from sparse_rl_jax.compression_config import CompressionConfig
-from sparse_rl_jax.config_checks import (check, check_choice, check_int, check_number,
+from sparse_rl_jax.config_checks import (check, check_bool, check_choice, check_int, check_number,
                                          check_text, reject)
 from sparse_rl_jax.datasets import DatasetConfig, TfdsConfig
 from sparse_rl_jax.lora_config import LoraConfig
@@ -158,6 +158,10 @@ class TrainerConfig:
       max_nonfinite_steps: an RL step whose loss or gradient is not finite skips that update
         (params and optimizer state unchanged; counted in ``skipped_nonfinite_steps``); this
         many such steps in a row stop the run with an error naming the step.
+      low_r_grad_share: also log, per update, how much of the gradient comes from the
+        sequences holding a token with ``r_t < 1e-4`` (those a Sparse-RL veto drops), in any
+        correction kind without dropping them: ``low_r_grad_norm_ratio`` and
+        ``low_r_grad_share`` (``train_step.low_r_grad_metrics``). Costs a second backward.
     """
 
     steps: int = 100
@@ -172,6 +176,7 @@ class TrainerConfig:
     export_final: bool = True
     plots: bool = True
     max_nonfinite_steps: int = 3
+    low_r_grad_share: bool = False
 
     def __post_init__(self):
         for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",
@@ -183,6 +188,8 @@ class TrainerConfig:
         check_int(self, "micro_batch_size", 0, rule)
         check(self.micro_batch_size == 0 or self.minibatch_size % self.micro_batch_size == 0,
               self, "micro_batch_size", rule)
+        for field in ("export_final", "plots", "low_r_grad_share"):
+            check_bool(self, field)
 
 
 @dataclasses.dataclass(frozen=True)

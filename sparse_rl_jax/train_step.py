@@ -99,14 +99,14 @@ def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
 
 def accumulated_grads(graphdef: nnx.GraphDef, params, frozen, batch: Minibatch,
                       micro_batch_size: int, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128,
-                      dropout_key: jax.Array | None = None):
+                      dropout_key: jax.Array | None = None, norm: LossNorm | None = None):
     """``(loss, metrics, grads)`` of the whole minibatch ``batch`` computed over micro-batches
     of ``micro_batch_size`` sequences (``lax.scan``), gradients with respect to the trainable
     ``params`` (``frozen`` held fixed) summed in float32 and returned in the params' dtypes.
-    Each micro-batch loss uses the minibatch's ``loss_norm``, so the sums are the minibatch's
-    loss and gradient; metrics are merged by ``combine_metrics``. ``dropout_key`` (None: no
-    adapter dropout) is split into one key per micro-batch."""
-    norm = loss_norm(batch.loss, loss_cfg)
+    Each micro-batch loss uses the minibatch's ``loss_norm`` (or ``norm`` when given), so the
+    sums are the minibatch's loss and gradient; metrics are merged by ``combine_metrics``.
+    ``dropout_key`` (None: no adapter dropout) is split into one key per micro-batch."""
+    norm = loss_norm(batch.loss, loss_cfg) if norm is None else norm
     grad_fn = jax.value_and_grad(
         lambda p, micro, key: minibatch_loss(graphdef, p, frozen, micro, norm,
                                              loss_cfg=loss_cfg, chunk_size=chunk_size,
@@ -127,6 +127,58 @@ def accumulated_grads(graphdef: nnx.GraphDef, params, frozen, batch: Minibatch,
     return jnp.sum(losses), combine_metrics(metrics), grads
 
 
+def loss_grads(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch, *,
+               loss_cfg: GRPOLossConfig, chunk_size: int = 128,
+               micro_batch_size: int | None = None, dropout_key: jax.Array | None = None,
+               norm: LossNorm | None = None):
+    """``(loss, metrics, grads)`` of ``batch`` with respect to ``trainable``: one
+    forward/backward when ``micro_batch_size`` is None or ``N``, else accumulated over
+    micro-batches (:func:`accumulated_grads`). ``norm``: the aggregation denominators (None:
+    ``batch``'s own)."""
+    n = batch.response.shape[0]
+    if micro_batch_size is None or micro_batch_size == n:
+        (loss, metrics), grads = jax.value_and_grad(
+            lambda p: minibatch_loss(graphdef, p, frozen, batch, norm, loss_cfg=loss_cfg,
+                                     chunk_size=chunk_size, dropout_key=dropout_key),
+            has_aux=True)(trainable)
+        return loss, metrics, grads
+    return accumulated_grads(graphdef, trainable, frozen, batch, micro_batch_size,
+                             loss_cfg=loss_cfg, chunk_size=chunk_size, dropout_key=dropout_key,
+                             norm=norm)
+
+
+def low_r_grad_metrics(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch, grads, *,
+                       loss_cfg: GRPOLossConfig, chunk_size: int = 128,
+                       micro_batch_size: int | None = None,
+                       dropout_key: jax.Array | None = None) -> dict[str, jax.Array]:
+    """How much of the update ``grads`` comes from the sequences a 1e-4 veto would drop
+    (``batch.loss.low_r``), measured without dropping them: a second backward of the loss
+    restricted to those sequences, under the whole minibatch's denominators, so that it is
+    exactly their additive part ``g_low`` of ``grads = g_low + g_rest``.
+
+    Returns float32 scalars ``low_r_grad_norm_ratio`` (``|g_low| / |g|``) and
+    ``low_r_grad_share`` (``<g_low, g> / |g|^2``: the fraction of the update's length along
+    itself that those sequences contribute; the rest contribute ``1 -`` it); both 0 when
+    ``|g| == 0``.
+    """
+    if batch.loss.low_r is None:
+        raise ValueError("low_r_grad_share: the minibatch's loss.low_r is None (build the "
+                         "LossBatch with LossBatch.from_corrections)")
+    norm = loss_norm(batch.loss, loss_cfg)
+    low_only = batch._replace(loss=batch.loss.replace(
+        seq_mask=batch.loss.seq_mask & batch.loss.low_r))
+    _, _, low = loss_grads(graphdef, trainable, frozen, low_only, loss_cfg=loss_cfg,
+                           chunk_size=chunk_size, micro_batch_size=micro_batch_size,
+                           dropout_key=dropout_key, norm=norm)
+    total_sq = optax.tree.norm(grads, squared=True)
+    dot = sum(jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32))
+              for a, b in zip(jax.tree.leaves(low), jax.tree.leaves(grads)))
+    safe = jnp.where(total_sq > 0, total_sq, 1.0)
+    return {"low_r_grad_norm_ratio": jnp.where(total_sq > 0, optax.tree.norm(low)
+                                               / jnp.sqrt(safe), 0.0),
+            "low_r_grad_share": jnp.where(total_sq > 0, dot / safe, 0.0)}
+
+
 def update_step(
     graphdef: nnx.GraphDef,
     params,
@@ -138,6 +190,7 @@ def update_step(
     chunk_size: int = 128,
     micro_batch_size: int | None = None,
     dropout_key: jax.Array | None = None,
+    low_r_share: bool = False,
 ):
     """Loss, gradients and one optimizer update.
 
@@ -150,24 +203,21 @@ def update_step(
       (:func:`accumulated_grads`), the same update up to float rounding.
     dropout_key: the LoRA adapters' input dropout key (:func:`dropout_key`; None, or
       adapters of rate 0: no dropout, the update is deterministic).
+    low_r_share: also log :func:`low_r_grad_metrics` (a second backward; the update is
+      unchanged).
 
     Returns:
       ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` and
       ``nonfinite_update``, 1.0 when the update was skipped for a non-finite loss, gradient,
       or updated parameter / optimizer-state value).
     """
-    n = batch.response.shape[0]
     trainable, frozen = split_trainable(params)
-    if micro_batch_size is None or micro_batch_size == n:
-        (loss, metrics), grads = jax.value_and_grad(
-            lambda p: minibatch_loss(graphdef, p, frozen, batch, None, loss_cfg=loss_cfg,
-                                     chunk_size=chunk_size, dropout_key=dropout_key),
-            has_aux=True)(trainable)
-    else:
-        loss, metrics, grads = accumulated_grads(graphdef, trainable, frozen, batch,
-                                                 micro_batch_size, loss_cfg=loss_cfg,
-                                                 chunk_size=chunk_size, dropout_key=dropout_key)
+    kw = dict(loss_cfg=loss_cfg, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
+              dropout_key=dropout_key)
+    loss, metrics, grads = loss_grads(graphdef, trainable, frozen, batch, **kw)
     metrics["grad_norm"] = optax.tree.norm(grads)
+    if low_r_share:
+        metrics.update(low_r_grad_metrics(graphdef, trainable, frozen, batch, grads, **kw))
     nonfinite = ~(jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]))
 
     def apply(operand):
@@ -216,13 +266,14 @@ def jit_update_step(
     opt_shardings,
     batch_sharding,
     chunk_size: int = 128,
+    low_r_share: bool = False,
 ):
     """``update_step`` jitted with explicit shardings (compiled as ``update_minibatch``);
     params and optimizer state are donated.
 
     Args:
       graphdef: the policy's ``nnx.GraphDef``.
-      loss_cfg, optimizer, chunk_size: as in :func:`update_step`.
+      loss_cfg, optimizer, chunk_size, low_r_share: as in :func:`update_step`.
       param_shardings: pytree of ``NamedSharding`` like the params.
       opt_shardings: pytree of ``NamedSharding`` like the optimizer state.
       batch_sharding: one ``NamedSharding`` splitting every minibatch leaf's leading
@@ -238,6 +289,7 @@ def jit_update_step(
         return update_step(
             graphdef, params, opt_state, batch, loss_cfg=loss_cfg, optimizer=optimizer,
             chunk_size=chunk_size, micro_batch_size=micro_batch_size, dropout_key=dropout_key,
+            low_r_share=low_r_share,
         )
 
     jitted = jax.jit(

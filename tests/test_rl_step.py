@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import models
-from sparse_rl_jax.grpo_loss import grpo_loss
+from sparse_rl_jax.grpo_loss import grpo_loss, loss_norm
 from sparse_rl_jax.rl_step import batch_sharding, collect, update
 from sparse_rl_jax.scoring import response_logprobs, score
 from sparse_rl_jax.train_step import init_optimizer, jit_update_step
@@ -80,7 +80,7 @@ def test_collect_old_logprobs_are_the_dense_scores(collected, policy):
                                np.asarray(dense)[mask], rtol=1e-5, atol=1e-5)
 
 
-def _update(ctx, params, batch, optimizer):
+def _update(ctx, params, batch, optimizer, low_r_share=False):
     """``rl_step.update`` with ``optimizer`` over the one-device mesh; params are copied
     first (update donates them)."""
     mesh = models.make_mesh()
@@ -91,7 +91,7 @@ def _update(ctx, params, batch, optimizer):
         ctx.graphdef, loss_cfg=ctx.cfg.loss, optimizer=optimizer,
         param_shardings=jax.tree.map(lambda x: x.sharding, params),
         opt_shardings=opt_shardings, batch_sharding=batch_sharding(mesh),
-        chunk_size=ctx.cfg.trainer.logp_chunk)
+        chunk_size=ctx.cfg.trainer.logp_chunk, low_r_share=low_r_share)
     return update(dataclasses.replace(ctx, update=step, mesh=mesh), params, opt_state, batch,
                   step=0)
 
@@ -120,3 +120,39 @@ def test_sgd_update_is_one_step_down_the_loss_gradient(collected, policy):
     want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new, want)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
+
+
+@pytest.mark.parametrize("micro", [None, N // 2])
+def test_low_r_grad_share_is_the_flagged_sequences_part_of_the_update(collected, policy, micro):
+    """With ``low_r_share`` the update is unchanged, and the logged ratio and share are those
+    of ``g_low = g - g_rest``: the full gradient minus the gradient with the flagged
+    sequences dropped (same denominators), computed here by ``jax.grad`` of ``grpo_loss``."""
+    ctx, (batch, _, _) = collected
+    graphdef, params = policy[2:]
+    if micro is not None:
+        ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(
+            ctx.cfg, trainer=dataclasses.replace(ctx.cfg.trainer, micro_batch_size=micro)))
+    flags = np.zeros(N, bool)
+    flags[[0, 3, N - 2]] = True
+    batch = batch._replace(loss=batch.loss.replace(low_r=jnp.asarray(flags)))
+    norm = loss_norm(batch.loss, ctx.cfg.loss)
+
+    def grads(loss_batch):
+        def loss(p):
+            logp = response_logprobs(nnx.merge(graphdef, p), batch.prompt, batch.prompt_mask,
+                                     batch.response).logp
+            return grpo_loss(logp, loss_batch, ctx.cfg.loss, norm=norm)[0]
+        return np.concatenate([np.ravel(np.asarray(g, np.float64))
+                               for g in jax.tree.leaves(jax.grad(loss)(params))])
+
+    g = grads(batch.loss)
+    g_low = g - grads(batch.loss.replace(seq_mask=batch.loss.seq_mask & ~jnp.asarray(flags)))
+    assert np.linalg.norm(g_low) > 1e-3 * np.linalg.norm(g) > 0
+    plain, _, want = _update(ctx, params, batch, optax.sgd(0.05))
+    new, _, metrics = _update(ctx, params, batch, optax.sgd(0.05), low_r_share=True)
+    jax.tree.map(np.testing.assert_array_equal, new, plain)
+    assert metrics["grad_norm"] == want["grad_norm"]
+    np.testing.assert_allclose(metrics["low_r_grad_norm_ratio"],
+                               np.linalg.norm(g_low) / np.linalg.norm(g), rtol=1e-4)
+    np.testing.assert_allclose(metrics["low_r_grad_share"], g_low @ g / (g @ g), rtol=1e-4,
+                               atol=1e-6)
