@@ -9,9 +9,14 @@ Arms, same seed, same warm-started policy, same data:
                             record (on-policy for the sparse policy) + distillation to dense
 for every <method> (R-KV, SnapKV) and KV <budget> (a harsh and a moderate one by default; see
 ``experiments/regime_sweep.py`` for where compression starts to change the samples), and for
-every seed. Each final policy is evaluated under dense inference and under every sparse
-setting. Writes ``<out>/results.md`` (tables), ``<out>/results.json`` and comparison plots
-``<out>/plots/seed<k>/budget<b>/compare_*.png`` (and ``plots/seed_mean/``: seeds averaged).
+every seed. ``--controls q ...`` (walk task) adds the positive control per rate q:
+  naive control <q>         dense rollouts with a fraction q of the sequences rewritten as
+                            after a bad eviction (``data.control_missed_increment``)
+  sparse-rl control <q>     the same rollouts with Sparse-RL's correction
+Each final policy is evaluated under dense inference and under every sparse setting. Writes
+``<out>/results.md`` (tables), ``<out>/results.json`` and comparison plots
+``<out>/plots/seed<k>/budget<b>/compare_*.png`` (``.../control/`` for the control arms; and
+``plots/seed_mean/``: seeds averaged).
 
   python experiments/reproduce.py              # the full experiment (< 1 h on a 2-core CPU)
   python experiments/reproduce.py --quick      # a smoke version (< 1 min)
@@ -44,7 +49,7 @@ DISTILL = 0.1  # shadow-mask arm's loss.distill_coef (the paper's value is not p
 COMPARE_KEYS = ("reward_mean", "rejection_rate", "clip_fraction", "mismatch_k3",
                 "repetition_fraction", "kv_token_savings", "kv_peak_savings",
                 "response_length_mean", "token_mask_fraction", "truncated_fraction",
-                "low_r_sequence_fraction")
+                "low_r_sequence_fraction", "low_r_grad_share")
 # Collapse, defined before any run (issue 14): a run collapses when, for at least a quarter
 # of its steps in a row, its training reward (smoothed over a tenth of the run) sits at least
 # COLLAPSE_DROP below its peak while its truncated fraction (smoothed alike) is at least
@@ -55,14 +60,23 @@ COLLAPSE_TRUNCATION = 3.0
 COLLAPSE_TRUNCATION_FLOOR = 0.05
 
 
-def arms(methods: list[str], budgets: list[int]) -> list[tuple[str, list[str]]]:
-    """(label, overrides) of every arm: dense once, then naive, Sparse-RL and shadow-mask per
-    budget and method."""
+def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = ()
+         ) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of every arm: dense once, then naive and Sparse-RL on the positive
+    control per rate in ``controls`` (dense rollouts, ``data.control_missed_increment``; walk
+    task only), then naive, Sparse-RL and shadow-mask per budget and method."""
     out = [("dense", ["compression.method=none", "correction.kind=none"])]
+    for rate in controls:
+        setting = ["compression.method=none", f"data.control_missed_increment={rate}"]
+        out.append((f"naive control {rate:g}", [*setting, "correction.kind=none",
+                                                 "trainer.low_r_grad_share=true"]))
+        out.append((f"sparse-rl control {rate:g}", [*setting, "correction.kind=sparse_rl"]))
     for budget in budgets:
         for method in methods:
             setting = [f"compression.method={method}", f"compression.budget={budget}"]
-            out.append((f"naive {method} {budget}", [*setting, "correction.kind=none"]))
+            # the naive arm also logs the gradient share a 1e-4 veto would have removed
+            out.append((f"naive {method} {budget}", [*setting, "correction.kind=none",
+                                                      "trainer.low_r_grad_share=true"]))
             out.append((f"sparse-rl {method} {budget}", [*setting, "correction.kind=sparse_rl"]))
             out.append((f"shadow-mask {method} {budget}",
                         [*setting, "correction.kind=shadow_mask", f"loss.distill_coef={DISTILL}"]))
@@ -117,10 +131,14 @@ def mean_records(runs: list[list[dict]]) -> list[dict]:
 
 
 def plot_by_budget(runs: list[tuple[str, list[dict]]], budgets: list[int], out: Path) -> None:
-    """One comparison figure per budget (``out/budget<b>/``): dense and that budget's arms."""
+    """One comparison figure per budget (``out/budget<b>/``): dense and that budget's arms;
+    and one of dense and the positive-control arms (``out/control/``) when there are any."""
     for budget in budgets:
         chosen = [run for run in runs if run[0] == "dense" or run[0].endswith(f" {budget}")]
         plot_comparison(chosen, out / f"budget{budget}", COMPARE_KEYS, smooth=5)
+    controls = [run for run in runs if run[0] == "dense" or " control " in run[0]]
+    if len(controls) > 1:
+        plot_comparison(controls, out / "control", COMPARE_KEYS, smooth=5)
 
 
 def main(argv=None) -> int:
@@ -134,8 +152,13 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="a few steps per arm, first seed and budget only (smoke test)")
     parser.add_argument("--methods", nargs="+", default=["rkv", "snapkv"])
-    parser.add_argument("--budgets", nargs="+", type=int, default=[32, 40],
-                        help="KV budgets of the sparse arms (see experiments/regime_sweep.py)")
+    parser.add_argument("--budgets", nargs="*", type=int, default=[32, 40],
+                        help="KV budgets of the sparse arms (see experiments/regime_sweep.py); "
+                             "none: no sparse arms")
+    parser.add_argument("--controls", nargs="*", type=float, default=[],
+                        help="positive-control rates q (walk task): naive and Sparse-RL arms "
+                             "trained on dense rollouts with q of the sequences rewritten as "
+                             "after a bad eviction (data.control_missed_increment)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every arm")
     args = parser.parse_args(argv)
@@ -160,7 +183,7 @@ def main(argv=None) -> int:
     results, curves = [], {}
     for seed in args.seeds:
         runs = []
-        for label, arm in arms(args.methods, args.budgets):
+        for label, arm in arms(args.methods, args.budgets, tuple(args.controls)):
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")
             cfg = load_config(RunConfig, args.config, [
                 f"run_dir={run_dir}", f"model.path={policy}", f"trainer.seed={seed}",
@@ -199,11 +222,18 @@ def _mean(values: list[float]) -> float:
 
 
 def _cell(values: list[float], digits: int = 3) -> str:
-    """The mean, and the per-seed values in brackets when there are several."""
+    """The mean; with several values also its standard error (``± sd / sqrt(n)``) and the
+    per-seed values in brackets."""
     text = f"{_mean(values):.{digits}f}"
     if len(values) > 1:
-        text += " (" + ", ".join(f"{v:.{digits}f}" for v in values) + ")"
+        se = float(np.std(values, ddof=1) / np.sqrt(len(values)))
+        text += f" ± {se:.{digits}f} (" + ", ".join(f"{v:.{digits}f}" for v in values) + ")"
     return text
+
+
+def _optional(value: float) -> str:
+    """A metric only some arms log: the value, or a dash where it is NaN (not logged)."""
+    return "–" if np.isnan(value) else f"{value:.3f}"
 
 
 def _by_arm(results: list[dict], per_seed: bool) -> list[tuple[str, list[dict]]]:
@@ -225,7 +255,8 @@ def training_table(results: list[dict], per_seed: bool = False) -> str:
     digits = 3 if per_seed else 2
     head = ("| arm | " + ("seed | " if per_seed else "")
             + "reward first→last quarter | rejection | tok masked | clip frac | mismatch k3 | "
-            "repetition | truncated | seq r<1e-4 | collapsed | KV saved mean / peak | "
+            "repetition | truncated | seq r<1e-4 | grad share r<1e-4 | collapsed | "
+            "KV saved mean / peak | "
             "eval pass@1 dense | eval pass@1 own sparse |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, rows in _by_arm(results, per_seed):
@@ -237,6 +268,7 @@ def training_table(results: list[dict], per_seed: bool = False) -> str:
             f"{col('token_mask_fraction'):.3f} | {col('clip_fraction'):.4f} | "
             f"{col('mismatch_k3'):.3f} | {col('repetition_fraction'):.3f} | "
             f"{col('truncated_fraction'):.3f} | {col('low_r_sequence_fraction'):.3f} | "
+            f"{_optional(col('low_r_grad_share'))} | "
             f"{sum(r.get('collapsed', False) for r in rows)}/{len(rows)} | "
             f"{col('kv_token_savings'):.3f} / {col('kv_peak_savings'):.3f} | "
             f"{_cell([_pass1(r, 'dense') for r in rows], digits)} | "

@@ -40,6 +40,9 @@ def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     dense, naive, corrected, shadow = rows
     assert dense["kv_token_savings"] == 0.0 and corrected["kv_token_savings"] > 0.0
     assert naive["rejection_rate"] == 0.0  # no correction: nothing is ever rejected
+    # only the naive arm measures the gradient share a veto would remove
+    assert np.isfinite(naive["low_r_grad_share"])
+    assert all(np.isnan(r["low_r_grad_share"]) for r in (dense, corrected, shadow))
     assert shadow["rejection_rate"] == 0.0 and shadow["kv_token_savings"] > 0.0
     # One update per step in --quick (64 sequences, minibatch 64): on-policy for the sampler,
     # so the ratio is 1 up to the replay's float error, while the distillation term sees the
@@ -77,8 +80,9 @@ def test_tables_average_seeds_and_list_every_inference_mode():
                result("dense", 1, "dense", 0.4, 0.25, 0.75)]
     training = reproduce.training_table(results).splitlines()
     assert len(training) == 4  # header, rule, one line per arm with the seeds averaged
-    assert training[2].startswith("| dense | 0.100 → 0.30 (0.20, 0.40) |")
-    assert training[2].endswith("| 0.38 (0.50, 0.25) | – |")
+    # seed means ± their standard error (sd / sqrt(n)), the per-seed values in brackets
+    assert training[2].startswith("| dense | 0.100 → 0.30 ± 0.10 (0.20, 0.40) |")
+    assert training[2].endswith("| 0.38 ± 0.12 (0.50, 0.25) | – |")
     assert training[3].endswith("| 0.75 | 0.50 |")
     per_seed = reproduce.training_table(results, per_seed=True).splitlines()
     assert [line.split(" | ")[:2] for line in per_seed[2:]] == [
@@ -147,3 +151,16 @@ def test_collapse_needs_a_long_reward_drop_with_truncation():
     assert 10 <= reproduce.collapse_steps(falls) <= 15 and reproduce.collapsed(falls)
     assert not reproduce.collapsed(short)  # 6 bad steps < 10
     assert reproduce.collapse_steps(no_truncation) == 0
+
+
+def test_control_arms_train_on_dense_rollouts_with_the_anomaly():
+    reproduce = _load_script("reproduce")
+    labels = [label for label, _ in reproduce.arms(["rkv"], [], (0.03, 0.1))]
+    assert labels == ["dense", "naive control 0.03", "sparse-rl control 0.03",
+                      "naive control 0.1", "sparse-rl control 0.1"]
+    overrides = dict(reproduce.arms(["rkv"], [48], (0.1,)))
+    assert overrides["sparse-rl control 0.1"] == [
+        "compression.method=none", "data.control_missed_increment=0.1",
+        "correction.kind=sparse_rl"]
+    assert "trainer.low_r_grad_share=true" in overrides["naive control 0.1"]
+    assert "compression.budget=48" in overrides["naive rkv 48"]
