@@ -60,6 +60,9 @@ COLLAPSE_TRUNCATION = 3.0
 COLLAPSE_TRUNCATION_FLOOR = 0.05
 
 
+ARM_KINDS = ("dense", "naive", "sparse-rl", "shadow-mask")  # the first word of an arm's label
+
+
 def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = ()
          ) -> list[tuple[str, list[str]]]:
     """(label, overrides) of every arm: dense once, then naive and Sparse-RL on the positive
@@ -160,6 +163,9 @@ def main(argv=None) -> int:
                              "trained on dense rollouts with q of the sequences rewritten as "
                              "after a bad eviction (data.control_missed_increment)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--only", nargs="+", choices=ARM_KINDS, default=list(ARM_KINDS),
+                        help="train only these kinds of arm (e.g. to add arms to an experiment "
+                             "whose dense arm already ran with the same settings)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every arm")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -184,6 +190,8 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         runs = []
         for label, arm in arms(args.methods, args.budgets, tuple(args.controls)):
+            if label.split(" ")[0] not in args.only:
+                continue
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")
             cfg = load_config(RunConfig, args.config, [
                 f"run_dir={run_dir}", f"model.path={policy}", f"trainer.seed={seed}",
