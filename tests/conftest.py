@@ -32,3 +32,14 @@ os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 import jax  # noqa: E402
 
 assert jax.config.jax_default_matmul_precision == "highest"  # read from the environment
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding more ``slow`` tests run first (stable otherwise): with two workers each
+    taking one file at a time (``--dist loadfile --no-loadscope-reorder``, pyproject addopts),
+    the long files then start at once instead of ending the run on one worker while the other
+    waits."""
+    slow = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])

@@ -91,6 +91,7 @@ def test_first_difference_counts_changed_tokens_and_early_stops():
     np.testing.assert_array_equal(sweep.first_difference(a, b, on, on_b), [-1, 1, 2])
 
 
+@pytest.mark.slow
 def test_regime_sweep_quick_couples_dense_and_sparse_samples(tmp_path):
     out = tmp_path / "sweep"
     tiny = [*TINY_WARM_START, "warm_start.steps=10", "compression.buffer=4", "compression.window=2",

@@ -1,12 +1,14 @@
 """The RL trainer end to end: run.py in a subprocess, SIGKILL (during training or during a
 checkpoint save, then a moved run directory) + resume equals an uninterrupted run, a sharded update equals a single-device one, config errors.
 
-Runs that must die (SIGKILL) and the reference run are child processes; the resumes, the eval
-and the config error call ``run.py``'s ``main`` in this process (the same code path without a
-second interpreter start), with one compilation cache shared by both."""
+Runs that must die (SIGKILL) are ``python run.py`` child processes; the reference run, the
+resumes, the eval and the config error call ``run.py``'s ``main`` in this process (the same
+code path without an interpreter start per run), with one compilation cache shared by both."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -63,26 +65,19 @@ eval: {{num_prompts: 4, samples: 2, batch_size: 4}}
     return root, config, env
 
 
-def _run_py(args, env, **kwargs):
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, **kwargs)
-
-
-def _main(args, capsys) -> str:
+def _main(args) -> str:
     """``run.main(args)`` in this process; asserts exit code 0 and returns its stdout."""
-    capsys.readouterr()
-    code = run.main([str(a) for a in args])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-3000:]
-    return out.out
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run.main([str(a) for a in args])
+    assert code == 0, err.getvalue()[-3000:]
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(run_env):
-    root, config, env = run_env
-    out = _run_py(["train", "--config", str(config), f"run_dir={root / 'a'}"], env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return root / "a", out
+    root, config, _ = run_env
+    return root / "a", _main(["train", "--config", config, f"run_dir={root / 'a'}"])
 
 
 def _comparable(records):
@@ -90,6 +85,7 @@ def _comparable(records):
              and k != "tokens_per_second"} for r in records]
 
 
+@pytest.mark.slow
 def test_run_py_train_writes_metrics_plots_checkpoint_and_export(uninterrupted):
     run_dir, out = uninterrupted
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -108,7 +104,8 @@ def test_run_py_train_writes_metrics_plots_checkpoint_and_export(uninterrupted):
     assert list((run_dir / "tb").iterdir())
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted, capsys):
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
     root, config, env = run_env
     reference, _ = uninterrupted
     run_dir = root / "b"
@@ -125,8 +122,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted, c
     assert proc.returncode == -signal.SIGKILL
     assert not (run_dir / "final").exists()  # it really died mid-training
 
-    assert "resumed from step" in _main(["train", "--config", config, f"run_dir={run_dir}"],
-                                        capsys)
+    assert "resumed from step" in _main(["train", "--config", config, f"run_dir={run_dir}"])
     assert _comparable(read_metrics(run_dir / "metrics.jsonl")) == _comparable(
         read_metrics(reference / "metrics.jsonl"))
     resumed = load_file(run_dir / "final" / "model.safetensors")
@@ -136,8 +132,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted, c
         np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
 
 
-def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninterrupted,
-                                                                 capsys):
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninterrupted):
     """Killed while committing checkpoint 3 (its files written, not renamed); the run
     directory is then moved: the same command on the new path resumes from step 2 (the
     torn step 3 is not taken for a checkpoint, the dead run's lock is taken over) and ends
@@ -156,7 +152,7 @@ def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninte
     assert json.loads((first / "manifest.json").read_text())["last_good_step"] in (1, 2)
     first.rename(moved)
 
-    out = _main(["train", "--config", config, f"run_dir={moved}"], capsys)
+    out = _main(["train", "--config", config, f"run_dir={moved}"])
     assert f"resumed from step 2 in {moved}" in out
     assert not (moved / "run.lock").exists()
     assert json.loads((moved / "manifest.json").read_text())["last_good_step"] == STEPS
@@ -168,8 +164,8 @@ def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninte
         np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
 
 
-def test_resume_with_other_micro_batch_and_remat_continues_the_run(run_env, uninterrupted,
-                                                                    capsys):
+@pytest.mark.slow
+def test_resume_with_other_micro_batch_and_remat_continues_the_run(run_env, uninterrupted):
     """Micro-batch size and remat change only memory: a copy of the finished run rolled back
     to checkpoint 4 and resumed with the whole minibatch in one micro-batch and full remat
     ends where the uninterrupted run (micro-batches of 2, no remat) did, up to float
@@ -182,7 +178,7 @@ def test_resume_with_other_micro_batch_and_remat_continues_the_run(run_env, unin
         shutil.rmtree(run_dir / "checkpoints" / name)
     shutil.rmtree(run_dir / "final")
     out = _main(["train", "--config", config, f"run_dir={run_dir}",
-                 "trainer.micro_batch_size=4", "model.remat=full"], capsys)
+                 "trainer.micro_batch_size=4", "model.remat=full"])
     assert "resumed from step 4" in out
     got, want = (_comparable(read_metrics(d / "metrics.jsonl")) for d in (run_dir, reference))
     assert [r["step"] for r in got] == [r["step"] for r in want]
@@ -198,9 +194,9 @@ def test_resume_with_other_micro_batch_and_remat_continues_the_run(run_env, unin
                                    err_msg=name)
 
 
-def test_eval_prints_dense_and_sparse_pass_at_1(uninterrupted, capsys):
+def test_eval_prints_dense_and_sparse_pass_at_1(uninterrupted):
     run_dir, _ = uninterrupted
-    out = _main(["eval", "--checkpoint", run_dir], capsys)
+    out = _main(["eval", "--checkpoint", run_dir])
     assert "pass@1" in out and "dense" in out and "sparse (rkv 16)" in out
     rows = json.loads((run_dir / "eval.json").read_text())
     assert [r["mode"] for r in rows] == ["dense", "sparse (rkv 16)"]
@@ -227,6 +223,7 @@ def _dapo_config(config, run_dir, *overrides):
         *overrides])
 
 
+@pytest.mark.slow
 def test_dapo_example_resumes_identically_and_logs_eval(run_env):
     """Dynamic sampling + overlong + eval during training; a run stopped after 1 step and
     restarted continues to the same metrics and weights (the data cursor is checkpointed:
@@ -278,6 +275,7 @@ def test_family_examples_load_and_validate(name, expected):
     assert cfg.model.path is None  # the embedded default
 
 
+@pytest.mark.slow
 def test_sharded_update_equals_single_device():
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "sharded_update.py")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tiny_rl import TINY_WARM_START
 
@@ -42,6 +43,7 @@ def test_log_ratio_stats_and_regime_test():
     assert not calib.in_regime({**row, "seq_low_r": 0.11})
 
 
+@pytest.mark.slow
 def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
     out = tmp_path / "calib"
     tiny = [*TINY_WARM_START, "warm_start.steps=4", "warm_start.batch_size=4", "data.walk.c_max=1",
