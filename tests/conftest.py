@@ -31,7 +31,7 @@ os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 import jax  # noqa: E402
 
-assert jax.config.jax_default_matmul_precision == "highest"  # read from the environment
+jax.config.update("jax_default_matmul_precision", "highest")  # should jax be imported already
 
 
 def pytest_collection_modifyitems(config, items):
