@@ -1,4 +1,5 @@
-"""Shared pytest setup: CPU only, fp32 matmuls at full precision for parity tests.
+"""Shared pytest setup: CPU only, fp32 matmuls at full precision for parity tests (set in the
+environment, so child processes compute, and compile, the same programs as this one).
 
 The suite compiles hundreds of tiny programs and runs each briefly, so compilation dominates
 its time. Two settings cut it, both inherited by child processes (``run.py``, the experiment
@@ -26,7 +27,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 import jax  # noqa: E402
 
-jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_default_matmul_precision", "highest")  # should jax be imported already
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding more ``slow`` tests run first (stable otherwise): with two workers each
+    taking one file at a time (``--dist loadfile --no-loadscope-reorder``, pyproject addopts),
+    the long files then start at once instead of ending the run on one worker while the other
+    waits."""
+    slow = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])

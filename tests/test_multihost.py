@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "multihost_update.py"
@@ -21,6 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_update_equals_single_device(tmp_path):
     port = free_port()
     multi, single = tmp_path / "multi.npz", tmp_path / "single.npz"

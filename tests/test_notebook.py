@@ -13,6 +13,7 @@ nbclient = pytest.importorskip("nbclient", reason="nbclient (test extra) runs th
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "quickstart.ipynb"
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     tags = [c.metadata.get("tags", []) for c in nb.cells]

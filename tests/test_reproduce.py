@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,21 +15,18 @@ from tiny_rl import TINY_WARM_START
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # ~70 s on 2 idle cores: one warm start and two arms trained, then evaluated
+@pytest.mark.slow  # one warm start and four arms trained, then evaluated
 def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     out = tmp_path / "repro"
+    # 4 prompts x 4 samples per rollout and per eval batch (one sampler shape for both)
     tiny = [*TINY_WARM_START, "data.task.n_min=2", "data.task.n_max=3",
             "sampling.max_new_tokens=16", "compression.buffer=4", "compression.window=2",
-            "trainer.logp_chunk=16", "warm_start.steps=10"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "reproduce.py"), "--quick",
-         "--methods", "rkv", "--budgets", "14", "12", "--seeds", "0", "1", "--out", str(out),
-         *tiny],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+            "trainer.logp_chunk=16", "warm_start.steps=10", "trainer.prompts_per_step=4",
+            "sampling.num_samples=4", "trainer.minibatch_size=16", "eval.num_prompts=4",
+            "eval.batch_size=4", "eval.samples=4"]
+    reproduce = _load_script("reproduce")  # its main() in this process: no second interpreter
+    assert reproduce.main(["--quick", "--methods", "rkv", "--budgets", "14", "12", "--seeds",
+                           "0", "1", "--out", str(out), *tiny]) == 0
     rows = json.loads((out / "results.json").read_text())
     # --quick keeps the first seed and budget only.
     assert [(r["arm"], r["seed"]) for r in rows] == [
@@ -44,7 +38,7 @@ def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     assert np.isfinite(naive["low_r_grad_share"])
     assert all(np.isnan(r["low_r_grad_share"]) for r in (dense, corrected, shadow))
     assert shadow["rejection_rate"] == 0.0 and shadow["kv_token_savings"] > 0.0
-    # One update per step in --quick (64 sequences, minibatch 64): on-policy for the sampler,
+    # One update per step (16 sequences, minibatch 16): on-policy for the sampler,
     # so the ratio is 1 up to the replay's float error, while the distillation term sees the
     # sparse-vs-dense gap.
     for m in read_metrics(out / "seed0" / "shadow-mask_rkv_14"):
@@ -101,16 +95,14 @@ def test_first_difference_counts_changed_tokens_and_early_stops():
     np.testing.assert_array_equal(sweep.first_difference(a, b, on, on_b), [-1, 1, 2])
 
 
+@pytest.mark.slow
 def test_regime_sweep_quick_couples_dense_and_sparse_samples(tmp_path):
     out = tmp_path / "sweep"
     tiny = [*TINY_WARM_START, "warm_start.steps=10", "compression.buffer=4", "compression.window=2",
             "trainer.logp_chunk=16"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "regime_sweep.py"), "--quick",
-         "--methods", "snapkv", "--n", "2", "--budgets", "8", "64", "--out", str(out), *tiny],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = _load_script("regime_sweep")  # its main() in this process: no second interpreter
+    assert sweep.main(["--quick", "--methods", "snapkv", "--n", "2", "--budgets", "8", "64",
+                       "--out", str(out), *tiny]) == 0
     rows = json.loads((out / "sweep.json").read_text())
     assert [(r["method"], r["n"], r["budget"]) for r in rows] == [
         ("snapkv", 2, 8), ("snapkv", 2, 64)]

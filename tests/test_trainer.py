@@ -1,8 +1,14 @@
 """The RL trainer end to end: run.py in a subprocess, SIGKILL (during training or during a
-checkpoint save, then a moved run directory) + resume equals an uninterrupted run, a sharded update equals a single-device one, config errors."""
+checkpoint save, then a moved run directory) + resume equals an uninterrupted run, a sharded update equals a single-device one, config errors.
+
+Runs that must die (SIGKILL) are ``python run.py`` child processes; the reference run, the
+resumes, the eval and the config error call ``run.py``'s ``main`` in this process (the same
+code path without an interpreter start per run), with one compilation cache shared by both."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -25,13 +31,18 @@ from sparse_rl_jax.task import TaskConfig
 from sparse_rl_jax.warm_start import build_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import run  # noqa: E402  (run.py at the repository root)
+
 TINY_TASK = TaskConfig(n_min=2, n_max=4)
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def run_env(tmp_path_factory):
-    """A tiny warm-started policy, a run config for it, and a shared compilation cache."""
+    """A tiny warm-started policy, a run config for it, and the environment of its child
+    processes (this session's compilation cache, set by conftest.py, so child processes and
+    in-process runs load each other's compiled programs)."""
     root = tmp_path_factory.mktemp("trainer")
     policy = build_default_model(
         root / "policy",
@@ -50,23 +61,23 @@ trainer: {{steps: {STEPS}, prompts_per_step: 4, minibatch_size: 4, micro_batch_s
           logp_chunk: 8}}
 eval: {{num_prompts: 4, samples: 2, batch_size: 4}}
 """)
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return root, config, env
 
 
-def _run_py(args, env, **kwargs):
-    return subprocess.run([sys.executable, str(ROOT / "run.py"), *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, **kwargs)
+def _main(args) -> str:
+    """``run.main(args)`` in this process; asserts exit code 0 and returns its stdout."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = run.main([str(a) for a in args])
+    assert code == 0, err.getvalue()[-3000:]
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(run_env):
-    root, config, env = run_env
-    out = _run_py(["train", "--config", str(config), f"run_dir={root / 'a'}"], env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return root / "a", out
+    root, config, _ = run_env
+    return root / "a", _main(["train", "--config", config, f"run_dir={root / 'a'}"])
 
 
 def _comparable(records):
@@ -74,6 +85,7 @@ def _comparable(records):
              and k != "tokens_per_second"} for r in records]
 
 
+@pytest.mark.slow
 def test_run_py_train_writes_metrics_plots_checkpoint_and_export(uninterrupted):
     run_dir, out = uninterrupted
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -92,6 +104,7 @@ def test_run_py_train_writes_metrics_plots_checkpoint_and_export(uninterrupted):
     assert list((run_dir / "tb").iterdir())
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
     root, config, env = run_env
     reference, _ = uninterrupted
@@ -109,9 +122,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
     assert proc.returncode == -signal.SIGKILL
     assert not (run_dir / "final").exists()  # it really died mid-training
 
-    out = _run_py(["train", "--config", str(config), f"run_dir={run_dir}"], env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resumed from step" in out.stdout
+    assert "resumed from step" in _main(["train", "--config", config, f"run_dir={run_dir}"])
     assert _comparable(read_metrics(run_dir / "metrics.jsonl")) == _comparable(
         read_metrics(reference / "metrics.jsonl"))
     resumed = load_file(run_dir / "final" / "model.safetensors")
@@ -121,6 +132,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
         np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninterrupted):
     """Killed while committing checkpoint 3 (its files written, not renamed); the run
     directory is then moved: the same command on the new path resumes from step 2 (the
@@ -140,9 +152,8 @@ def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninte
     assert json.loads((first / "manifest.json").read_text())["last_good_step"] in (1, 2)
     first.rename(moved)
 
-    out = _run_py(["train", "--config", str(config), f"run_dir={moved}"], env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resumed from step 2 in {moved}" in out.stdout
+    out = _main(["train", "--config", config, f"run_dir={moved}"])
+    assert f"resumed from step 2 in {moved}" in out
     assert not (moved / "run.lock").exists()
     assert json.loads((moved / "manifest.json").read_text())["last_good_step"] == STEPS
     assert _comparable(read_metrics(moved / "metrics.jsonl")) == _comparable(
@@ -153,22 +164,22 @@ def test_sigkill_during_checkpoint_save_then_resume_after_a_move(run_env, uninte
         np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_resume_with_other_micro_batch_and_remat_continues_the_run(run_env, uninterrupted):
     """Micro-batch size and remat change only memory: a copy of the finished run rolled back
     to checkpoint 4 and resumed with the whole minibatch in one micro-batch and full remat
     ends where the uninterrupted run (micro-batches of 2, no remat) did, up to float
     reassociation of the gradient sum."""
-    root, config, env = run_env
+    root, config, _ = run_env
     reference, _ = uninterrupted
     run_dir = root / "micro"
     shutil.copytree(reference, run_dir)
     for name in ("5", "6"):
         shutil.rmtree(run_dir / "checkpoints" / name)
     shutil.rmtree(run_dir / "final")
-    out = _run_py(["train", "--config", str(config), f"run_dir={run_dir}",
-                   "trainer.micro_batch_size=4", "model.remat=full"], env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resumed from step 4" in out.stdout
+    out = _main(["train", "--config", config, f"run_dir={run_dir}",
+                 "trainer.micro_batch_size=4", "model.remat=full"])
+    assert "resumed from step 4" in out
     got, want = (_comparable(read_metrics(d / "metrics.jsonl")) for d in (run_dir, reference))
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert got[:4] == want[:4]  # the steps before the resume are kept as written
@@ -183,12 +194,10 @@ def test_resume_with_other_micro_batch_and_remat_continues_the_run(run_env, unin
                                    err_msg=name)
 
 
-def test_eval_prints_dense_and_sparse_pass_at_1(run_env, uninterrupted):
-    _, _, env = run_env
+def test_eval_prints_dense_and_sparse_pass_at_1(uninterrupted):
     run_dir, _ = uninterrupted
-    out = _run_py(["eval", "--checkpoint", str(run_dir)], env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "pass@1" in out.stdout and "dense" in out.stdout and "sparse (rkv 16)" in out.stdout
+    out = _main(["eval", "--checkpoint", run_dir])
+    assert "pass@1" in out and "dense" in out and "sparse (rkv 16)" in out
     rows = json.loads((run_dir / "eval.json").read_text())
     assert [r["mode"] for r in rows] == ["dense", "sparse (rkv 16)"]
     assert all(0.0 <= r["pass_at_1"] <= 1.0 for r in rows)
@@ -214,6 +223,7 @@ def _dapo_config(config, run_dir, *overrides):
         *overrides])
 
 
+@pytest.mark.slow
 def test_dapo_example_resumes_identically_and_logs_eval(run_env):
     """Dynamic sampling + overlong + eval during training; a run stopped after 1 step and
     restarted continues to the same metrics and weights (the data cursor is checkpointed:
@@ -265,6 +275,7 @@ def test_family_examples_load_and_validate(name, expected):
     assert cfg.model.path is None  # the embedded default
 
 
+@pytest.mark.slow
 def test_sharded_update_equals_single_device():
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "sharded_update.py")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -310,7 +321,7 @@ def test_mesh_not_dividing_devices_fails_before_any_file_is_written(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_run_py_reports_config_errors_without_traceback():
-    out = _run_py(["train", "sampling.topp=0.5"], dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert out.returncode == 2
-    assert "unknown key(s) ['sampling.topp']" in out.stderr and "Traceback" not in out.stderr
+def test_run_py_reports_config_errors_without_traceback(capsys):
+    assert run.main(["train", "sampling.topp=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key(s) ['sampling.topp']" in err and "Traceback" not in err

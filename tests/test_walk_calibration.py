@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tiny_rl import TINY_WARM_START
 
@@ -45,18 +43,16 @@ def test_log_ratio_stats_and_regime_test():
     assert not calib.in_regime({**row, "seq_low_r": 0.11})
 
 
+@pytest.mark.slow
 def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
     out = tmp_path / "calib"
     tiny = [*TINY_WARM_START, "warm_start.steps=4", "warm_start.batch_size=4", "data.walk.c_max=1",
             "data.walk.distractors_max=2", "sampling.max_new_tokens=32",
             "sampling.num_samples=2", "trainer.minibatch_size=16",
             "trainer.logp_chunk=16"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments" / "walk_calibration.py"), "--quick",
-         "--methods", "rkv", "--budgets", "16", "128", "--out", str(out), *tiny],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    calib = _script()  # its main() in this process: no second interpreter
+    assert calib.main(["--quick", "--methods", "rkv", "--budgets", "16", "128", "--out", str(out),
+                       *tiny]) == 0
     rows = json.loads((out / "calibration.json").read_text())["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [("rkv", 16), ("rkv", 128)]
     small, large = rows

@@ -17,7 +17,9 @@ args.add_argument("--process-id", type=int, default=0)
 args.add_argument("--port", type=int, default=0)
 args.add_argument("--out", required=True)
 args = args.parse_args()
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# appended: the suite's XLA flags (tests/conftest.py: fast compiles) stay in force
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=2").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

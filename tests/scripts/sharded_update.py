@@ -11,7 +11,9 @@ from pathlib import Path
 
 # Import this checkout's packages even where another copy is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# appended: the suite's XLA flags (tests/conftest.py: fast compiles) stay in force
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
