@@ -79,7 +79,7 @@ def replay_from_page_record(
     record: jax.Array, positions: jax.Array, prompt_lengths: jax.Array, page_size: int
 ) -> PageReplay:
     """The selection record as the per-query pages of a teacher-forced forward over
-    prompt + response (``models.Decoder(..., page_replay=...)``), which replays the
+    prompt + response (``models.Decoder(..., kv=replay)``), which replays the
     sampler's page-sparse policy exactly.
 
     Args:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import fused_is_flash
+from models.kv_view import ExpiryRecord
 from models.shapes import check_shape
 from sparse_rl_jax.kv_state import visibility_from_record
 from sparse_rl_jax.page_sparsity import replay_from_page_record
@@ -85,10 +86,10 @@ def _response_hidden(model, prompt, prompt_mask, response, eviction_record, page
         check_shape("page_record", page_record, L=None, N=n, Hkv=None, M=m, K=None)
         replay = replay_from_page_record(page_record, positions,
                                          prompt_mask.astype(jnp.int32).sum(axis=1), page_size)
-        hidden = model(tokens, positions, page_replay=replay, return_logits=False).hidden
+        hidden = model(tokens, positions, kv=replay, return_logits=False).hidden
     elif eviction_record is not None:
-        key_expiry = visibility_from_record(eviction_record, positions)
-        hidden = model(tokens, positions, key_expiry=key_expiry, return_logits=False).hidden
+        expiry = ExpiryRecord(visibility_from_record(eviction_record, positions))
+        hidden = model(tokens, positions, kv=expiry, return_logits=False).hidden
     elif not fused_is_flash(model.dtype):
         hidden = model(tokens, positions, return_logits=False).hidden
     else:
