@@ -4,8 +4,9 @@ The model attends through ``state.cache`` (a ``models.cache.KVCache`` view: it w
 keys/values and pushes the newest queries into the cache's ring); the sampler then calls
 ``maybe_compress``, which (under ``lax.cond``) shrinks the
 cache back to ``budget`` slots and records, per layer / row / KV head and token *position*, the
-first query position that no longer sees that key. Replaying that record as a mask
-(``visibility_from_record``) reproduces the sparse policy in a teacher-forced forward:
+first query position that no longer sees that key. Replaying that record
+(:class:`EvictionRecord`, a ``scoring.ReplayRecord``: per-key expiry times, a
+``models.ExpiryRecord`` view) reproduces the sparse policy in a teacher-forced forward:
 key ``j`` is visible to query ``t`` iff ``0 <= j <= t < evicted_at[j]``.
 """
 
@@ -17,6 +18,7 @@ from flax import struct
 from jax import lax
 
 from models.cache import KVCache, init_cache
+from models.kv_view import ExpiryRecord
 from models.shapes import check_shape
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.kv_scores import slot_scores
@@ -245,6 +247,23 @@ def visibility_from_record(evicted_at: jax.Array, positions: jax.Array) -> jax.A
     )
     expiry = jnp.take_along_axis(evicted_at, idx, axis=-1)
     return jnp.where(inside[None, :, None, :], expiry, NEVER).astype(jnp.int32)
+
+
+@struct.dataclass
+class EvictionRecord:
+    """An evicting rollout's record as a replay record (``scoring.ReplayRecord``).
+
+    Attributes:
+      evicted_at: ``[L, N, Hkv, T_total]`` int32 (``Rollout.eviction_record``).
+    """
+
+    evicted_at: jax.Array
+
+    def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
+                    response_len: int) -> ExpiryRecord:
+        """The expiry times of the ``[N, S]`` columns (:func:`visibility_from_record`)."""
+        del prompt_lengths, response_len  # the record is indexed by position
+        return ExpiryRecord(visibility_from_record(self.evicted_at, positions))
 
 
 def resident_tokens(cache: KVCache) -> jax.Array:

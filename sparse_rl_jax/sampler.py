@@ -7,9 +7,9 @@ trace the halves apart.
 Every decode step writes one token per row, and the cache is compressed back to ``budget``
 slots whenever it fills (``kv_state.maybe_compress``). The sampler records the log-prob of each
 sampled token under the policy that produced it, and the eviction record that makes that policy
-reproducible by a teacher-forced forward (``scoring.score(..., eviction_record=...)``).
-With ``sparrow`` the cache stays dense and each decode step attends to selected pages
-(``models.page_sparse``); the selection record replays it (``score(..., page_record=...)``).
+reproducible by a teacher-forced forward (``scoring.score(..., replay_record(rollout,
+compression))``). With ``sparrow`` the cache stays dense and each decode step attends to
+selected pages (``models.page_sparse``); the selection record replays it the same way.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from models.page_sparse import page_sparse_cache, selected_slots
 from models.shapes import check_shape
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
-from sparse_rl_jax.page_sparsity import refresh_page_keys, schedule_budget
+from sparse_rl_jax.page_sparsity import PageRecord, refresh_page_keys, schedule_budget
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.token_sampling import sample_tokens
 
@@ -105,6 +105,19 @@ class DecodeLoop(NamedTuple):
     compressions: jax.Array  # []
     key: jax.Array
     page_record: jax.Array  # [L, N, Hkv, M, K] (sparrow + record) or [L, N, Hkv, 0, 0]
+
+
+def replay_record(rollout: Rollout, compression: CompressionConfig
+                  ) -> kv_state.EvictionRecord | PageRecord | None:
+    """The replay record (``scoring.ReplayRecord``) of a rollout sampled under
+    ``compression``: its eviction record (evicting methods) or page selections (``sparrow``);
+    None for ``none`` (dense) and when the rollout kept no record
+    (``sampling.record_evictions`` off)."""
+    if compression.page_sparse and rollout.page_record.shape[3]:
+        return PageRecord(rollout.page_record, compression.page_size)
+    if compression.compresses and rollout.eviction_record.shape[-1]:
+        return kv_state.EvictionRecord(rollout.eviction_record)
+    return None
 
 
 def bucket_prompts(

@@ -22,7 +22,7 @@ from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.config_io import ConfigError, load_config
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
-from sparse_rl_jax.kv_state import visibility_from_record
+from sparse_rl_jax.kv_state import EvictionRecord, visibility_from_record
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.run_config import RunConfig
 from sparse_rl_jax.sampler import generate
@@ -131,7 +131,8 @@ def _np_log_softmax(x):
 def test_vocabulary_kl_matches_numpy_over_full_logits_and_teacher_gets_no_gradient(tiny):
     graphdef, params, _, _ = tiny
     rollout = _rollout(tiny, "snapkv")
-    args = (rollout.prompt, rollout.prompt_mask, rollout.response, rollout.eviction_record)
+    args = (rollout.prompt, rollout.prompt_mask, rollout.response,
+            EvictionRecord(rollout.eviction_record))
     out = jax.jit(lambda p: shadow_logprobs(nnx.merge(graphdef, p), *args, chunk_size=CHUNK,
                                             with_kl=True))(params)
     model = nnx.merge(graphdef, params)
