@@ -44,8 +44,8 @@ def worker(layers: int) -> dict:
     token = jnp.zeros((batch, 1), jnp.int32)
 
     def decode(params, cache, token):
-        out = nnx.merge(graphdef, params)(token, token, cache=cache, return_logits=False)
-        return out.hidden, out.cache
+        out = nnx.merge(graphdef, params)(token, token, kv=cache, return_logits=False)
+        return out.hidden, out.kv
 
     n, p, m = 4, 16, 64
     prompt, mask = jnp.ones((n, p), jnp.int32), jnp.ones((n, p), jnp.int32)

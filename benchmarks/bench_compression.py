@@ -64,9 +64,9 @@ def _filled_state(cfg: CompressionConfig, model_cfg: ModelConfig, batch: int, in
         v=jnp.asarray(rng.normal(size=c.v.shape), c.v.dtype),
         pos=jnp.broadcast_to(jnp.where(slot < index, slot, -1), c.pos.shape),
         index=jnp.int32(index),
+        queries=jnp.asarray(rng.normal(size=c.queries.shape), c.queries.dtype),
     )
-    queries = jnp.asarray(rng.normal(size=state.queries.shape), state.queries.dtype)
-    return state.replace(cache=cache, queries=queries)
+    return state.replace(cache=cache)
 
 
 def main() -> None:
@@ -99,8 +99,8 @@ def main() -> None:
         def step(i, carry):
             state, tokens = carry
             positions = jnp.full((args.batch, 1), args.budget + i, jnp.int32)
-            out = nnx.merge(graphdef, params)(tokens, positions, cache=state.cache, return_queries=1)
-            state = kv_state.advance(state, out.cache, out.queries)
+            out = nnx.merge(graphdef, params)(tokens, positions, kv=state.cache)
+            state = state.replace(cache=out.kv)
             return state, jnp.argmax(out.logits[:, -1], axis=-1)[:, None].astype(jnp.int32)
 
         return lax.fori_loop(0, args.buffer, step, (state, jnp.zeros((args.batch, 1), jnp.int32)))

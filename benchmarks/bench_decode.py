@@ -188,11 +188,12 @@ class Bench:
     def alpha_p5(self, loop, rows: int, compression) -> list[float]:
         """5th percentile of Sparrow's acceptance per 2000-token bin, first ``rows`` rows."""
         from sparse_rl_jax.acceptance import acceptance_percentile_per_bin, score_acceptance
+        from sparse_rl_jax.page_sparsity import PageRecord
 
         prompt = self.jnp.asarray(self.prompts[:rows])
         alpha = score_acceptance(
             self.graphdef, self.params, prompt, self.jnp.ones_like(prompt), loop.response[:rows],
-            page_record=loop.page_record[:, :rows], page_size=compression.page_size,
+            PageRecord(loop.page_record[:, :rows], compression.page_size),
             temperature=self.temperature or 1.0)
         alpha = np.asarray(alpha)
         return acceptance_percentile_per_bin(alpha, np.ones_like(alpha)).tolist()

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_page_replay.py --before /work/main [--lengths 256 512 1024 2048]
 
-``scoring.score(..., page_record=...)`` on a tiny-width Qwen2-shaped model (hidden 64, 4
+``scoring.score(..., PageRecord(...))`` on a tiny-width Qwen2-shaped model (hidden 64, 4
 layers, 4 query / 2 KV heads, head_dim 16, vocab 512, fp32, random weights) for 4 rows of a
 64-token prompt plus ``S - 64`` response tokens, with a random selection record of 16-token
 pages (k = 8: sink + 8 + 2 newest pages a step, all layers sparse). Each side runs in its own
@@ -51,6 +51,7 @@ def worker(length: int, repeats: int) -> dict:
     from flax import nnx
 
     import models
+    from sparse_rl_jax.page_sparsity import PageRecord
     from sparse_rl_jax.scoring import score
 
     cfg = models.ModelConfig("qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -65,7 +66,7 @@ def worker(length: int, repeats: int) -> dict:
     response = jnp.asarray(rng.integers(1, 512, (ROWS, new)), jnp.int32)
     record = jnp.asarray(random_record(rng, cfg.num_layers, cfg.num_kv_heads, new))
     args = (graphdef, params, prompt, mask, response)
-    kw = dict(page_record=record, page_size=PAGE)
+    kw = dict(record=PageRecord(record, PAGE))
     stats = score.lower(*args, **kw).compile().memory_analysis()
     jax.block_until_ready(score(*args, **kw))
     times = []

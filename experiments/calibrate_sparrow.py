@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 from sparse_rl_jax.acceptance import acceptance_percentile_per_bin, score_acceptance  # noqa: E402
 from sparse_rl_jax.compression_config import CompressionConfig  # noqa: E402
-from sparse_rl_jax.sampler import generate  # noqa: E402
+from sparse_rl_jax.sampler import generate, replay_record  # noqa: E402
 from sparse_rl_jax.sampling_config import SamplingConfig  # noqa: E402
 from sparse_rl_jax.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402
 
@@ -55,8 +55,7 @@ def measure_p5(graphdef, params, prompt, mask, key, sampling: SamplingConfig,
     one rollout of ``prompt [B, P]`` under ``compression``."""
     r = generate(graphdef, params, prompt, mask, key, sampling, compression)
     alpha = score_acceptance(graphdef, params, r.prompt, r.prompt_mask, r.response,
-                             page_record=r.page_record, page_size=compression.page_size,
-                             temperature=sampling.temperature)
+                             replay_record(r, compression), temperature=sampling.temperature)
     return acceptance_percentile_per_bin(np.asarray(alpha), np.asarray(r.response_mask),
                                          bin_tokens=bin_tokens)
 

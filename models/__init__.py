@@ -13,14 +13,18 @@ from models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from models.decoder import Decoder, DecoderOutput
 from models.gguf import checkpoint_dir, convert_gguf, find_gguf, smollm2_gguf
 from models.loading import hf_name, load_pretrained, read_config, save_adapter, save_pretrained
+from models.kv_view import Causal, ExpiryRecord, KVView, MaskRecord
 from models.lora import LORA_TARGETS, add_lora, has_lora, merge_lora, split_trainable
+from models.page_sparse import PageReplay, PageSparseCache
 from models.partitioning import (MESH_AXES, PARTITION_RULES, make_mesh, param_shardings,
                                  partition_spec)
 from models.tokenizer import Tokenizer
 
 __all__ = [
-    "LORA_TARGETS", "MESH_AXES", "PARTITION_RULES", "SUPPORTED_MODEL_TYPES", "Decoder",
-    "DecoderOutput", "KVCache", "ModelConfig", "RopeScaling", "Tokenizer", "attention", "checkpoint_dir", "convert_gguf",
+    "LORA_TARGETS", "MESH_AXES", "PARTITION_RULES", "SUPPORTED_MODEL_TYPES", "Causal",
+    "Decoder", "DecoderOutput", "ExpiryRecord", "KVCache", "KVView", "MaskRecord",
+    "ModelConfig", "PageReplay", "PageSparseCache", "RopeScaling", "Tokenizer", "attention",
+    "checkpoint_dir", "convert_gguf",
     "find_gguf", "has_lora", "hf_name", "init_cache", "smollm2_gguf", "add_lora",
     "load_pretrained", "make_mesh", "merge_lora", "param_shardings", "partition_spec",
     "read_config", "save_adapter", "save_pretrained", "split_trainable", "visibility",

@@ -1,11 +1,16 @@
-"""The attention cache the decoder reads and writes: the narrow interface to the RL library.
+"""The slot cache of a rollout: a :mod:`models.kv_view` view the decoder writes through.
 
-The cache is owned by the caller (the sampler); the model only writes the new tokens' keys
-and values at the shared write index and attends over every slot. Keys are stored *after*
-RoPE, so a caller may reorder or drop slots (KV eviction) without re-rotating anything.
+The cache is owned by the caller (the sampler); per layer, ``attend`` writes the new tokens'
+keys and values at the shared write index and attends over every slot. Keys are stored
+*after* RoPE, so a caller may reorder or drop slots (KV eviction) without re-rotating anything.
 Each slot carries the original position of its token per KV head (``-1`` marks an empty or
-padding slot), which is all the model needs to build its mask: slot ``s`` is visible to a
-query at position ``t`` iff ``0 <= pos[s] <= t``.
+padding slot), which is all attention needs for its mask: slot ``s`` is visible to a query
+at position ``t`` iff ``0 <= pos[s] <= t``. The dense and budget layouts are two capacities
+of it (the whole sequence, or ``budget + buffer`` slots compressed by the caller).
+
+An eviction policy that scores keys with the newest queries gets them from the cache's query
+ring (``queries``, the last ``W`` queries of every layer, pushed by ``attend``), so the decoder
+returns no queries.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.attention import attention
+from models.shapes import check_shape
+
 
 @struct.dataclass
 class KVCache:
-    """Fixed-capacity key/value buffers for every layer.
+    """Fixed-capacity key/value buffers for every layer (a ``models.kv_view`` view).
 
     Attributes:
       k: ``[L, B, Hkv, C, D]`` keys after RoPE.
@@ -25,17 +33,72 @@ class KVCache:
       pos: ``[L, B, Hkv, C]`` int32 original token position of each slot, ``-1`` = empty.
       index: ``[]`` int32, the next slot to write; shared by all rows (left padding makes
         rows of different prompt lengths line up, padding slots carry ``pos == -1``).
+      queries: ``[L, B, Hq, W, D]`` the last ``W`` queries of every layer (after qk-norm and
+        RoPE), oldest -> newest, aligned with the newest written slots; or None (no ring).
     """
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
     index: jax.Array
+    queries: jax.Array | None = None
 
     @property
     def capacity(self) -> int:
         """Number of slots ``C`` per layer, row and head."""
         return self.k.shape[3]
+
+    @property
+    def position_offset(self) -> jax.Array:
+        """Default position of the next token: the write index (before left padding)."""
+        return self.index
+
+    def check(self, config, batch: int, t: int, backend: str) -> None:
+        """ValueError naming the field when the cache does not fit ``config`` and a forward
+        of ``[batch, t]`` tokens: shapes, room for ``t`` more tokens (when the index is
+        known, not under jit), a backend that takes slot positions (not ``"fused"``)."""
+        dims = dict(L=config.num_layers, B=batch, Hkv=config.num_kv_heads, C=None)
+        check_shape("KVCache.k", self.k, **dims, D=config.head_dim)
+        check_shape("KVCache.v", self.v, **dims, D=config.head_dim)
+        check_shape("KVCache.pos", self.pos, **dims)
+        check_shape("KVCache.queries", self.queries, L=config.num_layers, B=batch,
+                    Hq=config.num_heads, W=None, D=config.head_dim)
+        if backend == "fused":
+            raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
+        if not isinstance(self.index, jax.core.Tracer) and int(self.index) + t > self.capacity:
+            raise ValueError(f"cache: writing {t} tokens at index {int(self.index)} exceeds "
+                             f"capacity {self.capacity}")
+
+    def store(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+              q_pos: jax.Array) -> KVCache:
+        """Write ``k, v [B, Hkv, T, D]`` (positions ``q_pos [B, T]``) at slots
+        ``[index, index + T)`` of ``layer`` and push the newest queries ``q [B, T, Hq, D]``
+        into the ring. In-place updates of the carried buffers: nothing is copied."""
+        at = (layer, 0, 0, self.index)
+        pos = jnp.broadcast_to(q_pos[:, None, :], k.shape[:3])
+        cache = self.replace(
+            k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at + (0,)),
+            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at + (0,)),
+            pos=jax.lax.dynamic_update_slice(self.pos, pos[None].astype(jnp.int32), at),
+        )
+        if self.queries is None or self.queries.shape[3] == 0:
+            return cache
+        w = self.queries.shape[3]
+        newest = q[:, -w:].transpose(0, 2, 1, 3).astype(self.queries.dtype)  # [B, Hq, <=W, D]
+        ring = jnp.concatenate([self.queries[layer], newest], axis=2)[:, :, -w:]
+        return cache.replace(
+            queries=jax.lax.dynamic_update_index_in_dim(self.queries, ring, layer, 0))
+
+    def attend(self, layer, q, k, v, q_pos, backend):
+        """Store the new tokens at ``layer``, then attend over all ``C`` slots of it."""
+        cache = self.store(layer, q, k, v, q_pos)
+        out = attention(q, cache.k[layer], cache.v[layer], q_pos, cache.pos[layer],
+                        backend=backend)
+        return out, cache
+
+    def end_forward(self, t: int) -> KVCache:
+        """Advance the write index past the forward's ``t`` tokens."""
+        return self.replace(index=self.index + t)
 
 
 def init_cache(
@@ -45,12 +108,22 @@ def init_cache(
     capacity: int,
     head_dim: int,
     dtype=jnp.float32,
+    *,
+    num_heads: int = 0,
+    window: int = 0,
 ) -> KVCache:
-    """An empty cache: zero keys/values, every slot empty (``pos == -1``), index 0."""
+    """An empty cache: zero keys/values, every slot empty (``pos == -1``), index 0, and a
+    zero query ring ``[L, B, num_heads, window, D]`` when ``window > 0`` (else None)."""
     shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+    if window and num_heads < 1:
+        raise ValueError(f"init_cache: a query ring (window={window}) needs num_heads >= 1, "
+                         f"got {num_heads}")
+    ring = (jnp.zeros((num_layers, batch, num_heads, window, head_dim), dtype) if window
+            else None)
     return KVCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
         pos=jnp.full(shape[:-1], -1, jnp.int32),
         index=jnp.zeros((), jnp.int32),
+        queries=ring,
     )

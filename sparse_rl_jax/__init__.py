@@ -25,7 +25,7 @@ from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.corrections import Corrections, compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
-from sparse_rl_jax.sampler import Rollout, generate
+from sparse_rl_jax.sampler import Rollout, generate, replay_record
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import ScoreOutput, response_logprobs, score
 
@@ -33,6 +33,6 @@ __all__ = [
     "AdvantageConfig", "compute_advantages", "CompressionConfig", "CorrectionConfig",
     "Corrections", "GRPOLossConfig", "LossBatch",
     "Rollout", "SamplingConfig", "ScoreOutput", "compute_corrections", "generate",
-    "grpo_loss", "group_advantages", "response_logprobs", "score",
+    "grpo_loss", "group_advantages", "replay_record", "response_logprobs", "score",
     "Collected", "RolloutPolicy", "collect_prompts",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from models.shapes import check_shape
-from sparse_rl_jax.scoring import _map_chunks, _response_hidden
+from sparse_rl_jax.scoring import ReplayRecord, _map_chunks, _response_hidden
 
 BIN_TOKENS = 2000  # Sparrow's bins of response position
 
@@ -67,23 +67,21 @@ def acceptance_from_logits(
 
 
 def response_acceptance(
-    model: nnx.Module, prompt: jax.Array, prompt_mask: jax.Array, response: jax.Array, *,
-    eviction_record: jax.Array | None = None, page_record: jax.Array | None = None,
-    page_size: int = 16, top_k: int | None = None, temperature: float = 1.0,
+    model: nnx.Module, prompt: jax.Array, prompt_mask: jax.Array, response: jax.Array,
+    record: ReplayRecord | None, *, top_k: int | None = None, temperature: float = 1.0,
     chunk_size: int = 128,
 ) -> jax.Array:
-    """``alpha [N, M]`` of each response token: the replayed sparse policy (from the sampler's
-    ``eviction_record`` or ``page_record``) against the dense policy of the same params.
+    """``alpha [N, M]`` of each response token: the replayed sparse policy (from the rollout's
+    replay ``record``, ``sampler.replay_record``) against the dense policy of the same params.
 
     Args as ``scoring.response_logprobs``; ``top_k`` / ``temperature`` as
     :func:`acceptance_from_logits`. Teacher-forced; at most two ``[N, chunk, V]`` logit
     arrays at a time.
     """
-    if eviction_record is None and page_record is None:
-        raise ValueError("response_acceptance: needs the sampler's eviction_record or "
-                         "page_record (sample with SamplingConfig(record_evictions=True))")
-    h_sparse = _response_hidden(model, prompt, prompt_mask, response, eviction_record,
-                                page_record, page_size)
+    if record is None:
+        raise ValueError("response_acceptance: needs the rollout's replay record (sample with "
+                         "SamplingConfig(record_evictions=True))")
+    h_sparse = _response_hidden(model, prompt, prompt_mask, response, record)
     h_dense = _response_hidden(model, prompt, prompt_mask, response, None)
 
     def chunk(hs, hd):
@@ -93,15 +91,12 @@ def response_acceptance(
     return _map_chunks(chunk, chunk_size, h_sparse, h_dense)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "page_size", "top_k", "temperature",
-                                             "chunk_size"))
-def score_acceptance(graphdef, params, prompt, prompt_mask, response, eviction_record=None,
-                     page_record=None, *, page_size=16, top_k=None, temperature=1.0,
-                     chunk_size=128) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "temperature", "chunk_size"))
+def score_acceptance(graphdef, params, prompt, prompt_mask, response, record, *, top_k=None,
+                     temperature=1.0, chunk_size=128) -> jax.Array:
     """Jitted :func:`response_acceptance` over an ``nnx.split`` model."""
     return response_acceptance(nnx.merge(graphdef, params), prompt, prompt_mask, response,
-                               eviction_record=eviction_record, page_record=page_record,
-                               page_size=page_size, top_k=top_k, temperature=temperature,
+                               record, top_k=top_k, temperature=temperature,
                                chunk_size=chunk_size)
 
 

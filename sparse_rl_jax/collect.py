@@ -21,10 +21,11 @@ from sparse_rl_jax import memory_plan
 from sparse_rl_jax.acceptance import score_acceptance
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.corrections import Corrections, compute_corrections
+from sparse_rl_jax.kv_state import EvictionRecord
 from sparse_rl_jax.loss_config import CorrectionConfig
 from sparse_rl_jax.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.run_config import RunConfig
-from sparse_rl_jax.sampler import Rollout, generate
+from sparse_rl_jax.sampler import Rollout, generate, replay_record
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import score
 
@@ -144,7 +145,7 @@ def score_all(policy: RolloutPolicy, params, prompt, prompt_mask, response, reco
     parts = []
     for start in range(0, response.shape[0], size):
         rows = slice(start, start + size)
-        replay = None if record is None else jnp.moveaxis(record[rows], 0, 1)
+        replay = None if record is None else EvictionRecord(jnp.moveaxis(record[rows], 0, 1))
         parts.append(score(policy.graphdef, params, prompt[rows], prompt_mask[rows],
                            response[rows], replay, chunk_size=policy.logp_chunk).logp)
     return jnp.concatenate(parts, axis=0)
@@ -155,10 +156,8 @@ def acceptance_all(policy: RolloutPolicy, params, rollout: Rollout, size: int,
     """alpha ``[N, M]`` of a rollout (sampled under ``comp`` at ``temperature``) from its
     record, ``size`` sequences a call; None when ``comp.alpha_metric`` is off or the rollout
     kept no record."""
-    page = rollout.page_record if comp.page_sparse else None
-    evict = rollout.eviction_record if comp.compresses else None
-    if comp.alpha_metric == "off" or not ((page is not None and page.shape[3])
-                                          or (evict is not None and evict.shape[-1])):
+    record = replay_record(rollout, comp)
+    if comp.alpha_metric == "off" or record is None:
         return None
     top_k = 20 if comp.alpha_metric == "top20" else None
     parts = []
@@ -166,8 +165,7 @@ def acceptance_all(policy: RolloutPolicy, params, rollout: Rollout, size: int,
         rows = slice(start, start + size)
         parts.append(score_acceptance(
             policy.graphdef, params, rollout.prompt[rows], rollout.prompt_mask[rows],
-            rollout.response[rows], None if evict is None else evict[:, rows],
-            None if page is None else page[:, rows], page_size=comp.page_size, top_k=top_k,
+            rollout.response[rows], jax.tree.map(lambda x: x[:, rows], record), top_k=top_k,
             temperature=temperature, chunk_size=policy.logp_chunk))
     return jnp.concatenate(parts, axis=0)
 

@@ -5,6 +5,14 @@ The cache holds ``capacity = budget + buffer`` slots. When it fills it is compre
 chosen by a score (SnapKV importance, R-KV importance minus redundancy, StreamingLLM sinks +
 recency). ``none`` is the dense baseline through the same code path: it never evicts.
 
+Two axes, one field each: ``method`` is the eviction/selection *policy* (``none`` | ``snapkv``
+| ``rkv`` | ``streaming`` | ``sparrow``) and ``layout`` the cache *layout* the model attends
+through (``dense``: a slot for every token of the sequence; ``budget``: ``budget + buffer``
+slots compressed back when full). Today each policy has exactly one layout (budget for the
+evicting policies, dense for ``none`` and ``sparrow``), so ``layout`` may be left out (None:
+the method's own) and a mismatch is a config error naming ``layout``; ``paged`` (fixed-size
+per-layer pages, the accelerator layout of issue 11) is not implemented yet.
+
 ``sparrow`` (page-sparse decode, arXiv 2606.08446) evicts nothing either: the cache stays dense
 and each decode step attends, per layer and KV head, to the sink page, the top-k middle pages
 by ``mean-query . page-mean-key`` and the 2 newest pages (``models.page_sparse``); k comes from
@@ -26,8 +34,11 @@ Pool = Literal["max", "avg"]
 Importance = Literal["sparse_rl", "kvpress_snapkv"]
 AlphaMetric = Literal["exact", "top20", "off"]
 
+Layout = Literal["dense", "budget"]
+
 METHODS: tuple[str, ...] = ("none", "snapkv", "rkv", "streaming", "sparrow")
 EVICTING: tuple[str, ...] = ("snapkv", "rkv", "streaming")
+LAYOUTS: tuple[str, ...] = ("dense", "budget")
 
 # Sparrow's official budget presets: k (middle pages) per 2000-token bin of the cached length,
 # 20 bins (the last one open-ended), page size 16.
@@ -65,9 +76,13 @@ class CompressionConfig:
     """How the rollout KV cache is compressed (static under ``jit``; hashable).
 
     Attributes:
-      method: ``none`` (dense, never evicts), ``snapkv`` (Z = importance), ``rkv``
-        (Z = rkv_lambda * importance - (1 - rkv_lambda) * redundancy), ``streaming``
-        (``num_sinks`` first tokens + the newest).
+      method: the eviction/selection policy: ``none`` (never evicts), ``snapkv``
+        (Z = importance), ``rkv`` (Z = rkv_lambda * importance - (1 - rkv_lambda) *
+        redundancy), ``streaming`` (``num_sinks`` first tokens + the newest), ``sparrow``
+        (attend selected pages, evict nothing).
+      layout: the cache layout: ``dense`` (one slot per token; ``none`` and ``sparrow``) or
+        ``budget`` (``budget + buffer`` slots; the evicting methods); None = the method's own.
+        Other pairs are rejected; ``paged`` is not implemented yet.
       budget: slots kept after a compression (includes the ``window`` newest), > window.
       buffer: slots written between two compressions, >= 1; capacity = budget + buffer.
       window: newest tokens that always survive; their queries score the others.
@@ -112,6 +127,7 @@ class CompressionConfig:
     """
 
     method: Method = "snapkv"
+    layout: Layout | None = None
     budget: int = 512
     buffer: int = 128
     window: int = 8
@@ -136,6 +152,7 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         check_choice(self, "method", METHODS)
+        self._check_layout()
         check_choice(self, "head_mode", HEAD_MODES)
         check_choice(self, "importance", IMPORTANCES)
         check_choice(self, "alpha_metric", ALPHA_METRICS)
@@ -158,6 +175,26 @@ class CompressionConfig:
         check_number(self, "redundancy_threshold", ge=-1, le=1,
                      rule="must be in [-1, 1] (a cosine similarity)")
         self._check_sparrow()
+
+    def _check_layout(self) -> None:
+        """``layout`` is None or the one layout ``method`` runs on (named in the error)."""
+        if self.layout is None:
+            return
+        check(self.layout != "paged", self, "layout",
+              "is not implemented yet (fixed-size per-layer KV pages); use "
+              f"{self.natural_layout!r} or leave layout out")
+        check_choice(self, "layout", LAYOUTS)
+        if self.layout == self.natural_layout:
+            return
+        reason = {
+            "none": "a budget cache needs an eviction policy (snapkv | rkv | streaming) to get "
+                    "back under budget; method none is the dense cache",
+            "sparrow": "sparrow selects pages of the full cache, which a budget cache does "
+                       "not hold",
+        }.get(self.method, f"method {self.method!r} evicts: it compresses a budget cache "
+                           "(method none is the dense cache)")
+        reject(self, "layout", f"does not fit method {self.method!r} (needs "
+                               f"{self.natural_layout!r}): {reason}")
 
     def _check_sparrow(self) -> None:
         """Validate (and resolve a preset name of) the page-sparse fields."""
@@ -228,6 +265,16 @@ class CompressionConfig:
                    self.budget_schedule[i - 1])
 
     @property
+    def natural_layout(self) -> str:
+        """The layout ``method`` runs on: ``budget`` if it evicts, else ``dense``."""
+        return "budget" if self.method in EVICTING else "dense"
+
+    @property
+    def cache_layout(self) -> str:
+        """The cache layout in effect: ``layout``, or the method's own when it is None."""
+        return self.layout or self.natural_layout
+
+    @property
     def compresses(self) -> bool:
         """False for ``none`` and ``sparrow``: the cache is never compressed."""
         return self.method in EVICTING
@@ -253,6 +300,7 @@ class CompressionConfig:
     def cache_capacity(self, max_total_len: int) -> int:
         """Slots to allocate for sequences of up to ``max_total_len`` tokens (prompt + response).
 
-        ``none`` and ``sparrow`` are dense: the whole sequence. Otherwise ``budget + buffer``.
+        The ``dense`` layout (``none``, ``sparrow``): the whole sequence; ``budget``:
+        ``budget + buffer``.
         """
-        return self.capacity if self.compresses else max_total_len
+        return self.capacity if self.cache_layout == "budget" else max_total_len

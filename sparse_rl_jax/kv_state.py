@@ -1,10 +1,12 @@
-"""The rollout KV state: a fixed-size cache, the ring of window queries, the eviction record.
+"""The rollout KV state: a fixed-size cache (with its ring of window queries), the eviction record.
 
-The model writes keys/values into ``state.cache`` (see ``models.cache``); the sampler pushes the
-new queries (``advance``) and calls ``maybe_compress``, which (under ``lax.cond``) shrinks the
+The model attends through ``state.cache`` (a ``models.cache.KVCache`` view: it writes the new
+keys/values and pushes the newest queries into the cache's ring); the sampler then calls
+``maybe_compress``, which (under ``lax.cond``) shrinks the
 cache back to ``budget`` slots and records, per layer / row / KV head and token *position*, the
-first query position that no longer sees that key. Replaying that record as a mask
-(``visibility_from_record``) reproduces the sparse policy in a teacher-forced forward:
+first query position that no longer sees that key. Replaying that record
+(:class:`EvictionRecord`, a ``scoring.ReplayRecord``: per-key expiry times, a
+``models.ExpiryRecord`` view) reproduces the sparse policy in a teacher-forced forward:
 key ``j`` is visible to query ``t`` iff ``0 <= j <= t < evicted_at[j]``.
 """
 
@@ -16,6 +18,7 @@ from flax import struct
 from jax import lax
 
 from models.cache import KVCache, init_cache
+from models.kv_view import ExpiryRecord
 from models.shapes import check_shape
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.kv_scores import slot_scores
@@ -30,9 +33,10 @@ class SparseKVState:
     """Everything a compressing decode loop carries (a pytree; shapes static under ``jit``).
 
     Attributes:
-      cache: the model's ``KVCache`` (``k, v [L, B, Hkv, C, D]``, ``pos [L, B, Hkv, C]``, index).
-      queries: ``[L, B, Hq, w, D]`` the last ``w`` queries per layer, oldest -> newest, aligned
-        with the newest ``w`` written slots ``[index - w, index)``.
+      cache: the model's ``KVCache`` (``k, v [L, B, Hkv, C, D]``, ``pos [L, B, Hkv, C]``,
+        index; for the evicting methods ``queries [L, B, Hq, window, D]``, the ring of the
+        last ``window`` queries per layer, oldest -> newest, aligned with the newest written
+        slots ``[index - window, index)``; None for ``none`` and ``sparrow``).
       evicted_at: ``[L, B, Hkv, T_total]`` int32, indexed by token position: the first query
         position that no longer sees the key; ``NEVER`` if it was never evicted. ``T_total``
         is 0 when the state keeps no record (``init_state(record=False)``).
@@ -41,7 +45,6 @@ class SparseKVState:
     """
 
     cache: KVCache
-    queries: jax.Array
     evicted_at: jax.Array
     page_keys: jax.Array
 
@@ -61,8 +64,9 @@ def init_state(
     """An empty state for sequences of up to ``max_len`` positions (prompt + response).
 
     The cache gets ``cfg.cache_capacity(max_len)`` slots (``budget + buffer``; ``max_len`` for
-    ``none``); the eviction record covers positions ``[0, max_len)``, or nothing when
-    ``record`` is False (compression then skips the bookkeeping).
+    ``none``) and, when it compresses, a ring of ``cfg.window`` queries; the eviction record
+    covers positions ``[0, max_len)``, or nothing when ``record`` is False (compression then
+    skips the bookkeeping).
     """
     for name, value in (
         ("num_layers", num_layers),
@@ -78,11 +82,11 @@ def init_state(
         raise ValueError(
             f"init_state: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
         )
-    cache = init_cache(num_layers, batch, num_kv_heads, cfg.cache_capacity(max_len), head_dim, dtype)
+    cache = init_cache(num_layers, batch, num_kv_heads, cfg.cache_capacity(max_len), head_dim,
+                       dtype, num_heads=num_heads, window=cfg.window if cfg.compresses else 0)
     pages = num_pages(max_len, cfg.page_size) if cfg.page_sparse else 0
     return SparseKVState(
         cache=cache,
-        queries=jnp.zeros((num_layers, batch, num_heads, cfg.window, head_dim), dtype),
         evicted_at=jnp.full((num_layers, batch, num_kv_heads, max_len if record else 0), NEVER,
                             jnp.int32),
         page_keys=jnp.zeros((num_layers, batch, num_kv_heads, pages, head_dim), dtype),
@@ -111,33 +115,17 @@ def check_prompt_fits(cfg: CompressionConfig, prompt_len: int, capacity: int | N
         )
 
 
-def push_queries(state: SparseKVState, queries: jax.Array) -> SparseKVState:
-    """Append ``queries [L, B, Hq, T, D]`` (oldest -> newest) to the ring; keep the last ``w``."""
-    w = state.queries.shape[3]
-    if queries.shape[:3] != state.queries.shape[:3] or queries.shape[4] != state.queries.shape[4]:
-        raise ValueError(
-            f"push_queries: queries {queries.shape} do not match the ring {state.queries.shape} "
-            "([L, B, Hq, T, D])"
-        )
-    ring = jnp.concatenate([state.queries, queries.astype(state.queries.dtype)], axis=3)
-    return state.replace(queries=ring[:, :, :, -w:, :])
-
-
-def advance(state: SparseKVState, cache: KVCache, queries: jax.Array) -> SparseKVState:
-    """Take the cache the model returned and push the queries of the tokens it just wrote."""
-    return push_queries(state.replace(cache=cache), queries)
-
-
 def _check_matches(state: SparseKVState, cfg: CompressionConfig) -> None:
     if state.cache.capacity != cfg.capacity:
         raise ValueError(
             f"cache capacity {state.cache.capacity} != budget + buffer = {cfg.capacity} "
             f"of the CompressionConfig"
         )
-    if state.queries.shape[3] != cfg.window:
+    ring = state.cache.queries
+    if ring is None or ring.shape[3] != cfg.window:
         raise ValueError(
-            f"query ring holds {state.queries.shape[3]} queries, CompressionConfig.window="
-            f"{cfg.window}"
+            f"query ring holds {0 if ring is None else ring.shape[3]} queries, "
+            f"CompressionConfig.window={cfg.window}"
         )
 
 
@@ -203,11 +191,11 @@ def compress(state: SparseKVState, cfg: CompressionConfig) -> SparseKVState:
     cache = state.cache
     k, v, pos, evicted = lax.map(
         lambda layer: _compress_layer(cfg, cache.index, layer),
-        (cache.k, cache.v, cache.pos, state.queries),
+        (cache.k, cache.v, cache.pos, cache.queries),
     )
     when = jnp.max(cache.pos, axis=(2, 3))[..., None] + 1  # [L, B, 1] next query position
     evicted_at = _record_evictions(state.evicted_at, cache.pos, evicted, when)
-    cache = KVCache(
+    cache = cache.replace(
         k=_overwrite_slots(cache.k, k, 0),
         v=_overwrite_slots(cache.v, v, 0),
         pos=_overwrite_slots(cache.pos, pos, -1),
@@ -259,6 +247,23 @@ def visibility_from_record(evicted_at: jax.Array, positions: jax.Array) -> jax.A
     )
     expiry = jnp.take_along_axis(evicted_at, idx, axis=-1)
     return jnp.where(inside[None, :, None, :], expiry, NEVER).astype(jnp.int32)
+
+
+@struct.dataclass
+class EvictionRecord:
+    """An evicting rollout's record as a replay record (``scoring.ReplayRecord``).
+
+    Attributes:
+      evicted_at: ``[L, N, Hkv, T_total]`` int32 (``Rollout.eviction_record``).
+    """
+
+    evicted_at: jax.Array
+
+    def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
+                    response_len: int) -> ExpiryRecord:
+        """The expiry times of the ``[N, S]`` columns (:func:`visibility_from_record`)."""
+        del prompt_lengths, response_len  # the record is indexed by position
+        return ExpiryRecord(visibility_from_record(self.evicted_at, positions))
 
 
 def resident_tokens(cache: KVCache) -> jax.Array:

@@ -4,16 +4,19 @@
 - :func:`refresh_page_keys`: the page-mean keys of the pages just written (the model scores
   only full pages, so a page's mean is final once it fills).
 - :func:`replay_from_page_record`: the selection record as the per-query pages of a
-  teacher-forced forward, which replays the sampler's page-sparse policy exactly.
+  teacher-forced forward, which replays the sampler's page-sparse policy exactly;
+  :class:`PageRecord` is the record as a ``scoring.ReplayRecord``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from models.cache import KVCache
 from models.page_sparse import NO_PAGE, PageReplay
+from models.shapes import check_shape
 from sparse_rl_jax.compression_config import CompressionConfig
 
 
@@ -79,7 +82,7 @@ def replay_from_page_record(
     record: jax.Array, positions: jax.Array, prompt_lengths: jax.Array, page_size: int
 ) -> PageReplay:
     """The selection record as the per-query pages of a teacher-forced forward over
-    prompt + response (``models.Decoder(..., page_replay=...)``), which replays the
+    prompt + response (``models.Decoder(..., kv=replay)``), which replays the
     sampler's page-sparse policy exactly.
 
     Args:
@@ -104,3 +107,26 @@ def replay_from_page_record(
     pages = jnp.take_along_axis(record.astype(jnp.int32), index, axis=3)
     pages = jnp.where(in_resp[None, :, None, :, None], pages, NO_PAGE)
     return PageReplay(pages=pages, page_size=page_size)
+
+
+@struct.dataclass
+class PageRecord:
+    """A ``sparrow`` rollout's selection record as a replay record (``scoring.ReplayRecord``).
+
+    Attributes:
+      pages: ``[L, N, Hkv, M, K]`` int32 (``Rollout.page_record``).
+      page_size: tokens per page (static).
+    """
+
+    pages: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
+                    response_len: int) -> PageReplay:
+        """The per-query pages of the ``[N, S]`` columns (:func:`replay_from_page_record`)."""
+        if self.pages.ndim == 5 and self.pages.shape[3] == 0 and response_len > 0:
+            raise ValueError("page_record is empty: sample with "
+                             "SamplingConfig(record_evictions=True) to replay the sparse context")
+        check_shape("page_record", self.pages, L=None, N=positions.shape[0], Hkv=None,
+                    M=response_len, K=None)
+        return replay_from_page_record(self.pages, positions, prompt_lengths, self.page_size)

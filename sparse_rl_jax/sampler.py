@@ -7,9 +7,9 @@ trace the halves apart.
 Every decode step writes one token per row, and the cache is compressed back to ``budget``
 slots whenever it fills (``kv_state.maybe_compress``). The sampler records the log-prob of each
 sampled token under the policy that produced it, and the eviction record that makes that policy
-reproducible by a teacher-forced forward (``scoring.score(..., eviction_record=...)``).
-With ``sparrow`` the cache stays dense and each decode step attends to selected pages
-(``models.page_sparse``); the selection record replays it (``score(..., page_record=...)``).
+reproducible by a teacher-forced forward (``scoring.score(..., replay_record(rollout,
+compression))``). With ``sparrow`` the cache stays dense and each decode step attends to
+selected pages (``models.page_sparse``); the selection record replays it the same way.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.page_sparse import PageSparsity, selected_slots
+from models.page_sparse import page_sparse_cache, selected_slots
 from models.shapes import check_shape
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
-from sparse_rl_jax.page_sparsity import refresh_page_keys, schedule_budget
+from sparse_rl_jax.page_sparsity import PageRecord, refresh_page_keys, schedule_budget
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.token_sampling import sample_tokens
 
@@ -105,6 +105,19 @@ class DecodeLoop(NamedTuple):
     compressions: jax.Array  # []
     key: jax.Array
     page_record: jax.Array  # [L, N, Hkv, M, K] (sparrow + record) or [L, N, Hkv, 0, 0]
+
+
+def replay_record(rollout: Rollout, compression: CompressionConfig
+                  ) -> kv_state.EvictionRecord | PageRecord | None:
+    """The replay record (``scoring.ReplayRecord``) of a rollout sampled under
+    ``compression``: its eviction record (evicting methods) or page selections (``sparrow``);
+    None for ``none`` (dense) and when the rollout kept no record
+    (``sampling.record_evictions`` off)."""
+    if compression.page_sparse and rollout.page_record.shape[3]:
+        return PageRecord(rollout.page_record, compression.page_size)
+    if compression.compresses and rollout.eviction_record.shape[-1]:
+        return kv_state.EvictionRecord(rollout.eviction_record)
+    return None
 
 
 def bucket_prompts(
@@ -195,10 +208,8 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
         record=bool(sampling.record_evictions) and not compression.page_sparse,
     )
     positions = jnp.where(prompt_mask > 0, jnp.cumsum(prompt_mask, axis=1) - 1, -1)
-    window = min(compression.window, p)
-    out = model(prompt, positions, cache=state.cache, return_queries=window,
-                return_logits=False)
-    state = kv_state.advance(state, out.cache, out.queries)
+    out = model(prompt, positions, kv=state.cache, return_logits=False)
+    state = state.replace(cache=out.kv)
     resident = _resident(state)
     before = state.cache.index
     state = kv_state.maybe_compress(state, compression, after_prefill=True)
@@ -217,8 +228,8 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
         cache=state.cache.replace(
             k=fan_out(state.cache.k, 1), v=fan_out(state.cache.v, 1),
             pos=fan_out(state.cache.pos, 1),
+            queries=None if state.cache.queries is None else fan_out(state.cache.queries, 1),
         ),
-        queries=fan_out(state.queries, 1),
         evicted_at=fan_out(state.evicted_at, 1),
         page_keys=fan_out(state.page_keys, 1),
     )
@@ -231,24 +242,24 @@ def _step(model, c: DecodeLoop, *, lengths, slot_offset, sampling: SamplingConfi
           compression: CompressionConfig, budget_ks=None) -> DecodeLoop:
     """One decode forward: feed ``c.last``, sample the next token of every active row."""
     positions = (lengths + c.step - 1)[:, None]
-    pages = None
+    kv = c.state.cache
     if compression.page_sparse:
-        pages = PageSparsity(
-            page_keys=c.state.page_keys,
-            budget=schedule_budget(compression, positions[:, 0] + 1, budget_ks),
-            slot_offset=slot_offset, page_size=compression.page_size,
-            max_k=compression.max_pages_k, dense_layers=compression.dense_layers)
-    out = model(c.last[:, None], positions, cache=c.state.cache, return_queries=1,
-                return_logits=False, pages=pages)
-    state = kv_state.advance(c.state, out.cache, out.queries)
+        kv = page_sparse_cache(
+            kv, c.state.page_keys, schedule_budget(compression, positions[:, 0] + 1, budget_ks),
+            slot_offset, page_size=compression.page_size, max_k=compression.max_pages_k,
+            dense_layers=compression.dense_layers)
+    out = model(c.last[:, None], positions, kv=kv, return_logits=False)
     active = ~c.done
     page_record = c.page_record
-    if compression.page_sparse:
+    if not compression.page_sparse:
+        state = c.state.replace(cache=out.kv)
+    else:
+        state = c.state.replace(cache=out.kv.cache)
         state = state.replace(page_keys=refresh_page_keys(
             state.page_keys, state.cache, slot_offset,
             positions // compression.page_size, compression.page_size))
         if page_record.shape[-1]:
-            chosen = jnp.where(active[None, :, None, None], out.pages, -1)
+            chosen = jnp.where(active[None, :, None, None], out.kv.selected, -1)
             page_record = jax.lax.dynamic_update_slice(
                 page_record, chosen[:, :, :, None], (0, 0, 0, c.step - 1, 0))
     resident = _resident(state)

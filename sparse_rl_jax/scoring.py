@@ -1,4 +1,10 @@
-"""Teacher-forced log-probs of response tokens: dense, or with an eviction record replayed.
+"""Teacher-forced log-probs of response tokens: dense, or with a rollout's record replayed.
+
+A replay record (:class:`ReplayRecord`: ``kv_state.EvictionRecord`` of the evicting methods,
+``page_sparsity.PageRecord`` of ``sparrow``; ``sampler.replay_record(rollout, compression)``
+picks the rollout's) turns into the ``models.kv_view`` view of a full forward over prompt +
+response, which makes every query see what it saw in the rollout; scoring knows no record
+format.
 
 Dense scoring runs cuDNN flash attention where it exists (the fused backend on a GPU in half
 precision, rows rotated to right padding), else the blockwise backend, which takes the
@@ -16,16 +22,27 @@ columns of a chunk, V vocabulary, S = P + M prompt and response columns.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import fused_is_flash
+from models.kv_view import KVView
 from models.shapes import check_shape
-from sparse_rl_jax.kv_state import visibility_from_record
-from sparse_rl_jax.page_sparsity import replay_from_page_record
+
+
+class ReplayRecord(Protocol):
+    """What a rollout recorded of each query's context, replayable by a teacher-forced
+    forward (a pytree, so it passes through ``jit``)."""
+
+    def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
+                    response_len: int) -> KVView:
+        """The ``models.kv_view`` view of a full forward over ``positions [N, S]`` (prompt +
+        response columns, ``-1`` padding; ``prompt_lengths [N]`` real prompt tokens,
+        ``response_len`` M response columns); ValueError naming the record when it does not
+        fit or holds nothing."""
 
 
 class ScoreOutput(NamedTuple):
@@ -66,8 +83,7 @@ def _chunk_stats(model, hidden, targets, with_entropy):
     return _pick_stats(_log_softmax(model, hidden), targets, with_entropy)
 
 
-def _response_hidden(model, prompt, prompt_mask, response, eviction_record, page_record=None,
-                     page_size=16):
+def _response_hidden(model, prompt, prompt_mask, response, record: ReplayRecord | None):
     """Final hidden state ``[N, M, H]`` that predicts each response token (teacher forcing)."""
     check_shape("prompt", prompt, dtype=int, N=None, P=None)
     n, p = prompt.shape
@@ -76,19 +92,13 @@ def _response_hidden(model, prompt, prompt_mask, response, eviction_record, page
     m = response.shape[1]
     tokens = jnp.concatenate([prompt, response], axis=1).astype(jnp.int32)
     positions = sequence_positions(prompt_mask, m)
-    if eviction_record is not None and page_record is not None:
-        raise ValueError("score: pass eviction_record or page_record, not both")
-    if page_record is not None:
-        if page_record.ndim == 5 and page_record.shape[3] == 0 and m > 0:
-            raise ValueError("page_record is empty: sample with "
-                             "SamplingConfig(record_evictions=True) to replay the sparse context")
-        check_shape("page_record", page_record, L=None, N=n, Hkv=None, M=m, K=None)
-        replay = replay_from_page_record(page_record, positions,
-                                         prompt_mask.astype(jnp.int32).sum(axis=1), page_size)
-        hidden = model(tokens, positions, page_replay=replay, return_logits=False).hidden
-    elif eviction_record is not None:
-        key_expiry = visibility_from_record(eviction_record, positions)
-        hidden = model(tokens, positions, key_expiry=key_expiry, return_logits=False).hidden
+    if record is not None and not hasattr(record, "replay_view"):
+        raise TypeError(
+            f"record: expected a replay record (sampler.replay_record(rollout, compression), "
+            f"kv_state.EvictionRecord or page_sparsity.PageRecord), got {type(record).__name__}")
+    if record is not None:
+        view = record.replay_view(positions, prompt_mask.astype(jnp.int32).sum(axis=1), m)
+        hidden = model(tokens, positions, kv=view, return_logits=False).hidden
     elif not fused_is_flash(model.dtype):
         hidden = model(tokens, positions, return_logits=False).hidden
     else:
@@ -127,11 +137,9 @@ def response_logprobs(
     prompt_mask: jax.Array,
     response: jax.Array,
     *,
-    eviction_record: jax.Array | None = None,
+    record: ReplayRecord | None = None,
     chunk_size: int = 128,
     with_entropy: bool = False,
-    page_record: jax.Array | None = None,
-    page_size: int = 16,
 ) -> ScoreOutput:
     """Log-probs of each response token given the prompt and the response before it.
 
@@ -141,21 +149,17 @@ def response_logprobs(
       prompt_mask: ``[N, P]`` 1 for real prompt tokens.
       response: ``[N, M]`` int32 sampled tokens (anything after the end is ignored by the
         caller's mask; it never influences earlier tokens).
-      eviction_record: optional ``[L, N, Hkv, T]`` int32 from the sampler (``evicted_at``
-        indexed by position). When given, each query sees exactly the keys the sparse
-        sampler's cache held (mask replay), which reproduces the sampler's log-probs.
+      record: optional :class:`ReplayRecord` of the rollout (``sampler.replay_record``).
+        When given, each query sees exactly the keys the sparse sampler attended to (the
+        evicting cache's kept keys, or Sparrow's selected pages), which reproduces the
+        sampler's log-probs.
       chunk_size: response columns per LM-head chunk.
       with_entropy: also return the per-token entropy of the full distribution.
-      page_record: optional ``[L, N, Hkv, M, K]`` selection record of a ``sparrow`` rollout
-        (``Rollout.page_record``): each response query sees only its recorded pages, which
-        reproduces the page-sparse sampler's log-probs.
-      page_size: tokens per page of ``page_record``.
 
     Returns:
       ``ScoreOutput(logp [N, M], entropy [N, M] | None)``.
     """
-    hidden = _response_hidden(model, prompt, prompt_mask, response, eviction_record,
-                              page_record, page_size)
+    hidden = _response_hidden(model, prompt, prompt_mask, response, record)
     stats = functools.partial(_chunk_stats, model, with_entropy=with_entropy)
     logp, entropy = _map_chunks(stats, chunk_size, hidden, response.astype(jnp.int32))
     return ScoreOutput(logp, entropy)
@@ -193,7 +197,7 @@ def shadow_logprobs(
     prompt: jax.Array,
     prompt_mask: jax.Array,
     response: jax.Array,
-    eviction_record: jax.Array,
+    record: ReplayRecord,
     *,
     chunk_size: int = 128,
     with_kl: bool = False,
@@ -209,13 +213,13 @@ def shadow_logprobs(
 
     Args:
       model, prompt, prompt_mask, response, chunk_size: as in :func:`response_logprobs`.
-      eviction_record: ``[L, N, Hkv, T]`` int32 from the sampler.
+      record: the rollout's :class:`ReplayRecord` (the sparse context).
       with_kl: also compute the full-vocabulary forward KL per token.
       with_entropy: also return the sparse policy's per-token entropy.
     """
     graphdef, state = nnx.split(model)
     teacher = nnx.merge(graphdef, jax.lax.stop_gradient(state))
-    h_sparse = _response_hidden(model, prompt, prompt_mask, response, eviction_record)
+    h_sparse = _response_hidden(model, prompt, prompt_mask, response, record)
     h_dense = _response_hidden(teacher, prompt, prompt_mask, response, None)
     fn = functools.partial(_shadow_chunk, model, teacher, with_kl=with_kl,
                            with_entropy=with_entropy)
@@ -224,26 +228,23 @@ def shadow_logprobs(
     return ShadowScores(logp_sparse, jax.lax.stop_gradient(logp_dense), kl, entropy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "with_entropy",
-                                             "page_size"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "with_entropy"))
 def score(
     graphdef: nnx.GraphDef,
     params,
     prompt: jax.Array,
     prompt_mask: jax.Array,
     response: jax.Array,
-    eviction_record: jax.Array | None = None,
+    record: ReplayRecord | None = None,
     *,
     chunk_size: int = 128,
     with_entropy: bool = False,
-    page_record: jax.Array | None = None,
-    page_size: int = 16,
 ) -> ScoreOutput:
     """Jitted :func:`response_logprobs` over an ``nnx.split`` model (``graphdef, params``).
 
-    Pass the reference model's params for reference log-probs; pass the sampler's
-    ``eviction_record`` (evicting methods) or ``page_record`` + ``page_size`` (``sparrow``)
-    to replay the sparse policy exactly.
+    Pass the reference model's params for reference log-probs; pass the rollout's replay
+    record (``sampler.replay_record(rollout, compression)``) to replay the sparse policy
+    exactly.
     """
     model = nnx.merge(graphdef, params)
     return response_logprobs(
@@ -251,9 +252,7 @@ def score(
         prompt,
         prompt_mask,
         response,
-        eviction_record=eviction_record,
+        record=record,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
-        page_record=page_record,
-        page_size=page_size,
     )

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.lora import drop_adapter_inputs, split_trainable
 from sparse_rl_jax.grpo_loss import LossBatch, LossNorm, combine_metrics, grpo_loss, loss_norm
+from sparse_rl_jax.kv_state import EvictionRecord
 from sparse_rl_jax.loss_config import GRPOLossConfig
 from sparse_rl_jax.scoring import response_logprobs, shadow_logprobs
 
@@ -90,7 +91,7 @@ def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
         return grpo_loss(out.logp, batch.loss, loss_cfg, entropy=out.entropy, norm=norm)
     scores = shadow_logprobs(
         model, batch.prompt, batch.prompt_mask, batch.response,
-        jnp.moveaxis(batch.eviction_record, 0, 1), chunk_size=chunk_size,
+        EvictionRecord(jnp.moveaxis(batch.eviction_record, 0, 1)), chunk_size=chunk_size,
         with_kl=loss_cfg.distill_kind == "full", with_entropy=with_entropy,
     )
     return grpo_loss(scores.logp_sparse, batch.loss, loss_cfg, entropy=scores.entropy,

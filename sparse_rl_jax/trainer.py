@@ -100,6 +100,11 @@ def config_hash(cfg: RunConfig) -> str:
     relevant = {k: v for k, v in to_dict(cfg).items()
                 if k not in ("run_dir", "trainer", "eval", "logging")}
     relevant["model"] = {k: v for k, v in relevant["model"].items() if k != "remat"}
+    # compression.layout left out or the method's own (today the only valid one) hashes as
+    # before the field existed, so runs of older configs still resume
+    if cfg.compression.layout in (None, cfg.compression.natural_layout):
+        relevant["compression"] = {k: v for k, v in relevant["compression"].items()
+                                   if k != "layout"}
     relevant["trainer"] = {k: getattr(cfg.trainer, k)
                            for k in ("seed", "prompts_per_step", "minibatch_size")}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -23,6 +23,15 @@ from sparse_rl_jax.compression_config import CompressionConfig
         ({"num_sinks": -1}, r"num_sinks=-1 must be an int >= 0"),
         ({"rkv_lambda": 1.5}, r"rkv_lambda=1.5 must be in \[0, 1\]"),
         ({"redundancy_threshold": 2.0}, r"redundancy_threshold=2.0 must be in \[-1, 1\]"),
+        ({"layout": "flat"}, r"layout='flat' must be one of \('dense', 'budget'\)"),
+        ({"layout": "paged"}, r"layout='paged' is not implemented yet .*use 'budget'"),
+        ({"method": "none", "layout": "budget"},
+         r"layout='budget' does not fit method 'none' \(needs 'dense'\): a budget cache "
+         r"needs an eviction policy"),
+        ({"method": "sparrow", "layout": "budget"},
+         r"layout='budget' does not fit method 'sparrow' \(needs 'dense'\)"),
+        ({"method": "rkv", "layout": "dense"},
+         r"layout='dense' does not fit method 'rkv' \(needs 'budget'\): method 'rkv' evicts"),
     ],
 )
 def test_invalid_fields_name_field_and_allowed_values(kwargs, pattern):
@@ -50,3 +59,18 @@ def test_capacity_and_hashable():
     dense = CompressionConfig(method="none")
     assert dense.cache_capacity(1000) == 1000 and not dense.compresses
     assert hash(cfg) == hash(CompressionConfig(method="rkv", budget=32, buffer=8, window=4))
+
+
+@pytest.mark.parametrize("method", ["none", "snapkv", "sparrow"])
+def test_layout_defaults_to_the_methods_own_and_hashes_the_same(method):
+    from sparse_rl_jax.run_config import RunConfig
+    from sparse_rl_jax.trainer import config_hash
+
+    implied = CompressionConfig(method=method)
+    explicit = CompressionConfig(method=method, layout=implied.natural_layout)
+    assert implied.layout is None and implied.cache_layout == explicit.cache_layout
+    assert implied.cache_layout == ("budget" if implied.compresses else "dense")
+    assert implied.cache_capacity(1000) == explicit.cache_capacity(1000)
+    # a run of an older config (no layout key) still resumes: same hash either way
+    assert config_hash(RunConfig(compression=implied)) == config_hash(
+        RunConfig(compression=explicit))

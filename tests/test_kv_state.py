@@ -21,18 +21,14 @@ L, B, HQ, HKV, D = 2, 2, 4, 2, 8
 
 
 def _write(state, k, v, positions, queries):
-    """What the model does with a cache (write T tokens at index; pos broadcast over heads),
-    then ``advance`` with the queries. k, v ``[L, B, Hkv, T, D]``, positions ``[B, T]``."""
+    """What the model does with a cache in a forward of T tokens: every layer stores its keys,
+    values and queries (``KVCache.store``), then the index advances.
+    k, v ``[L, B, Hkv, T, D]``, queries ``[L, B, Hq, T, D]``, positions ``[B, T]``."""
     cache = state.cache
-    at = (0, 0, 0, cache.index, 0)
-    pos = jnp.broadcast_to(positions[None, :, None, :], k.shape[:4]).astype(jnp.int32)
-    cache = cache.replace(
-        k=lax.dynamic_update_slice(cache.k, k, at),
-        v=lax.dynamic_update_slice(cache.v, v, at),
-        pos=lax.dynamic_update_slice(cache.pos, pos, at[:4]),
-        index=cache.index + k.shape[3],
-    )
-    return kv_state.advance(state, cache, queries)
+    for layer in range(L):
+        cache = cache.store(jnp.asarray(layer), jnp.asarray(queries[layer]).transpose(0, 2, 1, 3),
+                            k[layer], v[layer], positions)
+    return state.replace(cache=cache.end_forward(k.shape[3]))
 
 
 def _tokens(rng, t):
@@ -119,7 +115,7 @@ def _reference_kept(before, cfg) -> dict:
     last one kept are ``tied``."""
     cache = before.cache
     pos = np.asarray(cache.pos)
-    z = np.stack([np.asarray(slot_scores(cfg, before.queries[l], cache.k[l], cache.pos[l],
+    z = np.stack([np.asarray(slot_scores(cfg, before.cache.queries[l], cache.k[l], cache.pos[l],
                                          cache.index)) for l in range(L)])
     by_pos = [[[{int(p): float(x) for p, x in zip(pos[l, b, h], z[l, b, h]) if p >= 0}
                 for h in range(HKV)] for b in range(B)] for l in range(L)]
@@ -222,7 +218,7 @@ def test_compress_keeps_the_window_and_its_queries():
         assert len(held) == cfg.budget and set(range(newest - 3, newest)) <= held, (l, b, h)
     # the query ring holds the window's queries, oldest first: the next compression's scores
     _, _, queries = _tokens(np.random.default_rng(0), prompt_len)
-    np.testing.assert_array_equal(np.asarray(state.queries), queries[:, :, :, -cfg.window:])
+    np.testing.assert_array_equal(np.asarray(state.cache.queries), queries[:, :, :, -cfg.window:])
 
 
 def test_repeated_compressions_compile_once():
@@ -283,23 +279,32 @@ def test_visibility_from_record_pads_and_out_of_range():
     np.testing.assert_array_equal(got[0, 0, 0], [kv_state.NEVER, kv_state.NEVER, 3, kv_state.NEVER, kv_state.NEVER])
 
 
-def test_push_queries_keeps_last_window():
+def test_query_ring_keeps_last_window_per_layer():
+    """The cache's ring holds the last ``window`` queries of each layer, oldest first; only
+    the evicting methods get one."""
     cfg = CompressionConfig(method="snapkv", budget=10, buffer=4, window=3)
     state = kv_state.init_state(
-        cfg, num_layers=1, batch=1, num_heads=2, num_kv_heads=1, head_dim=2, max_len=8
+        cfg, num_layers=2, batch=1, num_heads=2, num_kv_heads=1, head_dim=2, max_len=8
     )
-    seq = np.arange(1, 6, dtype=np.float32)[None, None, None, :, None] * np.ones((1, 1, 2, 5, 2))
+    seq = np.arange(1, 6, dtype=np.float32)[None, None, :, None, None] * np.ones((2, 1, 5, 2, 2))
+    seq[1] *= 10  # layer 1's queries differ from layer 0's
 
-    def ring(state):  # the queries held, in the order pushed (oldest first), any empties left out
-        held = np.asarray(state.queries)[0, 0, 0, :, 0].tolist()
+    def ring(cache, layer):  # the queries held, in the order pushed, any empties left out
+        held = np.asarray(cache.queries)[layer, 0, 0, :, 0].tolist()
         return [x for x in held if x]
 
-    state = kv_state.push_queries(state, seq[:, :, :, :2])
-    assert ring(state) == [1, 2]
-    state = kv_state.push_queries(state, seq[:, :, :, 2:])
-    assert ring(state) == [3, 4, 5]
-    with pytest.raises(ValueError, match="push_queries"):
-        kv_state.push_queries(state, np.zeros((1, 1, 3, 1, 2), np.float32))
+    def store(cache, layer, q):
+        kv = np.zeros((1, 1, q.shape[1], 2), np.float32)
+        pos = np.zeros((1, q.shape[1]), np.int32)
+        return cache.store(jnp.asarray(layer), q, kv, kv, pos)
+
+    cache = store(state.cache, 0, seq[0, :, :2])
+    assert ring(cache, 0) == [1, 2] and ring(cache, 1) == []
+    cache = store(store(cache, 1, seq[1, :, :2]), 0, seq[0, :, 2:])
+    assert ring(cache, 0) == [3, 4, 5] and ring(cache, 1) == [10, 20]
+    none = kv_state.init_state(CompressionConfig(method="none"), num_layers=1, batch=1,
+                               num_heads=2, num_kv_heads=1, head_dim=2, max_len=8)
+    assert none.cache.queries is None
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -13,6 +13,7 @@ import models
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.kv_state import init_state
+from sparse_rl_jax.page_sparsity import PageRecord
 from sparse_rl_jax.scoring import score
 
 CONFIGS = [
@@ -49,7 +50,9 @@ def test_rollout_kv_terms_equal_the_sampler_state(method):
     cache = state.cache
     per_row_cache = sum(x.size * x.dtype.itemsize for x in (cache.k, cache.v, cache.pos)) // n
     assert est.parts["kv_cache"] == per_row_cache * (n + n // 2)  # fanned out + prefill rows
-    assert est.parts["query_ring"] == state.queries.size * 4
+    ring = state.cache.queries
+    assert est.parts["query_ring"] == (0 if ring is None else ring.size * 4)
+    assert (ring is None) == (method == "none")
     assert est.parts["eviction_record"] == state.evicted_at.size * 4
 
 
@@ -80,7 +83,7 @@ def test_score_estimate_covers_the_compiled_page_replay():
     record = jax.ShapeDtypeStruct((cfg.num_layers, n, cfg.num_kv_heads, m, selected), jnp.int32)
     ints = jax.ShapeDtypeStruct((n, p), jnp.int32)
     compiled = score.lower(graphdef, params, ints, ints, jax.ShapeDtypeStruct((n, m), jnp.int32),
-                           page_record=record, page_size=4, chunk_size=16).compile()
+                           PageRecord(record, 4), chunk_size=16).compile()
     stats = compiled.memory_analysis()
     used = stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
     est = memory_plan.estimate("score", cfg, batch=n, prompt_len=p, new_tokens=m,

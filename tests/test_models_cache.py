@@ -36,19 +36,18 @@ def cached_step(model):
     @jax.jit
     def step(params, cache, tokens, positions):
         m = nnx.merge(graphdef, params)
-        out = m(tokens, positions, cache=cache, return_logits=False)
-        return m.unembed(out.hidden), out.cache
+        out = m(tokens, positions, kv=cache, return_logits=False)
+        return m.unembed(out.hidden), out.kv
 
     return lambda cache, tokens, positions: step(params, cache, tokens, positions)
 
 
 def full_forward(model):
-    """Jitted no-cache ``(tokens, positions, key_expiry, mask) -> logits``."""
+    """Jitted no-cache ``(tokens, positions, view) -> logits``; ``view`` None, an
+    ``ExpiryRecord`` or a ``MaskRecord``."""
     graphdef, params = nnx.split(model)
-    fwd = jax.jit(
-        lambda p, t, pos, e, m: nnx.merge(graphdef, p)(t, pos, key_expiry=e, mask=m).logits)
-    return lambda tokens, positions, expiry=None, mask=None: np.asarray(
-        fwd(params, tokens, positions, expiry, mask))
+    fwd = jax.jit(lambda p, t, pos, kv: nnx.merge(graphdef, p)(t, pos, kv=kv).logits)
+    return lambda tokens, positions, view=None: np.asarray(fwd(params, tokens, positions, view))
 
 
 def new_cache(model, batch, capacity):
@@ -79,7 +78,8 @@ def test_incremental_decode_matches_full_forward(tiny):
 
 
 def test_evicting_decode_equals_expiry_replay(tiny):
-    """Dropping slots mid-decode (pos := -1) equals a teacher-forced forward with key_expiry."""
+    """Dropping slots mid-decode (pos := -1) equals a teacher-forced forward replaying the
+    expiry times (``ExpiryRecord``)."""
     _, model, step, forward = tiny
     cfg = model.config
     rng = np.random.default_rng(1)
@@ -102,9 +102,9 @@ def test_evicting_decode_equals_expiry_replay(tiny):
         decoded.append(np.asarray(logits))
     decoded = np.concatenate(decoded, axis=1)
 
-    replay = forward(tokens, positions, jnp.asarray(expiry))
+    replay = forward(tokens, positions, models.ExpiryRecord(jnp.asarray(expiry)))
     np.testing.assert_allclose(decoded[mask == 1], replay[mask == 1], atol=1e-5, rtol=0)
-    dense = forward(tokens, positions, jnp.full(expiry.shape, NEVER, jnp.int32))
+    dense = forward(tokens, positions, models.ExpiryRecord(jnp.full(expiry.shape, NEVER, jnp.int32)))
     assert np.abs(dense - replay)[mask == 1].max() > 1e-3  # the evictions mattered
 
 
@@ -126,9 +126,10 @@ def test_expiry_and_mask_match_transformers_custom_mask(tiny):
     ref = hf_logits(load_hf(path), tokens, mask, attn_mask_4d=hf_visible[:, None])
     expiry = np.broadcast_to(expiry_row[None, :, None],
                              (cfg.num_layers, 2, cfg.num_kv_heads, WIDTH))
-    got = forward(tokens, positions, jnp.asarray(expiry.astype(np.int32)))
+    got = forward(tokens, positions, models.ExpiryRecord(jnp.asarray(expiry.astype(np.int32))))
     np.testing.assert_allclose(got[mask == 1], ref[mask == 1], atol=1e-4, rtol=0)
-    got = forward(tokens, positions, None, jnp.asarray(visible[None, :, None]))
+    layer_mask = np.broadcast_to(visible[None, :, None], (cfg.num_layers, 2, 1, WIDTH, WIDTH))
+    got = forward(tokens, positions, models.MaskRecord(jnp.asarray(layer_mask)))
     np.testing.assert_allclose(got[mask == 1], ref[mask == 1], atol=1e-4, rtol=0)
 
 
@@ -173,13 +174,20 @@ def test_bad_shapes_and_overflow_are_rejected_before_compute(tiny):
     _, model, _, _ = tiny
     tokens = np.zeros((2, 5), np.int32)
     with pytest.raises(ValueError, match="exceeds capacity 4"):
-        model(tokens, cache=new_cache(model, batch=2, capacity=4))
-    expiry_error = r"key_expiry: expected \[L, B, Hkv, S\] = \[2, 2, 2, 5\], got \[2, 2, 2, 4\]"
+        model(tokens, kv=new_cache(model, batch=2, capacity=4))
+    with pytest.raises(ValueError, match=r"KVCache.k: expected \[L, B, Hkv, C, D\] = "
+                                         r"\[2, 2, 2, \*, 16\], got \[2, 3, 2, 8, 16\]"):
+        model(tokens, kv=new_cache(model, batch=3, capacity=8))
+    with pytest.raises(ValueError, match="'fused' needs a full forward"):
+        model(tokens, kv=new_cache(model, batch=2, capacity=8), attention_backend="fused")
+    expiry_error = (r"ExpiryRecord.expiry: expected \[L, B, Hkv, S\] = \[2, 2, 2, 5\], "
+                    r"got \[2, 2, 2, 4\]")
     with pytest.raises(ValueError, match=expiry_error):
-        model(tokens, key_expiry=np.zeros((2, 2, 2, 4), np.int32))
-    mask_error = (r"mask: expected \[L, B, Hkv, T, S\] = \[1\|2, 2, 1\|2, 5, 5\], "
-                  r"got \[1, 2, 1, 5, 6\]")
+        model(tokens, kv=models.ExpiryRecord(np.zeros((2, 2, 2, 4), np.int32)))
+    with pytest.raises(ValueError, match="ExpiryRecord: attention_backend='fused'"):
+        model(tokens, kv=models.ExpiryRecord(np.zeros((2, 2, 2, 5), np.int32)),
+              attention_backend="fused")
+    mask_error = (r"MaskRecord.mask: expected \[L, B, Hkv, T, S\] = \[2, 2, 1\|2, 5, 5\], "
+                  r"got \[2, 2, 1, 5, 6\]")
     with pytest.raises(ValueError, match=mask_error):
-        model(tokens, mask=np.ones((1, 2, 1, 5, 6), bool))
-    with pytest.raises(ValueError, match="return_queries"):
-        model(tokens, return_queries=6)
+        model(tokens, kv=models.MaskRecord(np.ones((2, 2, 1, 5, 6), bool)))

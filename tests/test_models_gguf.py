@@ -57,7 +57,7 @@ def test_gguf_logits_match_transformers_reading_the_same_file(tiny, monkeypatch)
     mask = np.ones_like(tokens)
     mask[1, :4] = 0
     tokens = np.where(mask == 1, tokens, 0)
-    logits, _, _ = jitted_forward(model)(tokens, positions_from_mask(mask))
+    logits, _ = jitted_forward(model)(tokens, positions_from_mask(mask))
     ref = hf_logits(hf_from_gguf(path), tokens, mask)
     keep = mask.astype(bool)
     np.testing.assert_allclose(logits[keep], ref[keep], atol=1e-4, rtol=0)
@@ -125,7 +125,7 @@ def test_smollm2_logits_match_transformers(smollm2):
     ids, mask = tok.encode([prompt], add_special_tokens=False)
     model = models.load_pretrained(converted, dtype=jnp.float32)
     assert (model.config.num_layers, model.config.num_heads, model.config.num_kv_heads) == (30, 9, 3)
-    logits, _, _ = jitted_forward(model)(ids, positions_from_mask(mask))
+    logits, _ = jitted_forward(model)(ids, positions_from_mask(mask))
     # transformers on the converted directory: the weights it dequantised from the GGUF file
     # (the tiny test above compares against a fresh read of the file; this saves a second
     # dequantisation of 98 MB)

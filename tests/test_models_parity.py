@@ -33,7 +33,7 @@ def jitted_forward(model: models.Decoder, **kwargs):
     def fwd(params, tokens, positions):
         m = nnx.merge(graphdef, params)
         out = m(tokens, positions, **kwargs)
-        return out.logits, m.unembed(out.hidden), out.queries
+        return out.logits, m.unembed(out.hidden)
 
     return lambda tokens, positions: jax.tree.map(np.asarray, fwd(params, tokens, positions))
 
@@ -50,14 +50,14 @@ def test_logits_match_transformers(tmp_path, case):
 
     full, ones = left_padded_batch(rng, [12, 12, 12], 12)
     ref = hf_logits(hf, full, ones)
-    logits, unembedded, _ = forward(full, positions_from_mask(ones))
+    logits, unembedded = forward(full, positions_from_mask(ones))
     assert logits.shape == (3, 12, 128) and logits.dtype == np.float32
     np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
     np.testing.assert_allclose(unembedded, ref, atol=1e-4, rtol=0)
 
     padded, mask = left_padded_batch(rng, [12, 7, 2], 12)
     ref = hf_logits(hf, padded, mask)
-    logits, _, _ = forward(padded, positions_from_mask(mask))
+    logits, _ = forward(padded, positions_from_mask(mask))
     np.testing.assert_allclose(logits[mask == 1], ref[mask == 1], atol=1e-4, rtol=0)
     assert np.isfinite(logits).all()
 
@@ -79,8 +79,7 @@ def test_bf16_default_is_close_to_fp32(tmp_path):
     model = models.load_pretrained(path)  # default dtype: bf16 params and activations
     assert model.layers.self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
     tokens = np.random.default_rng(3).integers(6, 128, (2, 8)).astype(np.int32)
-    logits, _, queries = jitted_forward(model, return_queries=3)(
-        tokens, np.tile(np.arange(8, dtype=np.int32), (2, 1)))
-    assert logits.dtype == np.float32 and queries.shape == (2, 2, 4, 3, 16)
+    logits, _ = jitted_forward(model)(tokens, np.tile(np.arange(8, dtype=np.int32), (2, 1)))
+    assert logits.dtype == np.float32
     ref = hf_logits(path, tokens)
     assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()

@@ -17,15 +17,15 @@ def _program_size(num_layers: int, kind: str) -> int:
     model = models.Decoder(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     tokens = jnp.zeros((2, 6), jnp.int32)
-    cache = models.init_cache(num_layers, 2, 1, 8, 8)
-    expiry = jnp.full((num_layers, 2, 1, 6), 4, jnp.int32)
+    cache = models.init_cache(num_layers, 2, 1, 8, 8, num_heads=2, window=2)  # with a query ring
+    expiry = models.ExpiryRecord(jnp.full((num_layers, 2, 1, 6), 4, jnp.int32))
 
     def forward(params):
         m = nnx.merge(graphdef, params)
         if kind == "cache":
-            return m(tokens, cache=cache, return_queries=2).hidden
+            return m(tokens, kv=cache).hidden
         if kind == "replay":
-            return m(tokens, key_expiry=expiry).logits
+            return m(tokens, kv=expiry).logits
         return m(tokens).logits
 
     fn = (lambda p: jax.grad(lambda q: jnp.sum(forward(q)))(p)) if kind == "grad" else forward

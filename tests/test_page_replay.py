@@ -106,7 +106,7 @@ def test_blockwise_page_replay_equals_dense_mask_values_and_grads(block_size):
 
 
 def test_decoder_page_replay_equals_dense_mask_forward(tmp_path):
-    """The model's forward with ``page_replay`` == with the dense ``[L, B, Hkv, S, S]`` mask,
+    """The model's forward with a ``PageReplay`` == with the dense ``[L, B, Hkv, S, S]`` mask,
     layer by layer (each layer its own selection)."""
     path = make_tiny_hf(tmp_path, "qwen2", tokenizer=False, std=0.2, hidden_size=32,
                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -116,8 +116,9 @@ def test_decoder_page_replay_equals_dense_mask_forward(tmp_path):
     tokens = jnp.asarray(rng.integers(6, 128, size=positions.shape), jnp.int32)
     pos = jnp.asarray(positions)
     replay = replay_from_page_record(jnp.asarray(record), pos, jnp.asarray(plen), PS)
-    got = model(tokens, pos, page_replay=replay).logits
-    want = model(tokens, pos, mask=jnp.asarray(np_replay_mask(record, positions, plen, PS))).logits
+    got = model(tokens, pos, kv=replay).logits
+    mask = models.MaskRecord(jnp.asarray(np_replay_mask(record, positions, plen, PS)))
+    want = model(tokens, pos, kv=mask).logits
     real = positions >= 0
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5, rtol=0)
     dense = model(tokens, pos).logits
@@ -129,8 +130,8 @@ def test_page_replay_errors_name_the_argument(tmp_path):
                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
     model = models.load_pretrained(path, dtype=jnp.float32)
     tokens = jnp.ones((1, 5), jnp.int32)
-    with pytest.raises(ValueError, match="page_replay.pages"):
-        model(tokens, page_replay=PageReplay(jnp.zeros((2, 1, 1, 5, 3), jnp.int32), 4))
-    with pytest.raises(ValueError, match="page_replay: .*attention_backend='fused'"):
-        model(tokens, page_replay=PageReplay(jnp.zeros((2, 1, 2, 5, 3), jnp.int32), 4),
+    with pytest.raises(ValueError, match="PageReplay.pages"):
+        model(tokens, kv=PageReplay(jnp.zeros((2, 1, 1, 5, 3), jnp.int32), 4))
+    with pytest.raises(ValueError, match="PageReplay: .*attention_backend='fused'"):
+        model(tokens, kv=PageReplay(jnp.zeros((2, 1, 2, 5, 3), jnp.int32), 4),
               attention_backend="fused")

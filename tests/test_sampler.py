@@ -16,7 +16,7 @@ import models
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.compile_count import count_compiles
-from sparse_rl_jax.sampler import bucket_prompts, generate
+from sparse_rl_jax.sampler import bucket_prompts, generate, replay_record
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import score
 from sparse_rl_jax.token_sampling import sample_tokens
@@ -81,8 +81,10 @@ def test_sparse_logprobs_equal_replayed_scorer_not_dense(tiny, method):
     compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
     rollout = generate(graphdef, params, prompt, mask, jax.random.key(2), sampling, compression)
     assert int(rollout.num_compressions) >= 5
+    record = replay_record(rollout, compression)
+    assert isinstance(record, kv_state.EvictionRecord)
     replay = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response,
-                   rollout.eviction_record)
+                   record)
     dense = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response)
     assert _masked_max_diff(replay.logp, rollout.logp, rollout.response_mask) <= 1e-4
     assert _masked_max_diff(dense.logp, rollout.logp, rollout.response_mask) > 1e-2
@@ -107,9 +109,13 @@ def test_default_keeps_no_record_same_rollout_and_replay_is_refused(tiny):
     assert int(jnp.min(kept.eviction_record)) < kv_state.NEVER  # the kept one records
     for name in ("response", "response_mask", "logp", "kv_peak", "kv_mean"):
         np.testing.assert_array_equal(getattr(dropped, name), getattr(kept, name), err_msg=name)
+    assert replay_record(dropped, compression) is None
     with pytest.raises(ValueError, match="record_evictions=True"):
         score(graphdef, params, dropped.prompt, dropped.prompt_mask, dropped.response,
-              dropped.eviction_record)
+              kv_state.EvictionRecord(dropped.eviction_record))
+    with pytest.raises(TypeError, match="record: expected a replay record"):  # a bare array
+        score(graphdef, params, kept.prompt, kept.prompt_mask, kept.response,
+              kept.eviction_record)
 
 
 def test_repeated_calls_with_same_bucket_do_not_recompile(tiny):

@@ -16,11 +16,13 @@ import optax
 import pytest
 from flax import nnx
 
+import models
+
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.config_io import ConfigError, load_config
 from sparse_rl_jax.corrections import compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
-from sparse_rl_jax.kv_state import visibility_from_record
+from sparse_rl_jax.kv_state import EvictionRecord, visibility_from_record
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.run_config import RunConfig
 from sparse_rl_jax.sampler import generate
@@ -129,17 +131,18 @@ def _np_log_softmax(x):
 def test_vocabulary_kl_matches_numpy_over_full_logits_and_teacher_gets_no_gradient(tiny):
     graphdef, params, _, _ = tiny
     rollout = _rollout(tiny, "snapkv")
-    args = (rollout.prompt, rollout.prompt_mask, rollout.response, rollout.eviction_record)
+    args = (rollout.prompt, rollout.prompt_mask, rollout.response,
+            EvictionRecord(rollout.eviction_record))
     out = jax.jit(lambda p: shadow_logprobs(nnx.merge(graphdef, p), *args, chunk_size=CHUNK,
                                             with_kl=True))(params)
     model = nnx.merge(graphdef, params)
     p_len, m = rollout.prompt.shape[1], rollout.response.shape[1]
     tokens = jnp.concatenate([rollout.prompt, rollout.response], axis=1)
     positions = sequence_positions(rollout.prompt_mask, m)
-    expiry = visibility_from_record(rollout.eviction_record, positions)
+    expiry = models.ExpiryRecord(visibility_from_record(rollout.eviction_record, positions))
 
-    def logits(key_expiry):
-        full = model(tokens, positions, key_expiry=key_expiry).logits
+    def logits(kv):
+        full = model(tokens, positions, kv=kv).logits
         return np.asarray(full[:, p_len - 1 : p_len - 1 + m], np.float64)
 
     ls, ld = _np_log_softmax(logits(expiry)), _np_log_softmax(logits(None))
@@ -165,7 +168,7 @@ def test_vocabulary_kl_matches_numpy_over_full_logits_and_teacher_gets_no_gradie
         mdl = nnx.merge(graphdef, p)
         teacher = nnx.merge(graphdef, jax.lax.stop_gradient(p))
         cut = lambda x: x[:, p_len - 1 : p_len - 1 + m]  # noqa: E731
-        s = jax.nn.log_softmax(cut(mdl(tokens, positions, key_expiry=expiry).logits), -1)
+        s = jax.nn.log_softmax(cut(mdl(tokens, positions, kv=expiry).logits), -1)
         d = jax.nn.log_softmax(cut(teacher(tokens, positions).logits), -1)
         return jnp.sum(w * jnp.sum(jnp.exp(d) * (d - s), -1)) + jax.lax.stop_gradient(
             1e3 * jnp.sum(w * jnp.take_along_axis(d, rollout.response[..., None], -1)[..., 0]))

@@ -22,8 +22,8 @@ from sparse_rl_jax.compression_config import SPARROW_PRESETS, CompressionConfig
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.config_io import ConfigError, from_dict
 from sparse_rl_jax.kv_state import init_state
-from sparse_rl_jax.page_sparsity import refresh_page_keys, schedule_budget
-from sparse_rl_jax.sampler import generate
+from sparse_rl_jax.page_sparsity import PageRecord, refresh_page_keys, schedule_budget
+from sparse_rl_jax.sampler import generate, replay_record
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import score
 from tiny_hf import left_padded_batch, make_tiny_hf
@@ -196,15 +196,16 @@ def test_sampler_logp_equals_selection_record_replay(tmp_path_factory, heads, kv
     prompt, mask = left_padded_batch(np.random.default_rng(0), [11, 5, 8], width=11)
     r = generate(graphdef, params, prompt, mask, jax.random.key(3), SAMPLING, SPARROW)
     resp = r.response_mask.astype(bool)
-    replay = score(graphdef, params, r.prompt, r.prompt_mask, r.response,
-                   page_record=r.page_record, page_size=4)
+    record = replay_record(r, SPARROW)
+    assert isinstance(record, PageRecord) and record.page_size == 4
+    replay = score(graphdef, params, r.prompt, r.prompt_mask, r.response, record)
     err = float(jnp.max(jnp.where(resp, jnp.abs(replay.logp - r.logp), 0)))
     assert err < 1e-4, err
     if heads == 4 and kv_heads == 2:  # the policy is really sparse: dense scoring differs
         dense = score(graphdef, params, r.prompt, r.prompt_mask, r.response)
         assert float(jnp.max(jnp.where(resp, jnp.abs(dense.logp - r.logp), 0))) > 1e-2
         alpha = np.asarray(score_acceptance(graphdef, params, r.prompt, r.prompt_mask,
-                                            r.response, page_record=r.page_record, page_size=4))
+                                            r.response, record))
         valid = alpha[np.asarray(resp)]
         assert valid.min() < 0.999 and valid.max() <= 1 + 1e-5 and valid.min() > 0
     record = np.asarray(r.page_record)
@@ -238,7 +239,7 @@ def test_dense_regime_equals_dense_sampler(tmp_path_factory):
     np.testing.assert_array_equal(np.asarray(sparse.response), np.asarray(dense.response))
     np.testing.assert_allclose(np.asarray(sparse.logp), np.asarray(dense.logp), atol=1e-5)
     alpha = score_acceptance(graphdef, params, sparse.prompt, sparse.prompt_mask,
-                             sparse.response, page_record=sparse.page_record, page_size=4)
+                             sparse.response, replay_record(sparse, wide))
     np.testing.assert_allclose(np.asarray(alpha)[np.asarray(sparse.response_mask) > 0], 1.0,
                                atol=1e-5)
 
