@@ -345,12 +345,18 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Closes; when the block raised, a failure to close is added to that error as a note
-        instead of replacing it."""
+        """Closes. When the block raised, that error stays the one raised: a failure to close
+        and orbax's error records still held back (a failed save's threads may log after its
+        error was raised) are added to it as notes instead of being raised or logged."""
         if exc is None:
             self.close()
             return
         try:
-            self.close()
-        except CheckpointError as close_err:
+            self._manager.close()
+        except Exception as close_err:  # reported on the block's error, which stays raised
             exc.add_note(f"closing the checkpointer also failed: {close_err}")
+        finally:
+            late = self._orbax_log.take()
+            self._orbax_log.detach()
+            if late:
+                exc.add_note(f"orbax's log of the failure:\n{late}")

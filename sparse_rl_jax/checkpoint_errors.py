@@ -7,7 +7,9 @@ asyncio's "exception was never retrieved" for each orbax future: some hundreds o
 before and after the error reaches the caller. :class:`OrbaxErrorLog` holds those records
 back while a :class:`~sparse_rl_jax.checkpoint.Checkpointer` is open and :func:`save_error`
 attaches them to the CheckpointError as a note, so they are still there for whoever prints
-the traceback (``run.py --debug``).
+the traceback (``run.py --debug``). asyncio's reports of the failed save's futures that come
+later, when the futures are garbage-collected, restate the reported failure and are dropped
+(:data:`FAILED_SAVE_ECHOES`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,34 @@ class OrbaxErrorLog(logging.Filter):
         return "\n".join(formatter.format(record) for record in self.take_records())
 
 
+class _FailedSaveEchoes(logging.Filter):
+    """Drops asyncio's reports ("Future exception was never retrieved") of the unawaited
+    futures of a save that already failed with a CheckpointError: they restate that failure
+    and arrive when the futures are garbage-collected, often after the checkpointer is closed
+    and the error printed (at interpreter exit). Only records naming a directory whose save
+    failure was reported are dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.directories: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for an asyncio ERROR record naming a directory of a reported failure."""
+        return not (record.levelno >= logging.ERROR
+                    and any(d in record.getMessage() for d in self.directories))
+
+    def add(self, directory: str) -> None:
+        """Starts dropping the echoes of ``directory``'s failed save (installs the filter on
+        the asyncio logger once per process)."""
+        self.directories.add(directory)
+        asyncio_log = logging.getLogger("asyncio")
+        if self not in asyncio_log.filters:
+            asyncio_log.addFilter(self)
+
+
+FAILED_SAVE_ECHOES = _FailedSaveEchoes()
+
+
 def save_error(directory: str, err: BaseException, step: int | None,
                committed: list[int], orbax_log: OrbaxErrorLog) -> CheckpointError:
     """The CheckpointError for a failed save of ``step`` (None: unknown) in ``directory``:
@@ -104,4 +134,5 @@ def save_error(directory: str, err: BaseException, step: int | None,
     details = orbax_log.take()
     if details:
         error.add_note(f"orbax's log of the failure:\n{details}")
+    FAILED_SAVE_ECHOES.add(directory)
     return error

@@ -88,13 +88,31 @@ def test_orbax_error_records_are_held_back_attached_to_the_error_and_never_lost(
     assert held not in absl.filters
 
 
-def test_checkpointer_closed_by_an_error_keeps_that_error(tmp_path):
+def test_late_asyncio_reports_of_a_reported_save_failure_are_dropped(tmp_path, caplog):
+    """Once a save failure in a directory was reported (save_error), asyncio's later reports
+    naming that directory (its futures, collected after the error) are not logged again;
+    reports about other directories still are."""
+    failed, other = str(tmp_path / "failed"), str(tmp_path / "other")
+    save_error(failed, OSError("EFBIG: File too large"), 2, [1], OrbaxErrorLog(failed))
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.error("Future exception was never retrieved\nfuture: <%s/2 too large>", failed)
+    asyncio_log.error("Future exception was never retrieved\nfuture: <%s/2 too large>", other)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Future exception was never retrieved\nfuture: <{other}/2 too large>"]
+
+
+def test_checkpointer_closed_by_an_error_keeps_that_error(tmp_path, caplog):
     """Leaving a ``with Checkpointer`` block by an exception closes it (its log filter is
-    detached) and the block's exception is the one raised."""
-    with pytest.raises(KeyError, match="boom"):
+    detached), the block's exception is the one raised, and orbax error records still held
+    back become a note on it instead of log lines."""
+    with pytest.raises(KeyError, match="boom") as err:
         with Checkpointer(tmp_path / "ckpt") as ckpt:
+            logging.getLogger("absl").error("late write error in %s/2", tmp_path / "ckpt")
             raise KeyError("boom")
     assert ckpt._orbax_log not in logging.getLogger("absl").filters
+    assert err.value.__notes__ == [
+        f"orbax's log of the failure:\nERROR:absl:late write error in {tmp_path / 'ckpt'}/2"]
+    assert not [r for r in caplog.records if "late write error" in r.getMessage()]
 
 
 def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path):
