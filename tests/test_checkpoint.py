@@ -309,7 +309,9 @@ def test_sharded_restore_on_two_devices(tmp_path):
         **os.environ,
         "PYTHONPATH": str(REPO),
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        # appended, so the child keeps conftest's fast-compile flag
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+        + " --xla_force_host_platform_device_count=2",
     }
     result = subprocess.run(
         [sys.executable, "-c", _SHARDED, str(tmp_path)],

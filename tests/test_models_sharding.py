@@ -61,7 +61,9 @@ SCRIPT = textwrap.dedent("""
 
 def test_sharded_params_match_transformers(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           # appended, so the child keeps conftest's fast-compile flag
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=8",
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
