@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention import attention
+from models.kv_view import self_keys
 from models.shapes import check_shape
 
 
@@ -75,7 +76,7 @@ class KVCache:
         ``[index, index + T)`` of ``layer`` and push the newest queries ``q [B, T, Hq, D]``
         into the ring. In-place updates of the carried buffers: nothing is copied."""
         at = (layer, 0, 0, self.index)
-        pos = jnp.broadcast_to(q_pos[:, None, :], k.shape[:3])
+        pos = self_keys(q_pos, k)
         cache = self.replace(
             k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at + (0,)),
             v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at + (0,)),
