@@ -40,6 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.collect import RolloutPolicy, collect_prompts  # noqa: E402
 from sparse_rl_jax.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
@@ -163,8 +164,7 @@ def main(argv=None) -> int:
                         help="labelled digits per problem (one problem size per cell)")
     parser.add_argument("--budgets", nargs="+", type=int, default=[16, 24, 32, 40, 48, 56])
     parser.add_argument("--prompts", type=int, default=32, help="prompts per cell")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
-    args = parser.parse_args(argv)
+    args = parse_with_overrides(parser, argv)
     if args.quick:
         args.n, args.budgets, args.prompts = args.n[:1], args.budgets[:2], 8
     out = Path(args.out)

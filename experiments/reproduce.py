@@ -36,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
 from sparse_rl_jax.evaluation import evaluate, eval_set, mode_name  # noqa: E402
 from sparse_rl_jax.metrics_writer import read_metrics  # noqa: E402
@@ -166,8 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", choices=ARM_KINDS, default=list(ARM_KINDS),
                         help="train only these kinds of arm (e.g. to add arms to an experiment "
                              "whose dense arm already ran with the same settings)")
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every arm")
-    args = parser.parse_args(argv)
+    args = parse_with_overrides(parser, argv)
     out = Path(args.out)
     # The settings of the documented runs (docs/reproduce_*.md), which predate today's
     # defaults of the embedded run; the command-line overrides still come last.

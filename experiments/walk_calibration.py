@@ -42,6 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.regime_sweep import cell_footer, write_results  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
 from sparse_rl_jax.acceptance import acceptance_percentile_per_bin  # noqa: E402
@@ -98,12 +99,16 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts per cell")
     parser.add_argument("--alpha-bin", type=int, default=128,
                         help="response positions per bin of the alpha p5 column")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
-    args = parser.parse_args(argv)
+    args = parse_with_overrides(parser, argv)
     if args.quick:
         args.budgets, args.prompts = args.budgets[:2], 4
     out = Path(args.out)
     cfg = load_config(RunConfig, args.config, [f"run_dir={out}", *args.overrides])
+    try:  # every cell's config is checked before anything is loaded or sampled
+        cells = {(m, b): dataclasses.replace(cfg.compression, method=m, budget=b)
+                 for m in args.methods for b in args.budgets}
+    except ValueError as err:
+        parser.error(f"--methods/--budgets: {err}")
     started = time.monotonic()
     graphdef, params, tokenizer = load_policy(cfg, policy_path(cfg))
     sampling = resolve_sampling(cfg, tokenizer)
@@ -123,7 +128,7 @@ def main(argv=None) -> int:
     rows = []
     for method in args.methods:
         for budget in args.budgets:
-            compression = dataclasses.replace(cfg.compression, method=method, budget=budget)
+            compression = cells[method, budget]
             # The eviction record lets the scorer replay the sparse policy for alpha.
             sparse = collect_prompts(*run_args, compression=compression,
                                      sampling=dataclasses.replace(sampling,

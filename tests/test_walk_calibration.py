@@ -66,3 +66,13 @@ def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
     assert len(small["alpha_p5"]) == 1 and 0 < small["alpha_p5"][0] <= 1 + 1e-6
     assert large["greedy_sparse"] == large["greedy_dense"] == small["greedy_dense"]
     assert "smallest budget in the regime: rkv" in (out / "calibration.md").read_text()
+
+
+def test_a_bad_cell_is_a_usage_error_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "cal"
+    with pytest.raises(SystemExit) as exit_info:
+        _script().main(["--out", str(out), "--budgets", "64", "8", "compression.window=8"])
+    assert exit_info.value.code == 2
+    assert "--methods/--budgets: CompressionConfig.budget=8 must be an int > window (8)" in (
+        capsys.readouterr().err)
+    assert not out.exists()
