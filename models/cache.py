@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention import attention
-from models.kv_view import self_keys
+from models.kv_view import PerLayerPositions, self_keys
 from models.shapes import check_shape
 
 
 @struct.dataclass
-class KVCache:
+class KVCache(PerLayerPositions):
     """Fixed-capacity key/value buffers for every layer (a ``models.kv_view`` view).
 
     Attributes:
@@ -100,6 +100,17 @@ class KVCache:
     def end_forward(self, t: int) -> KVCache:
         """Advance the write index past the forward's ``t`` tokens."""
         return self.replace(index=self.index + t)
+
+    def row_tokens(self) -> jax.Array:
+        """``[B]`` int32 resident (non-empty) slots of each row (layer 0, KV head 0; an
+        evicting cache keeps as many in every layer and head)."""
+        return jnp.sum(self.pos[0, :, 0] >= 0, axis=-1, dtype=jnp.int32)
+
+    def repeat_rows(self, n: int) -> KVCache:
+        """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
+        fan_out = lambda x: None if x is None else jnp.repeat(x, n, axis=1)  # noqa: E731
+        return self.replace(k=fan_out(self.k), v=fan_out(self.v), pos=fan_out(self.pos),
+                            queries=fan_out(self.queries))
 
 
 def init_cache(

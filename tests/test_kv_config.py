@@ -23,11 +23,15 @@ from sparse_rl_jax.compression_config import CompressionConfig
         ({"num_sinks": -1}, r"num_sinks=-1 must be an int >= 0"),
         ({"rkv_lambda": 1.5}, r"rkv_lambda=1.5 must be in \[0, 1\]"),
         ({"redundancy_threshold": 2.0}, r"redundancy_threshold=2.0 must be in \[-1, 1\]"),
-        ({"layout": "flat"}, r"layout='flat' must be one of \('dense', 'budget'\)"),
-        ({"layout": "paged"}, r"layout='paged' is not implemented yet .*use 'budget'"),
+        ({"layout": "flat"}, r"layout='flat' must be one of \('dense', 'budget', 'paged'\)"),
+        ({"layout": "paged"},
+         r"layout='paged' does not fit method 'snapkv' \(needs 'budget'\): method 'snapkv' "
+         r"evicts"),
+        ({"method": "sparrow", "layout": "paged"},
+         r"layout='paged' does not fit method 'sparrow' \(needs 'dense'\): sparrow's pages"),
         ({"method": "none", "layout": "budget"},
-         r"layout='budget' does not fit method 'none' \(needs 'dense'\): a budget cache "
-         r"needs an eviction policy"),
+         r"layout='budget' does not fit method 'none' \(needs 'dense' or 'paged'\): a budget "
+         r"cache needs an eviction policy"),
         ({"method": "sparrow", "layout": "budget"},
          r"layout='budget' does not fit method 'sparrow' \(needs 'dense'\)"),
         ({"method": "rkv", "layout": "dense"},
