@@ -123,9 +123,11 @@ class PagedKVCache:
 
 def init_paged_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: int,
                      head_dim: int, dtype=jnp.float32, *, page_size: int = 16,
-                     chunk_pages: int = CHUNK_PAGES) -> PagedKVCache:
+                     chunk_pages: int | None = None) -> PagedKVCache:
     """An empty paged cache holding ``max_len`` tokens per row in ``ceil(max_len /
-    page_size)`` pages: zero keys/values, every slot empty (``pos == -1``), index 0."""
+    page_size)`` pages: zero keys/values, every slot empty (``pos == -1``), index 0;
+    ``chunk_pages`` None = :data:`CHUNK_PAGES` (read when called)."""
+    chunk_pages = CHUNK_PAGES if chunk_pages is None else chunk_pages
     for name, value in (("page_size", page_size), ("chunk_pages", chunk_pages),
                         ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
