@@ -45,7 +45,8 @@ when greedy), and its speed against ``none`` of the same cell.
 ``--layouts`` runs each method on each of these cache layouts it takes (``compression.layout``;
 a row is labelled ``method/layout`` unless the layout is the method's own) and prints them side
 by side with the speed ratio and whether the tokens agree; ``--chunk-pages`` sets
-``models.paged_cache.CHUNK_PAGES`` (pages per iteration of the paged decode loop) for the run.
+the pages per iteration of the paged decode loop (``models.paged_cache.CHUNK_PAGES``) for
+the run.
 """
 
 from __future__ import annotations
@@ -298,9 +299,11 @@ def main() -> None:
     setup.configure(args)
     sys.path.insert(0, str(ROOT))
     if args.chunk_pages:
+        import jax
+
         from models import paged_cache
 
-        paged_cache.CHUNK_PAGES = args.chunk_pages
+        paged_cache.CHUNK_PAGES = {jax.default_backend(): args.chunk_pages}
     wall = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:

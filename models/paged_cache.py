@@ -30,7 +30,8 @@ from models.attention import (attention, online_softmax_finish, online_softmax_i
                               online_softmax_step)
 from models.shapes import check_shape
 
-CHUNK_PAGES = 4  # pages per loop iteration (measured on CPU: benchmarks/README.md)
+CHUNK_PAGES = {"cpu": 2}  # pages per loop iteration by platform (CPU: benchmarks/README.md)
+OTHER_CHUNK_PAGES = 32  # elsewhere (not measured): few iterations, each costs kernel launches
 QUERY_BLOCK = 512  # queries of a long forward (prefill) handled per block
 
 
@@ -45,7 +46,8 @@ class PagedKVCache:
         shared by every layer and KV head.
       index: ``[]`` int32, the next slot to write, shared by all rows.
       page_size: slots per page (static).
-      chunk_pages: pages read per iteration of the attention loop (static).
+      chunk_pages: pages read per iteration of the attention loop (static; see
+        :func:`default_chunk_pages`).
     """
 
     k: jax.Array
@@ -53,7 +55,7 @@ class PagedKVCache:
     pos: jax.Array
     index: jax.Array
     page_size: int = struct.field(pytree_node=False, default=16)
-    chunk_pages: int = struct.field(pytree_node=False, default=CHUNK_PAGES)
+    chunk_pages: int = struct.field(pytree_node=False, default=2)
 
     @property
     def capacity(self) -> int:
@@ -126,8 +128,8 @@ def init_paged_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: in
                      chunk_pages: int | None = None) -> PagedKVCache:
     """An empty paged cache holding ``max_len`` tokens per row in ``ceil(max_len /
     page_size)`` pages: zero keys/values, every slot empty (``pos == -1``), index 0;
-    ``chunk_pages`` None = :data:`CHUNK_PAGES` (read when called)."""
-    chunk_pages = CHUNK_PAGES if chunk_pages is None else chunk_pages
+    ``chunk_pages`` None = :func:`default_chunk_pages`."""
+    chunk_pages = default_chunk_pages() if chunk_pages is None else chunk_pages
     for name, value in (("page_size", page_size), ("chunk_pages", chunk_pages),
                         ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -138,6 +140,12 @@ def init_paged_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: in
                         pos=jnp.full((batch, capacity), -1, jnp.int32),
                         index=jnp.zeros((), jnp.int32), page_size=page_size,
                         chunk_pages=chunk_pages)
+
+
+def default_chunk_pages() -> int:
+    """Pages per iteration of the paged attention loop on the default JAX platform:
+    :data:`CHUNK_PAGES` where measured, else :data:`OTHER_CHUNK_PAGES` (read when called)."""
+    return CHUNK_PAGES.get(jax.default_backend(), OTHER_CHUNK_PAGES)
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,

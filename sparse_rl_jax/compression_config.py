@@ -12,8 +12,9 @@ slots compressed back when full; ``paged``: a slot for every token in ``page_siz
 pages, one position array for all layers, decode reads only the filled pages,
 ``models.paged_cache``). ``layout`` may be left out (None: the method's own,
 :attr:`CompressionConfig.natural_layout`); the evicting policies run on ``budget``, ``sparrow``
-on ``dense``, ``none`` on ``dense`` or ``paged``; any other pair is a config error naming
-``layout``.
+on ``dense``, ``none`` on ``paged`` (its own: faster on CPU at every length measured,
+benchmarks/README.md) or ``dense``; any other pair is a config error naming ``layout``. Every
+layout a method takes runs the same policy (same tokens up to float summation order).
 
 ``sparrow`` (page-sparse decode, arXiv 2606.08446) evicts nothing either: the cache stays dense
 and each decode step attends, per layer and KV head, to the sink page, the top-k middle pages
@@ -82,10 +83,10 @@ class CompressionConfig:
         (Z = importance), ``rkv`` (Z = rkv_lambda * importance - (1 - rkv_lambda) *
         redundancy), ``streaming`` (``num_sinks`` first tokens + the newest), ``sparrow``
         (attend selected pages, evict nothing).
-      layout: the cache layout: ``dense`` (one slot per token; ``none`` and ``sparrow``),
+      layout: the cache layout: ``dense`` (one slot per token; ``sparrow``, or ``none``),
         ``budget`` (``budget + buffer`` slots; the evicting methods) or ``paged`` (one slot
-        per token in ``page_size``-slot pages, decode reads only the filled ones; ``none``);
-        None = the method's own. Other pairs are rejected.
+        per token in ``page_size``-slot pages, decode reads only the filled ones; ``none``'s
+        own); None = the method's own. Other pairs are rejected.
       budget: slots kept after a compression (includes the ``window`` newest), > window.
       buffer: slots written between two compressions, >= 1; capacity = budget + buffer.
       window: newest tokens that always survive; their queries score the others.
@@ -103,7 +104,7 @@ class CompressionConfig:
       importance: ``sparse_rl`` (pool logits over the group, softmax over non-window keys) or
         ``kvpress_snapkv`` (per-head softmax over all keys, causal inside the window, sliced;
         its usual window is 64).
-      page_size: (``sparrow``, ``paged``) tokens per page, >= 1 (16 in Sparrow).
+      page_size: (``sparrow``, layout ``paged``) tokens per page, >= 1 (16 in Sparrow).
       budget_schedule: (``sparrow``) ``((start_0=0, k_0), (start_1, k_1), ...)``: a row whose
         cached length ``L`` (prompt + response, current token included) has
         ``ceil(L / page_size) * page_size >= start_i`` (largest such i) attends to ``k_i``
@@ -189,7 +190,7 @@ class CompressionConfig:
         if self.layout == "budget":
             reason = {
                 "none": "a budget cache needs an eviction policy (snapkv | rkv | streaming) to "
-                        "get back under budget; method none is the dense cache",
+                        "get back under budget; method none keeps every token",
                 "sparrow": "sparrow selects pages of the full cache, which a budget cache does "
                            "not hold",
             }[self.method]
@@ -198,7 +199,7 @@ class CompressionConfig:
                       "cache's pages are slots of left-padded rows, which do not line up")
         else:
             reason = (f"method {self.method!r} evicts: it compresses a budget cache (method "
-                      "none is the dense cache)")
+                      "none keeps every token)")
         needs = " or ".join(repr(x) for x in self.valid_layouts)
         reject(self, "layout", f"does not fit method {self.method!r} (needs {needs}): {reason}")
 
@@ -275,12 +276,12 @@ class CompressionConfig:
         """The layouts ``method`` runs on, its own (:attr:`natural_layout`) first."""
         if self.method in EVICTING:
             return ("budget",)
-        return ("dense", "paged") if self.method == "none" else ("dense",)
+        return ("paged", "dense") if self.method == "none" else ("dense",)
 
     @property
     def natural_layout(self) -> str:
         """The layout ``method`` runs on when ``layout`` is left out: ``budget`` if it
-        evicts, else ``dense``."""
+        evicts, ``paged`` for ``none``, ``dense`` for ``sparrow``."""
         return self.valid_layouts[0]
 
     @property
@@ -314,8 +315,8 @@ class CompressionConfig:
     def cache_capacity(self, max_total_len: int) -> int:
         """Slots to allocate for sequences of up to ``max_total_len`` tokens (prompt + response).
 
-        The ``dense`` layout (``none``, ``sparrow``): the whole sequence; ``paged``: the whole
-        sequence rounded up to whole pages; ``budget``: ``budget + buffer``.
+        The ``dense`` layout: the whole sequence; ``paged``: the whole sequence rounded up to
+        whole pages; ``budget``: ``budget + buffer``.
         """
         if self.cache_layout == "paged":
             return -(-max_total_len // self.page_size) * self.page_size
