@@ -9,7 +9,9 @@ slots whenever it fills (``kv_state.maybe_compress``). The sampler records the l
 sampled token under the policy that produced it, and the eviction record that makes that policy
 reproducible by a teacher-forced forward (``scoring.score(..., replay_record(rollout,
 compression))``). With ``sparrow`` the cache stays dense and each decode step attends to
-selected pages (``models.page_sparse``); the selection record replays it the same way.
+selected pages (``models.page_sparse``); the selection record replays it the same way. With
+``none`` nothing is evicted; its own layout is the paged cache (``models.paged_cache``, decode
+reads only the filled pages), ``compression.layout: dense`` the slot cache.
 """
 
 from __future__ import annotations
