@@ -28,6 +28,7 @@ from flax import struct
 
 from models.attention import (attention, online_softmax_finish, online_softmax_init,
                               online_softmax_step)
+from models.cache import WriteIndexCache
 from models.shapes import check_shape
 
 CHUNK_PAGES = {"cpu": 2}  # pages per loop iteration by platform (CPU: benchmarks/README.md)
@@ -36,7 +37,7 @@ QUERY_BLOCK = 512  # queries of a long forward (prefill) handled per block
 
 
 @struct.dataclass
-class PagedKVCache:
+class PagedKVCache(WriteIndexCache):
     """Paged key/value buffers for every layer (a ``models.kv_view`` view).
 
     Attributes:
@@ -57,16 +58,6 @@ class PagedKVCache:
     page_size: int = struct.field(pytree_node=False, default=16)
     chunk_pages: int = struct.field(pytree_node=False, default=2)
 
-    @property
-    def capacity(self) -> int:
-        """Number of slots ``C`` per layer, row and head."""
-        return self.k.shape[3]
-
-    @property
-    def position_offset(self) -> jax.Array:
-        """Default position of the next token: the write index (before left padding)."""
-        return self.index
-
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """ValueError naming the field when the cache does not fit ``config`` and a forward
         of ``[batch, t]`` tokens: shapes, whole pages, room for ``t`` more tokens (when the
@@ -78,11 +69,7 @@ class PagedKVCache:
         if self.capacity % self.page_size:
             raise ValueError(f"PagedKVCache: capacity {self.capacity} is not a whole number "
                              f"of pages of page_size={self.page_size}")
-        if backend == "fused":
-            raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
-        if not isinstance(self.index, jax.core.Tracer) and int(self.index) + t > self.capacity:
-            raise ValueError(f"cache: writing {t} tokens at index {int(self.index)} exceeds "
-                             f"capacity {self.capacity}")
+        self.check_room(t, backend)
 
     def begin_forward(self, positions: jax.Array) -> PagedKVCache:
         """Write the forward's positions ``[B, T]`` at slots ``[index, index + T)``, once for
@@ -108,10 +95,6 @@ class PagedKVCache:
                               filled=self.index + q.shape[1],
                               chunk=min(self.chunk_pages * self.page_size, self.capacity))
         return out, cache
-
-    def end_forward(self, t: int) -> PagedKVCache:
-        """Advance the write index past the forward's ``t`` tokens."""
-        return self.replace(index=self.index + t)
 
     def row_tokens(self) -> jax.Array:
         """``[B]`` int32 resident (non-empty) slots of each row."""
