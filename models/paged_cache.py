@@ -56,7 +56,7 @@ class PagedKVCache(WriteIndexCache):
     pos: jax.Array
     index: jax.Array
     page_size: int = struct.field(pytree_node=False, default=16)
-    chunk_pages: int = struct.field(pytree_node=False, default=2)
+    chunk_pages: int = struct.field(pytree_node=False, default=CHUNK_PAGES["cpu"])
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """ValueError naming the field when the cache does not fit ``config`` and a forward
