@@ -9,6 +9,8 @@ and ``sparrow``) the cost model ``sparse_rl_jax.sparrow_cost``.
         --batches 16 --hf-lengths --no-profile  # Sparrow vs dense, CPU grid
     python benchmarks/bench_decode.py --shape qwen2.5-1.5b --dtype bfloat16 --prompt-len 128 \
         --budget 512 --buffer 128 --batches 32 128 256 --lengths 1024 4096 --no-profile  # GPU grid
+    python benchmarks/bench_decode.py --methods none --layouts dense paged --lengths 256 1024 \
+        --batches 8 --hf-lengths --no-profile  # dense vs paged cache layout, CPU
 
 Files: this driver (cells and flags), ``decode_setup.py`` (bench model, checkpoint,
 ``transformers`` child, machine measurement), ``decode_report.py`` (tables and targets),
@@ -40,6 +42,11 @@ the floor is the larger. ``--max-tokens`` skips cells with batch x length above 
 selection record and reports alpha's 5th percentile per 2000-token bin of response position
 (``sparse_rl_jax.acceptance``, exact, on the first ``--alpha-rows`` rows, at temperature 1
 when greedy), and its speed against ``none`` of the same cell.
+``--layouts`` runs each method on each of these cache layouts it takes (``compression.layout``;
+a row is labelled ``method/layout`` unless the layout is the method's own) and prints them side
+by side with the speed ratio and whether the tokens agree; ``--chunk-pages`` sets
+the pages per iteration of the paged decode loop (``models.paged_cache.CHUNK_PAGES``) for
+the run.
 """
 
 from __future__ import annotations
@@ -163,6 +170,7 @@ class Bench:
                  alpha_rows: int) -> dict:
         """The table row of one timed rollout: speed and KV statistics from its decode loop."""
         capacity = compression.cache_capacity(setup.PROMPT_LEN + length)
+        paged = compression.cache_layout == "paged"
         c = self.cfg
         alloc = 2 * c.num_layers * batch * c.num_kv_heads * capacity * c.head_dim * self.itemsize
         forwards = np.asarray(loop.forwards, np.float64)
@@ -170,7 +178,8 @@ class Bench:
         floor_bytes, floor_flops = self.step_cost(batch, kv_mean)
         records = [loop.state.evicted_at, loop.page_record]
         return dict(
-            method=method, batch=batch, length=length, seconds=prefill_s + decode_s,
+            method=method, base=compression.method, layout=compression.cache_layout,
+            batch=batch, length=length, seconds=prefill_s + decode_s,
             compile_s=compile_s, recompiled=recompiled, prefill_s=prefill_s,
             step_s=decode_s / (length - 1), tok_s=batch * length / (prefill_s + decode_s),
             capacity=capacity, alloc_bytes=alloc,
@@ -179,7 +188,8 @@ class Bench:
             dense_kv_mean=float(np.mean(setup.PROMPT_LEN + (forwards - 1) / 2)),
             compressions=int(loop.compressions), floor_bytes=floor_bytes,
             floor_flops=floor_flops,
-            impl_bytes=self.step_cost(batch, capacity)[0],  # the loop attends over every slot
+            # the slot cache's loop attends over every slot, the paged one over the filled pages
+            impl_bytes=self.step_cost(batch, kv_mean if paged else capacity)[0],
             alpha_p5=self.alpha_p5(loop, alpha_rows, compression) if compression.page_sparse
             else None,
             response=np.asarray(loop.response),
@@ -216,6 +226,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--methods", nargs="+", default=["none", "rkv", "snapkv"])
+    parser.add_argument("--layouts", nargs="+", choices=["dense", "budget", "paged"],
+                        help="cache layouts each method runs on (default: the method's own)")
+    parser.add_argument("--chunk-pages", type=int,
+                        help="pages per paged decode loop iteration (models.paged_cache)")
     parser.add_argument("--max-tokens", type=int, default=0,
                         help="skip cells with batch x length above this (0: run all)")
     parser.add_argument("--hf-lengths", type=int, nargs="*", default=[256],
@@ -254,19 +268,28 @@ def parse_args() -> argparse.Namespace:
 
 
 def compression_configs(args) -> dict:
-    """``CompressionConfig`` of each ``--methods`` entry."""
+    """``CompressionConfig`` of each ``--methods`` entry on each ``--layouts`` entry it takes,
+    by label: the method's name on its own layout, ``method/layout`` on another."""
     from sparse_rl_jax.compression_config import CompressionConfig
 
-    def config(method: str) -> CompressionConfig:
+    def config(method: str, layout: str | None) -> CompressionConfig:
         if method == "sparrow":
             schedule = tuple(tuple(int(x) for x in entry.split(":")) for entry in args.schedule)
-            return CompressionConfig(method=method, budget_schedule=schedule,
+            return CompressionConfig(method=method, layout=layout, budget_schedule=schedule,
                                      page_size=args.page_size,
                                      dense_layers=tuple(args.dense_layers))
-        return CompressionConfig(method=method, budget=args.budget, buffer=args.buffer,
-                                 window=args.window)
+        return CompressionConfig(method=method, layout=layout, budget=args.budget,
+                                 buffer=args.buffer, window=args.window,
+                                 page_size=args.page_size)
 
-    return {m: config(m) for m in args.methods}
+    configs = {}
+    for method in args.methods:
+        own = config(method, None)
+        for layout in args.layouts or [own.natural_layout]:
+            if layout in own.valid_layouts:
+                label = method if layout == own.natural_layout else f"{method}/{layout}"
+                configs[label] = config(method, layout)
+    return configs
 
 
 def main() -> None:
@@ -275,6 +298,12 @@ def main() -> None:
         return setup.child(args)
     setup.configure(args)
     sys.path.insert(0, str(ROOT))
+    if args.chunk_pages:
+        import jax
+
+        from models import paged_cache
+
+        paged_cache.CHUNK_PAGES = {jax.default_backend(): args.chunk_pages}
     wall = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -290,11 +319,11 @@ def main() -> None:
                     continue
                 for row in bench.run_cells(batch, length, configs, args.repeats,
                                            args.alpha_rows):
-                    if row["method"] in ("none", "sparrow"):
+                    if row["base"] in ("none", "sparrow"):
                         row["pred_step_s"] = bench.predicted_step(
                             batch, length, configs[row["method"]], machine)
                     rows.append(row)
-                    print(f"  [{time.perf_counter() - wall:6.0f}s] {row['method']:>7} "
+                    print(f"  [{time.perf_counter() - wall:6.0f}s] {row['method']:>10} "
                           f"b{batch:<3} n{length:<5} {row['tok_s']:8.1f} tok/s  "
                           f"compile {row['compile_s']:.1f}s", file=sys.stderr, flush=True)
         hf = (setup.run_child("torch", tmp, args, __file__)

@@ -23,9 +23,10 @@ import decode_setup as setup
 def trace(bench, batch: int, length: int, compression, room: int | None = None) -> dict:
     """Seconds of the (compiled) decode loop by source line, from a ``jax.profiler`` trace:
     each executed HLO thunk is attributed to the line that emitted it. ``length`` tokens
-    are decoded into a cache sized for ``room`` (default ``length``) response tokens: a
-    dense loop reads every slot each step, so a short run in a large cache costs per step
-    what the long run does."""
+    are decoded into a cache sized for ``room`` (default ``length``) response tokens: the
+    slot cache (``layout: dense``) reads every slot each step, so a short run in a large
+    cache costs per step what the long run does (the paged cache, ``none``'s own, reads only
+    the filled pages)."""
     import gzip
 
     from sparse_rl_jax import sampler

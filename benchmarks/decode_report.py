@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 import decode_setup as setup
 
 
@@ -16,6 +18,7 @@ def report(args, bench, machine, rows, skipped, hf, profile, wall) -> None:
     print_table(args, bench, machine, rows, skipped, hf, wall)
     print_targets(args, machine, rows, hf)
     print_sparrow(rows)
+    print_layouts(rows)
     if profile:
         print_profile(profile)
     if args.json:
@@ -42,7 +45,7 @@ def print_table(args, bench, machine, rows, skipped, hf, wall) -> None:
           f"{peak / 1e9:.1f} GFLOP/s")
     print(f"grid: batches {args.batches} x lengths {args.lengths}; skipped (batch, length) "
           f"{skipped or 'none'}; total wall {wall / 60:.1f} min")
-    header = (f"{'method':<7}{'batch':>6}{'len':>6}{'tok/s':>9}{'ms/step':>9}{'prefill':>8}"
+    header = (f"{'method':<11}{'batch':>6}{'len':>6}{'tok/s':>9}{'ms/step':>9}{'prefill':>8}"
               f"{'alloc KV':>10}{'state':>8}{'KV peak':>8}{'KV mean':>8}{'dense':>7}{'#cmp':>5}"
               f"{'floor ms':>9}{'x floor':>8}")
     print("(alloc KV / state: MiB of k+v cache / + eviction record; KV peak/mean/dense: resident"
@@ -53,14 +56,14 @@ def print_table(args, bench, machine, rows, skipped, hf, wall) -> None:
     for r in rows:
         floor = max(r["floor_bytes"] / bw, r["floor_flops"] / peak)
         r["floor_s"] = floor
-        print(f"{r['method']:<7}{r['batch']:>6}{r['length']:>6}{r['tok_s']:>9.1f}"
+        print(f"{r['method']:<11}{r['batch']:>6}{r['length']:>6}{r['tok_s']:>9.1f}"
               f"{r['step_s'] * 1e3:>9.1f}{r['prefill_s'] * 1e3:>8.0f}"
               f"{r['alloc_bytes'] / mib:>10.1f}{r['state_bytes'] / mib:>8.1f}{r['kv_peak']:>8.0f}"
               f"{r['kv_mean']:>8.0f}{r['dense_kv_mean']:>7.0f}{r['compressions']:>5}"
               f"{floor * 1e3:>9.1f}{r['step_s'] / floor:>8.2f}"
               + ("  RECOMPILED" if r["recompiled"] else ""))
     for r in hf:
-        print(f"{'HF':<7}{r['batch']:>6}{r['length']:>6}{r['batch'] * r['length'] / r['seconds']:>9.1f}"
+        print(f"{'HF':<11}{r['batch']:>6}{r['length']:>6}{r['batch'] * r['length'] / r['seconds']:>9.1f}"
               f"{r['seconds'] / r['length'] * 1e3:>9.1f}   {r['label']}")
 
 
@@ -127,6 +130,29 @@ def print_sparrow(rows) -> None:
               f"{d['pred_step_s'] * 1e3:>13.2f}{s['pred_step_s'] * 1e3:>15.2f}"
               f"{d['pred_step_s'] / s['pred_step_s']:>8.2f}x  "
               + ", ".join(f"{a:.3f}" for a in s["alpha_p5"]))
+
+
+def print_layouts(rows) -> None:
+    """Prints, per cell and method run on several cache layouts: each layout's ms/step and
+    prefill ms side by side, the speed ratio against the ``dense`` layout (or the first) and
+    whether the greedy tokens agree with it."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["batch"], r["length"], r["base"]), []).append(r)
+    cells = {cell: runs for cell, runs in cells.items() if len(runs) > 1}
+    if not cells:
+        return
+    print("\ncache layouts (same run; ratio = base ms/step / layout ms/step, > 1 is faster; "
+          "base = the dense layout)")
+    print(f"  {'method':<8}{'batch':>5}{'len':>6}{'layout':>8}{'ms/step':>9}{'prefill ms':>11}"
+          f"{'alloc KV':>10}{'compile s':>10}{'ratio':>7}  tokens = base")
+    for (batch, length, method), runs in cells.items():
+        base = next((r for r in runs if r["layout"] == "dense"), runs[0])
+        for r in runs:
+            same = bool(np.array_equal(r["response"], base["response"]))
+            print(f"  {method:<8}{batch:>5}{length:>6}{r['layout']:>8}{r['step_s'] * 1e3:>9.2f}"
+                  f"{r['prefill_s'] * 1e3:>11.1f}{r['alloc_bytes'] / 2**20:>10.1f}"
+                  f"{r['compile_s']:>10.1f}{base['step_s'] / r['step_s']:>6.2f}x  {same}")
 
 
 def print_profile(p: dict) -> None:

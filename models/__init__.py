@@ -16,6 +16,7 @@ from models.loading import hf_name, load_pretrained, read_config, save_adapter, 
 from models.kv_view import Causal, ExpiryRecord, KVView, MaskRecord
 from models.lora import LORA_TARGETS, add_lora, has_lora, merge_lora, split_trainable
 from models.page_sparse import PageReplay, PageSparseCache
+from models.paged_cache import PagedKVCache, init_paged_cache
 from models.partitioning import (MESH_AXES, PARTITION_RULES, make_mesh, param_shardings,
                                  partition_spec)
 from models.tokenizer import Tokenizer
@@ -23,9 +24,9 @@ from models.tokenizer import Tokenizer
 __all__ = [
     "LORA_TARGETS", "MESH_AXES", "PARTITION_RULES", "SUPPORTED_MODEL_TYPES", "Causal",
     "Decoder", "DecoderOutput", "ExpiryRecord", "KVCache", "KVView", "MaskRecord",
-    "ModelConfig", "PageReplay", "PageSparseCache", "RopeScaling", "Tokenizer", "attention",
+    "ModelConfig", "PageReplay", "PageSparseCache", "PagedKVCache", "RopeScaling", "Tokenizer", "attention",
     "checkpoint_dir", "convert_gguf",
-    "find_gguf", "has_lora", "hf_name", "init_cache", "smollm2_gguf", "add_lora",
+    "find_gguf", "has_lora", "hf_name", "init_cache", "init_paged_cache", "smollm2_gguf", "add_lora",
     "load_pretrained", "make_mesh", "merge_lora", "param_shardings", "partition_spec",
     "read_config", "save_adapter", "save_pretrained", "split_trainable", "visibility",
 ]

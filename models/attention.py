@@ -298,6 +298,45 @@ def _skip_empty(visible, compute, carry):
     return jax.lax.cond(jnp.any(visible), compute, lambda c: c, carry)
 
 
+def online_softmax_init(rows: tuple[int, ...], d: int) -> tuple[jax.Array, ...]:
+    """The empty online-softmax carry of ``rows`` query rows (e.g. ``[B, Hkv, G, T]``):
+    running max ``-inf``, running sum 0 and accumulator ``rows + [D]`` 0, all fp32."""
+    return (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros(rows + (d,), jnp.float32))
+
+
+def online_softmax_step(carry, qg, kb, vb, visible, scale):
+    """Fold one key block into the online-softmax carry.
+
+    Args:
+      carry: ``(max [B, Hkv, G, T], sum [B, Hkv, G, T], acc [B, Hkv, G, T, D])`` fp32.
+      qg: ``[B, Hkv, G, T, D]`` queries; kb, vb: ``[B, Hkv, S, D]`` the block's keys/values.
+      visible: bool broadcastable to ``[B, Hkv, G, T, S]``.
+      scale: the logit scale (``D ** -0.5``).
+    """
+    m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxD = carry
+    logits_BxKxGxTxS = jnp.where(visible, _scores(qg, kb, scale), -jnp.inf)
+    m_new = jnp.maximum(m_BxKxGxT, jnp.max(logits_BxKxGxTxS, axis=-1))
+    shift_BxKxGxT = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p_BxKxGxTxS = jnp.exp(logits_BxKxGxTxS - shift_BxKxGxT[..., None])
+    corr_BxKxGxT = jnp.exp(m_BxKxGxT - shift_BxKxGxT)
+    pv_BxKxGxTxD = jnp.einsum("bkgts,bksd->bkgtd", p_BxKxGxTxS.astype(vb.dtype), vb,
+                              preferred_element_type=jnp.float32)
+    return (m_new, l_BxKxGxT * corr_BxKxGxT + jnp.sum(p_BxKxGxTxS, axis=-1),
+            acc_BxKxGxTxD * corr_BxKxGxT[..., None] + pv_BxKxGxTxD)
+
+
+def online_softmax_finish(carry) -> tuple[jax.Array, jax.Array]:
+    """``(out [B, Hkv, G, T, D], lse [B, Hkv, G, T])`` fp32 from a finished carry: zero output
+    and ``lse = inf`` on rows that saw no key."""
+    m, l, acc = carry
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)[..., None]
+    lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(seen, l, 1.0)),
+                    jnp.inf)
+    return out, lse
+
+
 def _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, bq, bk, page_size):
     """Forward: output fp32 ``[B, Hkv, G, T, D]`` and row log-sum-exp ``[B, Hkv, G, T]``."""
     d = qg.shape[-1]
@@ -313,29 +352,13 @@ def _flash_forward(qg, k, v, q_pos, k_pos, k_expiry, mask, q_pages, bq, bk, page
             visible = _block_visibility(qp, kp, ke, mb)
 
             def compute(carry):
-                m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxD = carry
-                logits_BxKxGxTxS = jnp.where(visible, _scores(qb, kb, scale), -jnp.inf)
-                m_new = jnp.maximum(m_BxKxGxT, jnp.max(logits_BxKxGxTxS, axis=-1))
-                shift_BxKxGxT = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p_BxKxGxTxS = jnp.exp(logits_BxKxGxTxS - shift_BxKxGxT[..., None])
-                corr_BxKxGxT = jnp.exp(m_BxKxGxT - shift_BxKxGxT)
-                pv_BxKxGxTxD = jnp.einsum("bkgts,bksd->bkgtd", p_BxKxGxTxS.astype(vb.dtype), vb,
-                                          preferred_element_type=jnp.float32)
-                return (m_new, l_BxKxGxT * corr_BxKxGxT + jnp.sum(p_BxKxGxTxS, axis=-1),
-                        acc_BxKxGxTxD * corr_BxKxGxT[..., None] + pv_BxKxGxTxD)
+                return online_softmax_step(carry, qb, kb, vb, visible, scale)
 
             return (_skip_empty(visible, compute, carry) if many else compute(carry)), None
 
-        rows = qb.shape[:4]
-        init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
-                jnp.zeros(rows + (d,), jnp.float32))
         keys = _key_blocks(k, v, k_pos, k_expiry, mask_rows, bk)
-        (m, l, acc), _ = _scan(step, init, keys)
-        seen = l > 0
-        out = acc / jnp.where(seen, l, 1.0)[..., None]
-        lse = jnp.where(seen, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(jnp.where(seen, l, 1.0)),
-                        jnp.inf)
-        return None, (out, lse)
+        carry, _ = _scan(step, online_softmax_init(qb.shape[:4], d), keys)
+        return None, online_softmax_finish(carry)
 
     queries = _query_blocks(qg, q_pos, mask, q_pages, bq)
     _, (out, lse) = _scan(lambda _, qblock: one_query_block(qblock), None, queries)

@@ -20,12 +20,40 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention import attention
-from models.kv_view import self_keys
+from models.kv_view import PerLayerPositions, self_keys
 from models.shapes import check_shape
 
 
+class WriteIndexCache:
+    """Shared parts of the rollout caches whose rows all write at one index (``k
+    [L, B, Hkv, C, D]``, ``index []``): :class:`KVCache`, ``models.paged_cache.PagedKVCache``."""
+
+    @property
+    def capacity(self) -> int:
+        """Number of slots ``C`` per layer, row and head."""
+        return self.k.shape[3]
+
+    @property
+    def position_offset(self) -> jax.Array:
+        """Default position of the next token: the write index (before left padding)."""
+        return self.index
+
+    def check_room(self, t: int, backend: str) -> None:
+        """ValueError for the ``"fused"`` backend (it takes no cache) or, when the index is
+        known (not under jit), no room for ``t`` more tokens."""
+        if backend == "fused":
+            raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
+        if not isinstance(self.index, jax.core.Tracer) and int(self.index) + t > self.capacity:
+            raise ValueError(f"cache: writing {t} tokens at index {int(self.index)} exceeds "
+                             f"capacity {self.capacity}")
+
+    def end_forward(self, t: int):
+        """Advance the write index past the forward's ``t`` tokens."""
+        return self.replace(index=self.index + t)
+
+
 @struct.dataclass
-class KVCache:
+class KVCache(WriteIndexCache, PerLayerPositions):
     """Fixed-capacity key/value buffers for every layer (a ``models.kv_view`` view).
 
     Attributes:
@@ -44,16 +72,6 @@ class KVCache:
     index: jax.Array
     queries: jax.Array | None = None
 
-    @property
-    def capacity(self) -> int:
-        """Number of slots ``C`` per layer, row and head."""
-        return self.k.shape[3]
-
-    @property
-    def position_offset(self) -> jax.Array:
-        """Default position of the next token: the write index (before left padding)."""
-        return self.index
-
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """ValueError naming the field when the cache does not fit ``config`` and a forward
         of ``[batch, t]`` tokens: shapes, room for ``t`` more tokens (when the index is
@@ -64,11 +82,7 @@ class KVCache:
         check_shape("KVCache.pos", self.pos, **dims)
         check_shape("KVCache.queries", self.queries, L=config.num_layers, B=batch,
                     Hq=config.num_heads, W=None, D=config.head_dim)
-        if backend == "fused":
-            raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
-        if not isinstance(self.index, jax.core.Tracer) and int(self.index) + t > self.capacity:
-            raise ValueError(f"cache: writing {t} tokens at index {int(self.index)} exceeds "
-                             f"capacity {self.capacity}")
+        self.check_room(t, backend)
 
     def store(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
               q_pos: jax.Array) -> KVCache:
@@ -97,9 +111,16 @@ class KVCache:
                         backend=backend)
         return out, cache
 
-    def end_forward(self, t: int) -> KVCache:
-        """Advance the write index past the forward's ``t`` tokens."""
-        return self.replace(index=self.index + t)
+    def row_tokens(self) -> jax.Array:
+        """``[B]`` int32 resident (non-empty) slots of each row (layer 0, KV head 0; an
+        evicting cache keeps as many in every layer and head)."""
+        return jnp.sum(self.pos[0, :, 0] >= 0, axis=-1, dtype=jnp.int32)
+
+    def repeat_rows(self, n: int) -> KVCache:
+        """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
+        fan_out = lambda x: None if x is None else jnp.repeat(x, n, axis=1)  # noqa: E731
+        return self.replace(k=fan_out(self.k), v=fan_out(self.v), pos=fan_out(self.pos),
+                            queries=fan_out(self.queries))
 
 
 def init_cache(

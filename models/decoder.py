@@ -226,6 +226,7 @@ class Decoder(nnx.Module):
         positions = _resolve_positions(tokens, positions, attention_mask, kv)
         view = Causal() if kv is None else kv
         view.check(cfg, b, t, attention_backend)
+        view = view.begin_forward(positions)
 
         layer_graph, layer_params = nnx.split(self.layers)
         carried, per_layer = split_layers(view)

@@ -15,6 +15,10 @@ Protocol (:class:`KVView`; every view is a ``flax.struct`` pytree):
   forward of ``[batch, t]`` tokens (called before any compute).
 - ``position_offset``: position of the first token when the caller passes none (a cache's
   write index; 0 for a full forward).
+- ``begin_forward(positions)``: the view before the first layer of a forward of positions
+  ``[B, T]`` (the decoder calls it once, before the layer scan: a view that keeps one position
+  array for all layers, ``models.paged_cache.PagedKVCache``, writes it here; the others return
+  themselves).
 - ``end_forward(t)``: the view after all layers saw ``t`` tokens (a cache advances its index).
 
 Fields declared with :func:`layer_field` hold ``[L, ...]`` read-only per-layer arrays: the
@@ -27,8 +31,10 @@ Views of a full forward (no cache; keys are the ``T`` tokens themselves), in thi
 expiry times) and :class:`MaskRecord` (an explicit boolean mask, the general case); in
 ``models.page_sparse``, ``PageReplay`` (a page-sparse selection replayed). Views of a rollout
 cache: ``models.cache.KVCache`` (the slot cache; dense and budget layouts are capacities of
-it; optionally holding the ring of the last ``W`` queries an eviction policy scores with) and
-``models.page_sparse.PageSparseCache`` (Sparrow decode over the same slots).
+it; optionally holding the ring of the last ``W`` queries an eviction policy scores with),
+``models.page_sparse.PageSparseCache`` (Sparrow decode over the same slots) and
+``models.paged_cache.PagedKVCache`` (the paged layout of a dense rollout: one position array
+for all layers, decode reads only the filled pages).
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class KVView(Protocol):
                q_pos: jax.Array, backend: str) -> tuple[jax.Array, KVView]:
         """One layer's attention output ``[B, T, Hq, D]`` and the updated view."""
 
+    def begin_forward(self, positions: jax.Array) -> KVView:
+        """The view before the first layer of a forward of positions ``[B, T]``."""
+
     def end_forward(self, t: int) -> KVView:
         """The view after every layer saw the forward's ``t`` tokens."""
 
@@ -85,7 +94,16 @@ def self_keys(q_pos: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.broadcast_to(q_pos[:, None, :], k.shape[:3])
 
 
-class FullForward:
+class PerLayerPositions:
+    """``begin_forward`` of a view that takes positions per layer in ``attend`` (or none)."""
+
+    def begin_forward(self, positions: jax.Array):
+        """Nothing to write before the layers."""
+        del positions
+        return self
+
+
+class FullForward(PerLayerPositions):
     """Shared parts of the full-forward views (keys are the forward's own tokens)."""
 
     position_offset = 0

@@ -24,14 +24,14 @@ from flax import struct
 
 from models.attention import attention
 from models.cache import KVCache
-from models.kv_view import FullForward, layer_field, self_keys
+from models.kv_view import FullForward, PerLayerPositions, layer_field, self_keys
 from models.shapes import check_shape
 
 NO_PAGE = -1  # a slot of the selection that holds no page
 
 
 @struct.dataclass
-class PageSparseCache:
+class PageSparseCache(PerLayerPositions):
     """A decode step of page-sparse attention over a dense slot cache (a ``models.kv_view``
     view): the step's keys are written into ``cache``, then each layer attends to its
     selected pages (densely on ``dense_layers``), recorded in ``selected``.

@@ -8,10 +8,13 @@ recency). ``none`` is the dense baseline through the same code path: it never ev
 Two axes, one field each: ``method`` is the eviction/selection *policy* (``none`` | ``snapkv``
 | ``rkv`` | ``streaming`` | ``sparrow``) and ``layout`` the cache *layout* the model attends
 through (``dense``: a slot for every token of the sequence; ``budget``: ``budget + buffer``
-slots compressed back when full). Today each policy has exactly one layout (budget for the
-evicting policies, dense for ``none`` and ``sparrow``), so ``layout`` may be left out (None:
-the method's own) and a mismatch is a config error naming ``layout``; ``paged`` (fixed-size
-per-layer pages, the accelerator layout of issue 11) is not implemented yet.
+slots compressed back when full; ``paged``: a slot for every token in ``page_size``-slot
+pages, one position array for all layers, decode reads only the filled pages,
+``models.paged_cache``). ``layout`` may be left out (None: the method's own,
+:attr:`CompressionConfig.natural_layout`); the evicting policies run on ``budget``, ``sparrow``
+on ``dense``, ``none`` on ``paged`` (its own: faster on CPU at every length measured,
+benchmarks/README.md) or ``dense``; any other pair is a config error naming ``layout``. Every
+layout a method takes runs the same policy (same tokens up to float summation order).
 
 ``sparrow`` (page-sparse decode, arXiv 2606.08446) evicts nothing either: the cache stays dense
 and each decode step attends, per layer and KV head, to the sink page, the top-k middle pages
@@ -34,11 +37,11 @@ Pool = Literal["max", "avg"]
 Importance = Literal["sparse_rl", "kvpress_snapkv"]
 AlphaMetric = Literal["exact", "top20", "off"]
 
-Layout = Literal["dense", "budget"]
+Layout = Literal["dense", "budget", "paged"]
 
 METHODS: tuple[str, ...] = ("none", "snapkv", "rkv", "streaming", "sparrow")
 EVICTING: tuple[str, ...] = ("snapkv", "rkv", "streaming")
-LAYOUTS: tuple[str, ...] = ("dense", "budget")
+LAYOUTS: tuple[str, ...] = ("dense", "budget", "paged")
 
 # Sparrow's official budget presets: k (middle pages) per 2000-token bin of the cached length,
 # 20 bins (the last one open-ended), page size 16.
@@ -80,9 +83,10 @@ class CompressionConfig:
         (Z = importance), ``rkv`` (Z = rkv_lambda * importance - (1 - rkv_lambda) *
         redundancy), ``streaming`` (``num_sinks`` first tokens + the newest), ``sparrow``
         (attend selected pages, evict nothing).
-      layout: the cache layout: ``dense`` (one slot per token; ``none`` and ``sparrow``) or
-        ``budget`` (``budget + buffer`` slots; the evicting methods); None = the method's own.
-        Other pairs are rejected; ``paged`` is not implemented yet.
+      layout: the cache layout: ``dense`` (one slot per token; ``sparrow``, or ``none``),
+        ``budget`` (``budget + buffer`` slots; the evicting methods) or ``paged`` (one slot
+        per token in ``page_size``-slot pages, decode reads only the filled ones; ``none``'s
+        own); None = the method's own. Other pairs are rejected.
       budget: slots kept after a compression (includes the ``window`` newest), > window.
       buffer: slots written between two compressions, >= 1; capacity = budget + buffer.
       window: newest tokens that always survive; their queries score the others.
@@ -100,7 +104,7 @@ class CompressionConfig:
       importance: ``sparse_rl`` (pool logits over the group, softmax over non-window keys) or
         ``kvpress_snapkv`` (per-head softmax over all keys, causal inside the window, sliced;
         its usual window is 64).
-      page_size: (``sparrow``) tokens per page, >= 1 (16 in Sparrow).
+      page_size: (``sparrow``, layout ``paged``) tokens per page, >= 1 (16 in Sparrow).
       budget_schedule: (``sparrow``) ``((start_0=0, k_0), (start_1, k_1), ...)``: a row whose
         cached length ``L`` (prompt + response, current token included) has
         ``ceil(L / page_size) * page_size >= start_i`` (largest such i) attends to ``k_i``
@@ -180,21 +184,24 @@ class CompressionConfig:
         """``layout`` is None or the one layout ``method`` runs on (named in the error)."""
         if self.layout is None:
             return
-        check(self.layout != "paged", self, "layout",
-              "is not implemented yet (fixed-size per-layer KV pages); use "
-              f"{self.natural_layout!r} or leave layout out")
         check_choice(self, "layout", LAYOUTS)
-        if self.layout == self.natural_layout:
+        if self.layout in self.valid_layouts:
             return
-        reason = {
-            "none": "a budget cache needs an eviction policy (snapkv | rkv | streaming) to get "
-                    "back under budget; method none is the dense cache",
-            "sparrow": "sparrow selects pages of the full cache, which a budget cache does "
-                       "not hold",
-        }.get(self.method, f"method {self.method!r} evicts: it compresses a budget cache "
-                           "(method none is the dense cache)")
-        reject(self, "layout", f"does not fit method {self.method!r} (needs "
-                               f"{self.natural_layout!r}): {reason}")
+        if self.layout == "budget":
+            reason = {
+                "none": "a budget cache needs an eviction policy (snapkv | rkv | streaming) to "
+                        "get back under budget; method none keeps every token",
+                "sparrow": "sparrow selects pages of the full cache, which a budget cache does "
+                           "not hold",
+            }[self.method]
+        elif self.method == "sparrow":
+            reason = ("sparrow's pages are token positions of the dense slot cache; the paged "
+                      "cache's pages are slots of left-padded rows, which do not line up")
+        else:
+            reason = (f"method {self.method!r} evicts: it compresses a budget cache (method "
+                      "none keeps every token)")
+        needs = " or ".join(repr(x) for x in self.valid_layouts)
+        reject(self, "layout", f"does not fit method {self.method!r} (needs {needs}): {reason}")
 
     def _check_sparrow(self) -> None:
         """Validate (and resolve a preset name of) the page-sparse fields."""
@@ -265,9 +272,17 @@ class CompressionConfig:
                    self.budget_schedule[i - 1])
 
     @property
+    def valid_layouts(self) -> tuple[str, ...]:
+        """The layouts ``method`` runs on, its own (:attr:`natural_layout`) first."""
+        if self.method in EVICTING:
+            return ("budget",)
+        return ("paged", "dense") if self.method == "none" else ("dense",)
+
+    @property
     def natural_layout(self) -> str:
-        """The layout ``method`` runs on: ``budget`` if it evicts, else ``dense``."""
-        return "budget" if self.method in EVICTING else "dense"
+        """The layout ``method`` runs on when ``layout`` is left out: ``budget`` if it
+        evicts, ``paged`` for ``none``, ``dense`` for ``sparrow``."""
+        return self.valid_layouts[0]
 
     @property
     def cache_layout(self) -> str:
@@ -300,7 +315,9 @@ class CompressionConfig:
     def cache_capacity(self, max_total_len: int) -> int:
         """Slots to allocate for sequences of up to ``max_total_len`` tokens (prompt + response).
 
-        The ``dense`` layout (``none``, ``sparrow``): the whole sequence; ``budget``:
-        ``budget + buffer``.
+        The ``dense`` layout: the whole sequence; ``paged``: the whole sequence rounded up to
+        whole pages; ``budget``: ``budget + buffer``.
         """
+        if self.cache_layout == "paged":
+            return -(-max_total_len // self.page_size) * self.page_size
         return self.capacity if self.cache_layout == "budget" else max_total_len

@@ -18,6 +18,7 @@ from flax import struct
 from jax import lax
 
 from models.cache import KVCache, init_cache
+from models.paged_cache import PagedKVCache, init_paged_cache
 from models.kv_view import ExpiryRecord
 from models.shapes import check_shape
 from sparse_rl_jax.compression_config import CompressionConfig
@@ -36,7 +37,8 @@ class SparseKVState:
       cache: the model's ``KVCache`` (``k, v [L, B, Hkv, C, D]``, ``pos [L, B, Hkv, C]``,
         index; for the evicting methods ``queries [L, B, Hq, window, D]``, the ring of the
         last ``window`` queries per layer, oldest -> newest, aligned with the newest written
-        slots ``[index - window, index)``; None for ``none`` and ``sparrow``).
+        slots ``[index - window, index)``; None for ``none`` and ``sparrow``), or with
+        ``layout: paged`` a ``models.paged_cache.PagedKVCache`` (``pos [B, C]``).
       evicted_at: ``[L, B, Hkv, T_total]`` int32, indexed by token position: the first query
         position that no longer sees the key; ``NEVER`` if it was never evicted. ``T_total``
         is 0 when the state keeps no record (``init_state(record=False)``).
@@ -44,7 +46,7 @@ class SparseKVState:
         ``P = ceil(max_len / page_size)``; ``P = 0`` for the other methods.
     """
 
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     evicted_at: jax.Array
     page_keys: jax.Array
 
@@ -82,8 +84,13 @@ def init_state(
         raise ValueError(
             f"init_state: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}"
         )
-    cache = init_cache(num_layers, batch, num_kv_heads, cfg.cache_capacity(max_len), head_dim,
-                       dtype, num_heads=num_heads, window=cfg.window if cfg.compresses else 0)
+    if cfg.cache_layout == "paged":
+        cache = init_paged_cache(num_layers, batch, num_kv_heads, max_len, head_dim, dtype,
+                                 page_size=cfg.page_size)
+    else:
+        cache = init_cache(num_layers, batch, num_kv_heads, cfg.cache_capacity(max_len),
+                           head_dim, dtype, num_heads=num_heads,
+                           window=cfg.window if cfg.compresses else 0)
     pages = num_pages(max_len, cfg.page_size) if cfg.page_sparse else 0
     return SparseKVState(
         cache=cache,

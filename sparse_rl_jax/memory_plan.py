@@ -1,8 +1,8 @@
 """Device memory planned before compiling: bytes of a rollout, a score or an update call.
 
-The estimates are analytic: exact for the resident buffers (weights, KV cache, query ring,
-eviction or page-selection record, sparrow's page keys, optimizer state) and an
-upper-leaning model of the transients (one layer's activations under the layer scan, one
+The estimates are analytic: exact for the resident buffers (weights, KV cache of the slot or
+paged layout, query ring, eviction or page-selection record, sparrow's page keys, optimizer
+state) and an upper-leaning model of the transients (one layer's activations under the layer scan, one
 attention block, one LM-head chunk, the residuals the update keeps for its backward). Every
 estimate is affine in the batch, which gives the largest batch that fits a limit. The limit
 is the device's ``bytes_limit`` from ``memory_stats()`` where JAX reports one (GPU, TPU),
@@ -19,6 +19,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.decoder import REMAT_POLICIES
 from models.page_sparse import selected_slots
+from models.paged_cache import default_chunk_pages
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.page_sparsity import num_pages
 
@@ -64,10 +65,14 @@ def param_count(cfg: ModelConfig) -> int:
     return cfg.vocab_size * h + cfg.num_layers * per_layer + h + head
 
 
-def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, dtype) -> int:
-    """Bytes of a ``models.KVCache``: keys + values in ``dtype`` and int32 slot positions."""
-    per_slot = 2 * cfg.head_dim * np.dtype(dtype).itemsize + 4
-    return cfg.num_layers * rows * cfg.num_kv_heads * slots * per_slot
+def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, dtype, *,
+                   paged: bool = False) -> int:
+    """Bytes of a ``models.KVCache``: keys + values in ``dtype`` and int32 slot positions
+    per layer and KV head; ``paged``: of a ``models.PagedKVCache``, whose positions are one
+    ``[rows, slots]`` array."""
+    kv = 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim
+    positions = rows * slots * (1 if paged else cfg.num_layers * cfg.num_kv_heads)
+    return kv * np.dtype(dtype).itemsize + 4 * positions
 
 
 def _attention_block(cfg: ModelConfig, rows: int, t: int, s: int) -> int:
@@ -108,6 +113,9 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     total_len = prompt_len + new_tokens
     compression = compression or CompressionConfig(method="none")
     slots = compression.cache_capacity(total_len)
+    paged = compression.cache_layout == "paged"
+    # the attention block of a decode step: every slot, or one chunk of the paged loop
+    read = min(slots, default_chunk_pages() * compression.page_size) if paged else slots
     prompts = -(-batch // num_samples)
     kv, heads = cfg.num_kv_heads, cfg.num_heads
     ring = (cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
@@ -122,15 +130,15 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
                    if record_evictions and pages else 0)
     return {
         "weights": param_count(cfg) * itemsize,
-        "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype),
+        "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype, paged=paged),
         "page_keys": cfg.num_layers * (batch + prompts) * kv * pages * cfg.head_dim * itemsize,
         "query_ring": ring,
         "eviction_record": record,
         "page_record": page_record,
         "prefill": _layer_activations(cfg, prompts, prompt_len, itemsize)
-        + _attention_block(cfg, prompts, prompt_len, slots),
+        + _attention_block(cfg, prompts, prompt_len, read),
         "decode_step": 2 * batch * cfg.vocab_size * _F32
-        + _attention_block(cfg, batch, 1, slots) + batch * new_tokens * 8,
+        + _attention_block(cfg, batch, 1, read) + batch * new_tokens * 8,
         "compression": similarity,
     }
 

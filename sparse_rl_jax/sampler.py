@@ -9,7 +9,9 @@ slots whenever it fills (``kv_state.maybe_compress``). The sampler records the l
 sampled token under the policy that produced it, and the eviction record that makes that policy
 reproducible by a teacher-forced forward (``scoring.score(..., replay_record(rollout,
 compression))``). With ``sparrow`` the cache stays dense and each decode step attends to
-selected pages (``models.page_sparse``); the selection record replays it the same way.
+selected pages (``models.page_sparse``); the selection record replays it the same way. With
+``none`` nothing is evicted; its own layout is the paged cache (``models.paged_cache``, decode
+reads only the filled pages), ``compression.layout: dense`` the slot cache.
 """
 
 from __future__ import annotations
@@ -166,8 +168,8 @@ def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 def _resident(state: kv_state.SparseKVState) -> jax.Array:
-    """Resident valid tokens per row ``[N]`` (layer 0, head 0: all layers/heads hold as many)."""
-    return kv_state.resident_tokens(state.cache)[0, :, 0]
+    """Resident valid tokens per row ``[N]`` (all layers/heads hold as many)."""
+    return state.cache.row_tokens()
 
 
 @functools.partial(
@@ -225,11 +227,7 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
     n = sampling.num_samples
     fan_out = lambda x, axis: jnp.repeat(x, n, axis=axis)  # noqa: E731
     state = kv_state.SparseKVState(
-        cache=state.cache.replace(
-            k=fan_out(state.cache.k, 1), v=fan_out(state.cache.v, 1),
-            pos=fan_out(state.cache.pos, 1),
-            queries=None if state.cache.queries is None else fan_out(state.cache.queries, 1),
-        ),
+        cache=state.cache.repeat_rows(n),
         evicted_at=fan_out(state.evicted_at, 1),
         page_keys=fan_out(state.page_keys, 1),
     )

@@ -95,16 +95,17 @@ def config_hash(cfg: RunConfig) -> str:
     """Hash of what determines the run (model, data, method, optimizer, seeds, batch shape),
     which a resumed run must share with the run it continues. Where the run lives
     (``run_dir``), how long it runs, checkpointing, plots, eval, logging and what changes
-    only memory (``model.remat``, ``trainer.micro_batch_size``) are left out, so a moved or
+    only memory or speed (``model.remat``, ``trainer.micro_batch_size``,
+    ``compression.layout``) are left out, so a moved or
     copied run directory resumes and a finished run can be extended."""
     relevant = {k: v for k, v in to_dict(cfg).items()
                 if k not in ("run_dir", "trainer", "eval", "logging")}
     relevant["model"] = {k: v for k, v in relevant["model"].items() if k != "remat"}
-    # compression.layout left out or the method's own (today the only valid one) hashes as
-    # before the field existed, so runs of older configs still resume
-    if cfg.compression.layout in (None, cfg.compression.natural_layout):
-        relevant["compression"] = {k: v for k, v in relevant["compression"].items()
-                                   if k != "layout"}
+    # compression.layout changes only speed and memory (every layout a method takes runs the
+    # same policy), so it is left out: runs of older configs (no field, or method none's
+    # former own layout dense) still resume
+    relevant["compression"] = {k: v for k, v in relevant["compression"].items()
+                               if k != "layout"}
     relevant["trainer"] = {k: getattr(cfg.trainer, k)
                            for k in ("seed", "prompts_per_step", "minibatch_size")}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]

@@ -23,11 +23,15 @@ from sparse_rl_jax.compression_config import CompressionConfig
         ({"num_sinks": -1}, r"num_sinks=-1 must be an int >= 0"),
         ({"rkv_lambda": 1.5}, r"rkv_lambda=1.5 must be in \[0, 1\]"),
         ({"redundancy_threshold": 2.0}, r"redundancy_threshold=2.0 must be in \[-1, 1\]"),
-        ({"layout": "flat"}, r"layout='flat' must be one of \('dense', 'budget'\)"),
-        ({"layout": "paged"}, r"layout='paged' is not implemented yet .*use 'budget'"),
+        ({"layout": "flat"}, r"layout='flat' must be one of \('dense', 'budget', 'paged'\)"),
+        ({"layout": "paged"},
+         r"layout='paged' does not fit method 'snapkv' \(needs 'budget'\): method 'snapkv' "
+         r"evicts"),
+        ({"method": "sparrow", "layout": "paged"},
+         r"layout='paged' does not fit method 'sparrow' \(needs 'dense'\): sparrow's pages"),
         ({"method": "none", "layout": "budget"},
-         r"layout='budget' does not fit method 'none' \(needs 'dense'\): a budget cache "
-         r"needs an eviction policy"),
+         r"layout='budget' does not fit method 'none' \(needs 'paged' or 'dense'\): a budget "
+         r"cache needs an eviction policy"),
         ({"method": "sparrow", "layout": "budget"},
          r"layout='budget' does not fit method 'sparrow' \(needs 'dense'\)"),
         ({"method": "rkv", "layout": "dense"},
@@ -56,8 +60,10 @@ def test_kvpress_variant_defaults_and_overrides():
 def test_capacity_and_hashable():
     cfg = CompressionConfig(method="rkv", budget=32, buffer=8, window=4)
     assert cfg.capacity == 40 and cfg.cache_capacity(1000) == 40 and cfg.compresses
-    dense = CompressionConfig(method="none")
+    dense = CompressionConfig(method="none", layout="dense")
     assert dense.cache_capacity(1000) == 1000 and not dense.compresses
+    paged = CompressionConfig(method="none", page_size=16)  # none's own layout: whole pages
+    assert paged.cache_layout == "paged" and paged.cache_capacity(1000) == 1008
     assert hash(cfg) == hash(CompressionConfig(method="rkv", budget=32, buffer=8, window=4))
 
 
@@ -69,8 +75,13 @@ def test_layout_defaults_to_the_methods_own_and_hashes_the_same(method):
     implied = CompressionConfig(method=method)
     explicit = CompressionConfig(method=method, layout=implied.natural_layout)
     assert implied.layout is None and implied.cache_layout == explicit.cache_layout
-    assert implied.cache_layout == ("budget" if implied.compresses else "dense")
+    assert implied.cache_layout == {"none": "paged", "snapkv": "budget",
+                                    "sparrow": "dense"}[method]
     assert implied.cache_capacity(1000) == explicit.cache_capacity(1000)
-    # a run of an older config (no layout key) still resumes: same hash either way
+    # a run of an older config (no layout key) still resumes: same hash either way, and
+    # every layout the method takes hashes alike (layout changes only speed and memory)
     assert config_hash(RunConfig(compression=implied)) == config_hash(
         RunConfig(compression=explicit))
+    for layout in implied.valid_layouts:
+        assert config_hash(RunConfig(compression=CompressionConfig(
+            method=method, layout=layout))) == config_hash(RunConfig(compression=implied))

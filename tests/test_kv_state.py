@@ -250,7 +250,7 @@ def test_repeated_compressions_compile_once():
 
 
 def test_none_keeps_every_token_as_written():
-    cfg = CompressionConfig(method="none")
+    cfg = CompressionConfig(method="none", layout="dense")  # the slot cache (paged: its own)
     prompt_len, pads, total = 6, (0, 2), 20
     state, cols, seen, compressions = _run(cfg, prompt_len, pads, total - prompt_len, seed=3,
                                            max_len=total)
@@ -302,8 +302,8 @@ def test_query_ring_keeps_last_window_per_layer():
     assert ring(cache, 0) == [1, 2] and ring(cache, 1) == []
     cache = store(store(cache, 1, seq[1, :, :2]), 0, seq[0, :, 2:])
     assert ring(cache, 0) == [3, 4, 5] and ring(cache, 1) == [10, 20]
-    none = kv_state.init_state(CompressionConfig(method="none"), num_layers=1, batch=1,
-                               num_heads=2, num_kv_heads=1, head_dim=2, max_len=8)
+    none = kv_state.init_state(CompressionConfig(method="none", layout="dense"), num_layers=1,
+                               batch=1, num_heads=2, num_kv_heads=1, head_dim=2, max_len=8)
     assert none.cache.queries is None
 
 

@@ -37,10 +37,11 @@ def test_param_count_and_weight_bytes_equal_the_model(cfg):
     assert est.parts["weights"] == sum(x.size * 2 for x in leaves)
 
 
-@pytest.mark.parametrize("method", ["none", "rkv"])
-def test_rollout_kv_terms_equal_the_sampler_state(method):
+@pytest.mark.parametrize("method,layout", [("none", None), ("none", "dense"), ("rkv", None)])
+def test_rollout_kv_terms_equal_the_sampler_state(method, layout):
     cfg = CONFIGS[0]
-    comp = CompressionConfig(method=method, budget=8, buffer=4, window=2)
+    comp = CompressionConfig(method=method, layout=layout, budget=8, buffer=4, window=2,
+                             page_size=5)
     n, p, m = 6, 8, 24
     state = jax.eval_shape(lambda: init_state(
         comp, num_layers=cfg.num_layers, batch=n, num_heads=cfg.num_heads,
@@ -50,7 +51,7 @@ def test_rollout_kv_terms_equal_the_sampler_state(method):
     cache = state.cache
     per_row_cache = sum(x.size * x.dtype.itemsize for x in (cache.k, cache.v, cache.pos)) // n
     assert est.parts["kv_cache"] == per_row_cache * (n + n // 2)  # fanned out + prefill rows
-    ring = state.cache.queries
+    ring = getattr(state.cache, "queries", None)  # the paged cache (none's own) has none
     assert est.parts["query_ring"] == (0 if ring is None else ring.size * 4)
     assert (ring is None) == (method == "none")
     assert est.parts["eviction_record"] == state.evicted_at.size * 4

@@ -38,11 +38,12 @@ def _masked_max_diff(a, b, mask):
     return float(jnp.max(jnp.where(mask.astype(bool), jnp.abs(a - b), 0.0)))
 
 
-def test_dense_greedy_matches_transformers_generate(tiny):
+@pytest.mark.parametrize("layout", ["paged", "dense"])  # method none's own, the slot cache
+def test_dense_greedy_matches_transformers_generate(tiny, layout):
     path, graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=12, greedy=True, eos_ids=(EOS,), prompt_bucket=4)
     rollout = generate(graphdef, params, prompt, mask, jax.random.key(0), sampling,
-                       CompressionConfig(method="none"))
+                       CompressionConfig(method="none", layout=layout, page_size=4))
     hf = load_hf(path)
     with torch.no_grad():
         out = hf.generate(
@@ -60,17 +61,35 @@ def test_dense_greedy_matches_transformers_generate(tiny):
             assert got[row, n - 1] == EOS and expected[row, n - 1] == EOS
 
 
-def test_dense_sampler_logprobs_equal_scorer(tiny):
+@pytest.mark.parametrize("layout", ["paged", "dense"])
+def test_dense_sampler_logprobs_equal_scorer(tiny, layout):
     _, graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=16, num_samples=2, eos_ids=(EOS,), prompt_bucket=4)
     rollout = generate(graphdef, params, prompt, mask, jax.random.key(1), sampling,
-                       CompressionConfig(method="none"))
+                       CompressionConfig(method="none", layout=layout, page_size=4))
     assert rollout.response.shape == (6, 16)
     dense = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response)
     assert _masked_max_diff(dense.logp, rollout.logp, rollout.response_mask) <= 1e-4
     # No compression: the KV statistics equal the dense ones.
     np.testing.assert_allclose(rollout.kv_peak, rollout.dense_kv_peak)
     np.testing.assert_allclose(rollout.kv_mean, rollout.dense_kv_mean)
+
+
+def test_paged_layout_samples_the_dense_layouts_tokens(tiny):
+    """A sampled (temperature 1, top-p) run: the paged cache draws the same tokens as the slot
+    cache from the same key, its log-probs within float summation order, across pages of 4
+    and a prompt bucket that is not a whole number of pages."""
+    _, graphdef, params, prompt, mask = tiny
+    sampling = SamplingConfig(max_new_tokens=30, num_samples=2, top_p=0.95, prompt_bucket=6)
+    key = jax.random.key(7)
+    runs = {layout: generate(graphdef, params, prompt, mask, key, sampling,
+                             CompressionConfig(method="none", layout=layout, page_size=4))
+            for layout in ("dense", "paged")}
+    np.testing.assert_array_equal(runs["paged"].response, runs["dense"].response)
+    np.testing.assert_array_equal(runs["paged"].response_mask, runs["dense"].response_mask)
+    assert int(runs["paged"].response_mask.sum()) > 60  # long enough to cross many pages
+    assert _masked_max_diff(runs["paged"].logp, runs["dense"].logp,
+                            runs["dense"].response_mask) <= 1e-5
 
 
 @pytest.mark.parametrize("method", ["rkv", "snapkv"])
@@ -118,10 +137,12 @@ def test_default_keeps_no_record_same_rollout_and_replay_is_refused(tiny):
               kept.eviction_record)
 
 
-def test_repeated_calls_with_same_bucket_do_not_recompile(tiny):
+@pytest.mark.parametrize("compression", [
+    CompressionConfig(method="snapkv", budget=12, buffer=4, window=4),
+    CompressionConfig(method="none", page_size=4)], ids=["snapkv", "none-paged"])
+def test_repeated_calls_with_same_bucket_do_not_recompile(tiny, compression):
     _, graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=6, prompt_bucket=16)
-    compression = CompressionConfig(method="snapkv", budget=12, buffer=4, window=4)
     with count_compiles() as first:
         generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
     shorter = np.where(mask[:, 2:] > 0, prompt[:, 2:] + 1, 0).astype(np.int32)

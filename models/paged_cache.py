@@ -1,0 +1,184 @@
+"""The paged KV cache of a dense rollout: a :mod:`models.kv_view` view whose decode reads only
+the pages filled so far.
+
+Per layer, keys and values live in ``C = num_pages * page_size`` slots (page ``p`` is slots
+``[p * page_size, (p + 1) * page_size)``); every row writes at the shared write index (left
+padding lines rows of different prompt lengths up; padding slots carry position ``-1``).
+Compared with the slot cache (``models.cache.KVCache``):
+
+- positions are written once per forward (``begin_forward``), one ``[B, C]`` array for every
+  layer and KV head (a dense cache keeps the same tokens everywhere);
+- ``attend`` writes the layer's new keys/values with one dynamic update of the carried
+  ``[L, ...]`` buffers at ``(layer, index)`` and reads them back in chunks of
+  ``chunk_pages`` pages with dynamic slices at ``(layer, chunk)``: no layer's buffer is
+  sliced or copied whole;
+- the chunks run in a loop with a traced trip count, ``ceil((index + T) / chunk)``, folding
+  each into an fp32 online softmax (``models.attention.online_softmax_step``), so a decode
+  step costs the resident tokens, not the maximum length.
+
+Visibility is the slot cache's: slot ``s`` is visible to a query at position ``t`` iff
+``0 <= pos[s] <= t``. Rollouts only (no gradient through the loop).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.attention import (attention, online_softmax_finish, online_softmax_init,
+                              online_softmax_step)
+from models.cache import WriteIndexCache
+from models.shapes import check_shape
+
+CHUNK_PAGES = {"cpu": 2}  # pages per loop iteration by platform (CPU: benchmarks/README.md)
+OTHER_CHUNK_PAGES = 32  # elsewhere (not measured): few iterations, each costs kernel launches
+QUERY_BLOCK = 512  # queries of a long forward (prefill) handled per block
+
+
+@struct.dataclass
+class PagedKVCache(WriteIndexCache):
+    """Paged key/value buffers for every layer (a ``models.kv_view`` view).
+
+    Attributes:
+      k: ``[L, B, Hkv, C, D]`` keys after RoPE, ``C`` a multiple of ``page_size``.
+      v: ``[L, B, Hkv, C, D]`` values.
+      pos: ``[B, C]`` int32 original token position of each slot, ``-1`` = empty or padding;
+        shared by every layer and KV head.
+      index: ``[]`` int32, the next slot to write, shared by all rows.
+      page_size: slots per page (static).
+      chunk_pages: pages read per iteration of the attention loop (static; see
+        :func:`default_chunk_pages`).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    index: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=16)
+    chunk_pages: int = struct.field(pytree_node=False, default=CHUNK_PAGES["cpu"])
+
+    def check(self, config, batch: int, t: int, backend: str) -> None:
+        """ValueError naming the field when the cache does not fit ``config`` and a forward
+        of ``[batch, t]`` tokens: shapes, whole pages, room for ``t`` more tokens (when the
+        index is known, not under jit), a backend other than ``"fused"``."""
+        dims = dict(L=config.num_layers, B=batch, Hkv=config.num_kv_heads, C=None)
+        check_shape("PagedKVCache.k", self.k, **dims, D=config.head_dim)
+        check_shape("PagedKVCache.v", self.v, **dims, D=config.head_dim)
+        check_shape("PagedKVCache.pos", self.pos, B=batch, C=self.capacity)
+        if self.capacity % self.page_size:
+            raise ValueError(f"PagedKVCache: capacity {self.capacity} is not a whole number "
+                             f"of pages of page_size={self.page_size}")
+        self.check_room(t, backend)
+
+    def begin_forward(self, positions: jax.Array) -> PagedKVCache:
+        """Write the forward's positions ``[B, T]`` at slots ``[index, index + T)``, once for
+        every layer."""
+        pos = jax.lax.dynamic_update_slice(self.pos, positions.astype(jnp.int32),
+                                           (0, self.index))
+        return self.replace(pos=pos)
+
+    def attend(self, layer, q, k, v, q_pos, backend):
+        """Write ``k, v [B, Hkv, T, D]`` at slots ``[index, index + T)`` of ``layer``, then
+        attend ``q [B, T, Hq, D]`` over the filled chunks (``"reference"``: the einsum over
+        every slot, the oracle)."""
+        at = (layer, 0, 0, self.index, 0)
+        cache = self.replace(
+            k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
+            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at))
+        if backend == "reference":
+            k_pos = jnp.broadcast_to(cache.pos[:, None], (cache.pos.shape[0], k.shape[1],
+                                                          self.capacity))
+            return attention(q, cache.k[layer], cache.v[layer], q_pos, k_pos,
+                             backend=backend), cache
+        out = paged_attention(q, cache.k, cache.v, cache.pos, q_pos, layer,
+                              filled=self.index + q.shape[1],
+                              chunk=min(self.chunk_pages * self.page_size, self.capacity))
+        return out, cache
+
+    def row_tokens(self) -> jax.Array:
+        """``[B]`` int32 resident (non-empty) slots of each row."""
+        return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
+
+    def repeat_rows(self, n: int) -> PagedKVCache:
+        """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
+        return self.replace(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1),
+                            pos=jnp.repeat(self.pos, n, axis=0))
+
+
+def init_paged_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: int,
+                     head_dim: int, dtype=jnp.float32, *, page_size: int = 16,
+                     chunk_pages: int | None = None) -> PagedKVCache:
+    """An empty paged cache holding ``max_len`` tokens per row in ``ceil(max_len /
+    page_size)`` pages: zero keys/values, every slot empty (``pos == -1``), index 0;
+    ``chunk_pages`` None = :func:`default_chunk_pages`."""
+    chunk_pages = default_chunk_pages() if chunk_pages is None else chunk_pages
+    for name, value in (("page_size", page_size), ("chunk_pages", chunk_pages),
+                        ("max_len", max_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_paged_cache: {name}={value!r} must be an int >= 1")
+    capacity = -(-max_len // page_size) * page_size
+    shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                        pos=jnp.full((batch, capacity), -1, jnp.int32),
+                        index=jnp.zeros((), jnp.int32), page_size=page_size,
+                        chunk_pages=chunk_pages)
+
+
+def default_chunk_pages() -> int:
+    """Pages per iteration of the paged attention loop on the default JAX platform:
+    :data:`CHUNK_PAGES` where measured, else :data:`OTHER_CHUNK_PAGES` (read when called)."""
+    return CHUNK_PAGES.get(jax.default_backend(), OTHER_CHUNK_PAGES)
+
+
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,
+                    q_pos: jax.Array, layer: jax.Array, *, filled: jax.Array,
+                    chunk: int) -> jax.Array:
+    """Attention of ``q`` over the first ``filled`` slots of ``layer``, ``chunk`` slots at a
+    time (an fp32 online softmax; slots past ``filled`` are never read).
+
+    Args:
+      q: ``[B, T, Hq, D]`` queries (after RoPE), ``Hq`` a multiple of ``Hkv``.
+      k, v: ``[L, B, Hkv, C, D]`` every layer's keys/values (read by dynamic slices).
+      k_pos: ``[B, C]`` int32 slot positions (``-1`` empty), shared by layers and heads.
+      q_pos: ``[B, T]`` int32 query positions (``-1`` padding: zero output).
+      layer: ``[]`` int the layer to read.
+      filled: ``[]`` int slots ``[0, filled)`` may hold keys (traced: sets the trip count).
+      chunk: slots per iteration (static, ``<= C``).
+
+    Returns:
+      ``[B, T, Hq, D]`` in ``q.dtype``.
+    """
+    b, t, hq, d = q.shape
+    hkv, c = k.shape[2], k.shape[3]
+    g = hq // hkv
+    bq = min(t, QUERY_BLOCK)
+    pad = -t % bq
+    qg = jnp.pad(q.reshape(b, t, hkv, g, d), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    qg = qg.reshape(b, -1, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, Hkv, G, bq, D]
+    qp = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    qp = qp.reshape(b, -1, bq).transpose(1, 0, 2)  # [nq, B, bq]
+    trips = (filled + chunk - 1) // chunk
+    scale = d ** -0.5
+
+    def one_query_block(block):
+        qb, qpb = block
+
+        def one_chunk(i, carry):
+            start = jnp.minimum(i * chunk, c - chunk)  # the last chunk may overlap the one before
+            kb = jax.lax.dynamic_slice(k, (layer, 0, 0, start, 0), (1, b, hkv, chunk, d))[0]
+            vb = jax.lax.dynamic_slice(v, (layer, 0, 0, start, 0), (1, b, hkv, chunk, d))[0]
+            kp = jax.lax.dynamic_slice(k_pos, (0, start), (b, chunk))[:, None, :]  # [B, 1, S]
+            fresh = (start + jnp.arange(chunk)) >= i * chunk  # slots not folded in before
+            visible = (kp >= 0) & (kp <= qpb[:, :, None]) & fresh  # [B, bq, S]
+            return online_softmax_step(carry, qb, kb, vb, visible[:, None, None], scale)
+
+        carry = jax.lax.fori_loop(0, trips, one_chunk, online_softmax_init(qb.shape[:4], d))
+        return online_softmax_finish(carry)[0]
+
+    if qg.shape[0] == 1:  # a decode step: no loop over query blocks
+        out = one_query_block((qg[0], qp[0]))[None]
+    else:
+        out = jax.lax.map(one_query_block, (qg, qp))  # [nq, B, Hkv, G, bq, D]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, -1, hq, d)[:, :t]
+    return out.astype(q.dtype)
