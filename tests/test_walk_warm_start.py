@@ -1,10 +1,12 @@
-"""The committed walk warm start (data/warm_starts/walk_ft) is the documented file and
-solves held-out walk problems greedily under dense inference."""
+"""The committed walk warm starts (data/warm_starts/walk_ft, walk_local) are the documented
+files and solve held-out walk problems greedily under dense inference."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+
+import pytest
 
 from sparse_rl_jax.config_io import load_config
 from sparse_rl_jax.evaluation import eval_set, evaluate
@@ -13,20 +15,28 @@ from sparse_rl_jax.rewards import get_reward_fn
 from sparse_rl_jax.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICY = ROOT / "data" / "warm_starts" / "walk_ft"
-SHA256 = "c9f872fbf76fdb6e328ef52847c5bdb25b2cba86208daed07386eb2cfb2e2527"
+# name -> (sha256 of model.safetensors, the walk overrides it was trained for)
+WARM_STARTS = {
+    "walk_ft": ("c9f872fbf76fdb6e328ef52847c5bdb25b2cba86208daed07386eb2cfb2e2527", []),
+    "walk_local": ("ff92f2c1da22d8f539289d40be2425ed9369d5a4722460a88171eb221cbd1f65",
+                   ["data.walk.echo_every=2", "sampling.max_new_tokens=200"]),
+}
 
 
-def test_walk_warm_start_is_the_documented_file():
-    digest = hashlib.sha256((POLICY / "model.safetensors").read_bytes()).hexdigest()
-    assert digest == SHA256
-    assert SHA256 in (POLICY / "README.md").read_text()
+@pytest.mark.parametrize("name", sorted(WARM_STARTS))
+def test_walk_warm_start_is_the_documented_file(name):
+    policy, (sha256, _) = ROOT / "data" / "warm_starts" / name, WARM_STARTS[name]
+    digest = hashlib.sha256((policy / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == sha256
+    assert sha256 in (policy / "README.md").read_text()
 
 
-def test_walk_warm_start_solves_held_out_walks(tmp_path):
+@pytest.mark.parametrize("name", sorted(WARM_STARTS))
+def test_walk_warm_start_solves_held_out_walks(tmp_path, name):
+    policy, (_, overrides) = ROOT / "data" / "warm_starts" / name, WARM_STARTS[name]
     cfg = load_config(RunConfig, ROOT / "configs" / "walk" / "common.yaml", [
-        f"run_dir={tmp_path}", f"model.path={POLICY}", "eval.num_prompts=8"])
-    graphdef, params, tokenizer = load_policy(cfg, str(POLICY), log=lambda _: None)
+        f"run_dir={tmp_path}", f"model.path={policy}", "eval.num_prompts=8", *overrides])
+    graphdef, params, tokenizer = load_policy(cfg, str(policy), log=lambda _: None)
     prompts, answers = eval_set(cfg)
     (dense,) = evaluate(graphdef, params, tokenizer, prompts, answers,
                         get_reward_fn(cfg.data.reward), resolve_sampling(cfg, tokenizer), [],
