@@ -8,7 +8,8 @@ before and after the error reaches the caller. :class:`OrbaxErrorLog` holds thos
 back while a :class:`~sparse_rl_jax.checkpoint.Checkpointer` is open and :func:`save_error`
 attaches them to the CheckpointError as a note, so they are still there for whoever prints
 the traceback (``run.py --debug``). asyncio's reports of the failed save's futures that come
-later, when the futures are garbage-collected, restate the reported failure and are dropped
+later, when the futures are garbage-collected, restate the reported failure and are dropped,
+as are Python's warnings about the aborted save's coroutines that were never awaited
 (:data:`FAILED_SAVE_ECHOES`).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 
 # Substrings of orbax / tensorstore / OS errors that mean the disk (or a quota or a file-size
 # limit) ran out of room.
@@ -33,6 +35,8 @@ _ORBAX = f"{os.sep}orbax{os.sep}"
 _TENSORSTORE_SPEC = re.compile(r"\s*\[tensorstore_spec='.*?'\]")
 # Loggers orbax's failures reach: its own (absl) and asyncio's for its unawaited futures.
 _LOGGERS = ("absl", "asyncio")
+# The RuntimeWarning Python emits when an aborted save's write coroutine is collected unrun.
+_UNAWAITED = r"coroutine '.*' was never awaited"
 
 
 def _from_orbax(record: logging.LogRecord, directory: str) -> bool:
@@ -93,7 +97,8 @@ class _FailedSaveEchoes(logging.Filter):
     futures of a save that already failed with a CheckpointError: they restate that failure
     and arrive when the futures are garbage-collected, often after the checkpointer is closed
     and the error printed (at interpreter exit). Only records naming a directory whose save
-    failure was reported are dropped."""
+    failure was reported are dropped. Once a save failed, the "coroutine ... was never
+    awaited" RuntimeWarnings of its aborted writes (which name no directory) are ignored."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -106,7 +111,9 @@ class _FailedSaveEchoes(logging.Filter):
 
     def add(self, directory: str) -> None:
         """Starts dropping the echoes of ``directory``'s failed save (installs the filter on
-        the asyncio logger once per process)."""
+        the asyncio logger, and the warnings filter, once per process)."""
+        if not self.directories:
+            warnings.filterwarnings("ignore", message=_UNAWAITED, category=RuntimeWarning)
         self.directories.add(directory)
         asyncio_log = logging.getLogger("asyncio")
         if self not in asyncio_log.filters:

@@ -101,6 +101,21 @@ def test_late_asyncio_reports_of_a_reported_save_failure_are_dropped(tmp_path, c
         f"Future exception was never retrieved\nfuture: <{other}/2 too large>"]
 
 
+def test_unawaited_write_coroutines_of_a_reported_save_failure_are_not_warned(tmp_path):
+    """A failed save's aborted write coroutines, collected at interpreter exit, print
+    "coroutine ... was never awaited" (2 stderr lines) unless a save failure was reported."""
+    script = ("import gc\nfrom sparse_rl_jax.checkpoint_errors import FAILED_SAVE_ECHOES\n"
+              "if {report}: FAILED_SAVE_ECHOES.add('/ckpt')\n"
+              "async def write_fragment(): pass\n"
+              "pending = write_fragment()\ndel pending\ngc.collect()\n")
+    stderr = {report: subprocess.run([sys.executable, "-c", script.format(report=report)],
+                                     cwd=ROOT, capture_output=True, text=True,
+                                     timeout=120).stderr
+              for report in (False, True)}
+    assert "coroutine 'write_fragment' was never awaited" in stderr[False]
+    assert stderr[True] == ""
+
+
 def test_checkpointer_closed_by_an_error_keeps_that_error(tmp_path, caplog):
     """Leaving a ``with Checkpointer`` block by an exception closes it (its log filter is
     detached), the block's exception is the one raised, and orbax error records still held
