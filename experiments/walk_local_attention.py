@@ -35,10 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +48,8 @@ from sparse_rl_jax.config_io import load_config  # noqa: E402
 from sparse_rl_jax.run_config import RunConfig  # noqa: E402
 from sparse_rl_jax.task_tokenizer import build_task_tokenizer  # noqa: E402
 from sparse_rl_jax.walk_task import synthetic_dataset  # noqa: E402
-from sparse_rl_jax.warm_start import supervised_batch, tiny_model_config  # noqa: E402
+from sparse_rl_jax.warm_start import (sft_loss, sft_optimizer, supervised_batch,  # noqa: E402
+                                       tiny_model_config)
 
 NEVER = 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -89,11 +88,7 @@ def stale_key_expiry(prompt_lengths: np.ndarray, width: int, layers: int, kv_hea
 
 
 def _loss(model, tokens, attention, loss_mask, expiry):
-    logits = model(tokens, attention_mask=attention,
-                   kv=models.ExpiryRecord(expiry)).logits[:, :-1]
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
-    mask = loss_mask[:, :-1]
-    return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    return sft_loss(model, tokens, attention, loss_mask, models.ExpiryRecord(expiry))
 
 
 def main(argv=None) -> int:
@@ -136,11 +131,7 @@ def main(argv=None) -> int:
                                               tokenizer.pad_id),
                             dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     layers, kv_heads = model.config.num_layers, model.config.num_kv_heads
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(50, args.steps // 10 + 1),
-                                                  args.steps, args.lr * 0.05)
-    optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
-                                                 optax.adamw(schedule, weight_decay=0.01)),
-                              wrt=nnx.Param)
+    optimizer = sft_optimizer(model, args.lr, args.steps)
 
     @nnx.jit
     def train_step(model, optimizer, tokens, attention, loss_mask, expiry):

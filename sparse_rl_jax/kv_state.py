@@ -271,8 +271,3 @@ class EvictionRecord:
         """The expiry times of the ``[N, S]`` columns (:func:`visibility_from_record`)."""
         del prompt_lengths, response_len  # the record is indexed by position
         return ExpiryRecord(visibility_from_record(self.evicted_at, positions))
-
-
-def resident_tokens(cache: KVCache) -> jax.Array:
-    """Valid (non-empty) slots ``[L, B, Hkv]`` int32: the KV tokens a row holds right now."""
-    return jnp.sum(cache.pos >= 0, axis=-1, dtype=jnp.int32)

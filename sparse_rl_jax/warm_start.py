@@ -74,12 +74,25 @@ def supervised_batch(
     return tokens, attention, loss_mask
 
 
-def _sft_loss(model, tokens, attention, loss_mask):
-    logits = model(tokens, attention_mask=attention).logits[:, :-1]
+def sft_loss(model, tokens, attention, loss_mask, kv=None):
+    """Mean next-token cross-entropy on ``loss_mask`` (``supervised_batch``'s arrays); ``kv``
+    an optional full-forward ``models.KVView`` (e.g. an ``ExpiryRecord`` hiding keys)."""
+    logits = model(tokens, attention_mask=attention, kv=kv).logits[:, :-1]
     targets = tokens[:, 1:]
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
     mask = loss_mask[:, :-1]
     return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def sft_optimizer(model, lr: float, steps: int) -> nnx.Optimizer:
+    """The supervised stage's optimizer: AdamW (weight decay 0.01, global-norm clip 1.0) at
+    ``lr`` after a linear warmup of ``min(50, steps // 10 + 1)`` steps, cosine-decayed to 5%
+    at ``steps``."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(50, steps // 10 + 1), steps,
+                                                  lr * 0.05)
+    return nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
+                                            optax.adamw(schedule, weight_decay=0.01)),
+                         wrt=nnx.Param)
 
 
 def build_default_model(
@@ -108,16 +121,11 @@ def build_default_model(
     config = tiny_model_config(warm, tokenizer.vocab_size, eos_id, tokenizer.pad_id)
     model = models.Decoder(config, dtype=jnp.float32, param_dtype=jnp.float32,
                            rngs=nnx.Rngs(warm.seed))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, warm.lr, min(50, warm.steps // 10 + 1), warm.steps, warm.lr * 0.05)
-    optimizer = nnx.Optimizer(
-        model, optax.chain(optax.clip_by_global_norm(1.0),
-                           optax.adamw(schedule, weight_decay=0.01)),
-        wrt=nnx.Param)
+    optimizer = sft_optimizer(model, warm.lr, warm.steps)
 
     @nnx.jit
     def train_step(model, optimizer, tokens, attention, loss_mask):
-        loss, grads = nnx.value_and_grad(_sft_loss)(model, tokens, attention, loss_mask)
+        loss, grads = nnx.value_and_grad(sft_loss)(model, tokens, attention, loss_mask)
         optimizer.update(model, grads)
         return loss
 
