@@ -202,7 +202,7 @@ def main(argv=None) -> int:
             runs.append((label, records))
             curves.setdefault(label, []).append(records)
             graphdef, params, tokenizer = load_policy(cfg, str(run_dir / "final"))
-            prompts, answers = eval_set(cfg)
+            prompts, answers = eval_set(cfg, tokenizer.hf)
             rows = evaluate(graphdef, params, tokenizer, prompts, answers,
                             get_reward_fn(cfg.data.reward), resolve_sampling(cfg, tokenizer),
                             inference, samples=cfg.eval.samples,

@@ -25,6 +25,9 @@ budget (the most compression), or none.
   python experiments/walk_calibration.py --quick          # smoke version
   python experiments/walk_calibration.py --budgets 48 64 96 128 --prompts 64
 
+Any run config works the same way (its eval set, reward and sampling), e.g. SmolLM2 on the
+arithmetic problems: ``--config configs/smollm2/smollm2_dense.yaml``.
+
 Writes ``<out>/calibration.md`` and ``<out>/calibration.json``.
 """
 
@@ -45,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.regime_sweep import cell_footer, write_results  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
+from sparse_rl_jax.kv_state import check_prompt_fits  # noqa: E402
 from sparse_rl_jax.acceptance import acceptance_percentile_per_bin  # noqa: E402
 from sparse_rl_jax.collect import RolloutPolicy, collect_prompts  # noqa: E402
 from sparse_rl_jax.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
@@ -115,7 +119,15 @@ def main(argv=None) -> int:
     greedy = dataclasses.replace(sampling, greedy=True, num_samples=1)
     reward_fn = get_reward_fn(cfg.data.reward)
     problems = eval_examples(dataclasses.replace(
-        cfg, eval=dataclasses.replace(cfg.eval, num_prompts=args.prompts)))
+        cfg, eval=dataclasses.replace(cfg.eval, num_prompts=args.prompts)), tokenizer.hf)
+    encoded = tokenizer.hf([p.prompt for p in problems],
+                           add_special_tokens=cfg.data.add_special_tokens)["input_ids"]
+    longest = max(len(ids) for ids in encoded)
+    for (method, budget), compression in cells.items():  # before the first cell samples
+        try:
+            check_prompt_fits(compression, longest)
+        except ValueError as err:
+            parser.error(f"--budgets {budget} ({method}): {err}")
     policy = RolloutPolicy.from_run(cfg, graphdef, tokenizer, reward_fn, sampling)
     run_args = (policy, params, [p.prompt for p in problems], [p.answer for p in problems],
                 jax.random.key(cfg.trainer.seed))

@@ -1,4 +1,5 @@
-"""Verifiable rewards: the interface, the shipped task's exact match, and math-verify.
+"""Verifiable rewards: the interface, the shipped task's exact match, math-verify, and the
+final number.
 
 A reward function maps a batch of completions and their gold answers to one float32 score
 each::
@@ -14,6 +15,11 @@ fractions vs decimals, symbolic expressions, sets, intervals; units and ``\\text
 handled by math-verify's own normalisation), else 0.0. No box, an unparsable answer, an
 exception or a timeout scores 0.0; it never raises on model output.
 
+``final_number`` is the lenient reward for small models that rarely box their answer (the
+usual GSM8K-style check): the completion's answer is the last number inside its last
+``\\boxed{...}``, or, without a box, the last number of the text (``1,200`` and ``-3.50``
+read as 1200 and -3.5); it scores 1.0 when that number equals a numeric gold answer.
+
 math-verify times out slow parses/comparisons with ``signal.alarm``, which only works in the
 main thread. Called from another thread, ``MathVerifyReward`` scores in a worker subprocess
 (started once, whose main thread can use the alarm) and kills and restarts it if a batch
@@ -26,7 +32,9 @@ import atexit
 import dataclasses
 import json
 import logging
+import math
 import os
+import re
 import select
 import subprocess
 import sys
@@ -121,6 +129,45 @@ def last_boxed(text: str) -> str | None:
             if depth == 0:
                 return text[open_at + 1 : i]
     return None
+
+
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (thousands commas allowed), or None.
+
+    ``"2 + 3 = 5 apples."`` gives 5.0, ``"costs $1,250.50"`` gives 1250.5, ``"no digits"``
+    gives None.
+    """
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def final_number_score(completion: str, answer: Answer) -> float:
+    """1.0 if the completion's final number equals a gold option, else 0.0.
+
+    The final number is the last number of the completion's last ``\\boxed{...}`` when it
+    has one, else the last number of the whole text. Never raises on model output.
+
+    Raises:
+      ValueError: no option of ``answer`` is a plain number (the reward cannot score it).
+    """
+    golds = [last_number(option) for option in gold_options(answer)
+             if _NUMBER.fullmatch(option.strip())]
+    if not golds:
+        raise ValueError(f"final_number reward: the gold answer {answer!r} is not a number")
+    boxed = last_boxed(completion)
+    pred = last_number(completion if boxed is None else boxed)
+    return float(pred is not None and any(math.isclose(pred, g, rel_tol=0, abs_tol=1e-9)
+                                          for g in golds))
+
+
+def final_number_reward(completions: Sequence[str], answers: Sequence[Answer]) -> np.ndarray:
+    """``final_number_score`` for each (completion, answer): ``[N]`` float32."""
+    _check_batch(completions, answers)
+    return np.asarray([final_number_score(str(c), a) for c, a in zip(completions, answers)],
+                      np.float32)
 
 
 def math_verify_score(completion: str, answer: Answer, timeout_s: int = 5) -> float:
@@ -260,6 +307,7 @@ class MathVerifyReward:
 _REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "task_exact": lambda: task_exact_reward,  # takes no arguments
     "math_verify": MathVerifyReward,
+    "final_number": lambda: final_number_reward,  # takes no arguments
 }
 
 
@@ -280,7 +328,8 @@ def available_reward_fns() -> tuple[str, ...]:
 
 
 def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
-    """The reward fn registered as ``name`` ("task_exact", "math_verify", or your own).
+    """The reward fn registered as ``name`` ("task_exact", "math_verify", "final_number", or
+    your own).
 
     Raises:
       ValueError: unknown name (the message lists the registered ones).

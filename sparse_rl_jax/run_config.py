@@ -70,7 +70,7 @@ class DataSection:
       jsonl: the file and its field names / template (``source: jsonl``; with ``source:
         tfds``, the file the TFDS dataset is written from, reused while unchanged).
       tfds: the TFDS dataset's name, data_dir and split (``source: tfds``).
-      reward: a registered reward function (``task_exact``, ``math_verify``, or your own).
+      reward: a registered reward function (``task_exact``, ``math_verify``, ``final_number``, or your own).
       shuffle_seed: seed of the deterministic, resumable prompt order.
       add_special_tokens: let the tokenizer add BOS etc. when encoding prompts (off for
         prompts already in chat format).

@@ -1,4 +1,5 @@
-"""Rewards: math-verify on a table of tricky answers, robustness, threads, the registry."""
+"""Rewards: math-verify on a table of tricky answers, robustness, threads, the registry, the
+final-number reward."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from sparse_rl_jax.rewards import (
     MathVerifyReward,
     available_reward_fns,
     compute_rewards,
+    final_number_reward,
     get_reward_fn,
     last_boxed,
+    last_number,
     math_verify_score,
     register_reward_fn,
     task_exact_reward,
@@ -241,3 +244,43 @@ def test_math_verify_accepts_one_plus_an_equation_gold():
     math-verify fixed it: update the README note."""
     assert math_verify_score("\\boxed{1+(x=3)}", "x=3") == 1.0
     assert math_verify_score("\\boxed{1+(3)}", "3") == 0.0
+
+
+# SmolLM2-135M-Instruct's greedy answers to data/arithmetic/test.jsonl (abridged): it reasons
+# step by step but never boxes, so only its final number can be read.
+SMOL_RIGHT = ("1. Lee has 10 marbles.\n2. Lee loses 8 marbles.\n4. Lee now has 10 - 8 = 2 "
+              "marbles.\n\nSo, Lee has 2 marbles.<|im_end|>")
+SMOL_WRONG = "4. So, Omar has 10 - 5 = 5 coins left.\n\nSo, Omar has 20 coins now.<|im_end|>"
+
+
+@pytest.mark.parametrize("text, number", [
+    ("2 + 3 = 5 apples.", 5.0), ("costs $1,250.50 in all", 1250.5), ("it fell to -3.5", -3.5),
+    ("1,2,3", 3.0), ("step 12.", 12.0), ("no digits", None), ("", None),
+])
+def test_last_number(text, number):
+    assert last_number(text) == number
+
+
+@pytest.mark.parametrize("completion, gold, score", [
+    (SMOL_RIGHT, "2", 1.0),
+    (SMOL_WRONG, "11", 0.0),
+    (SMOL_WRONG, "20", 1.0),
+    ("so 7 + 4 = 11, \\boxed{11} and then 3", "11", 1.0),    # the box wins over later text
+    ("the answer is 11 \\boxed{12}", "11", 0.0),
+    ("\\boxed{x = 1,200}", "1200", 1.0),
+    ("\\boxed{}", "5", 0.0),
+    ("I do not know", "5", 0.0),
+    ("6.0 apples", "6", 1.0),
+    ("6.01 apples", "6", 0.0),
+    ("-4", ("4", "-4"), 1.0),
+])
+def test_final_number_reward(completion, gold, score):
+    assert final_number_reward([completion], [gold]).tolist() == [score]
+    assert get_reward_fn("final_number")([completion], [gold]).tolist() == [score]
+
+
+def test_final_number_reward_rejects_a_non_numeric_gold():
+    with pytest.raises(ValueError, match="gold answer '\\$5' is not a number"):
+        final_number_reward(["5"], ["$5"])
+    with pytest.raises(ValueError, match="differ in length"):
+        final_number_reward(["5", "6"], ["5"])
