@@ -1,5 +1,5 @@
-"""The committed walk warm starts (data/warm_starts/walk_ft, walk_local) are the documented
-files and solve held-out walk problems greedily under dense inference."""
+"""The committed walk warm starts (data/warm_starts/walk_ft, walk_local, walk_local2) are the
+documented files and solve held-out walk problems greedily under dense inference."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ WARM_STARTS = {
     "walk_ft": ("c9f872fbf76fdb6e328ef52847c5bdb25b2cba86208daed07386eb2cfb2e2527", []),
     "walk_local": ("ff92f2c1da22d8f539289d40be2425ed9369d5a4722460a88171eb221cbd1f65",
                    ["data.walk.echo_every=2", "sampling.max_new_tokens=200"]),
+    "walk_local2": ("984363064a5dc9f14b48c11a04f97ec5577a4da82775705523003855a3cedae2",
+                    ["data.walk.echo_every=2", "sampling.max_new_tokens=200"]),
 }
 
 
