@@ -1,7 +1,8 @@
 """Page-sparse decode attention (Sparrow): attend to a few selected pages of a dense cache.
 
-Two ``models.kv_view`` views: :class:`PageSparseCache` (a decode step over a ``KVCache``)
-and :class:`PageReplay` (a full forward replaying a rollout's selections).
+Two ``models.kv_view`` views: :class:`PageSparseCache` (Sparrow's rollout cache: a
+``KVCache`` and the mean key of each of its pages, which it refreshes itself) and
+:class:`PageReplay` (a full forward replaying a rollout's selections).
 
 The dense cache of a layer is read as pages of ``page_size`` consecutive token positions of a
 row (page ``p`` holds positions ``[p * page_size, (p + 1) * page_size)``; with left padding
@@ -24,25 +25,37 @@ from flax import struct
 
 from models.attention import attention
 from models.cache import KVCache
-from models.kv_view import FullForward, PerLayerPositions, layer_field, self_keys
+from models.kv_view import FullForward, layer_field, self_keys
 from models.shapes import check_shape
 
 NO_PAGE = -1  # a slot of the selection that holds no page
 
 
 @struct.dataclass
-class PageSparseCache(PerLayerPositions):
-    """A decode step of page-sparse attention over a dense slot cache (a ``models.kv_view``
-    view): the step's keys are written into ``cache``, then each layer attends to its
-    selected pages (densely on ``dense_layers``), recorded in ``selected``.
+class PageSparseCache:
+    """Sparrow's rollout cache (a ``models.kv_view`` view): a dense slot cache and the mean
+    key of each of its pages, kept by the cache itself.
+
+    A forward of one token per row (a decode step) writes its keys into ``cache``, then each
+    layer attends to its selected pages (densely on ``dense_layers``), recorded in
+    ``selected``; a longer forward (the prefill) attends densely. ``end_forward`` refreshes the
+    mean keys of the pages the forward wrote (every prompt page after a prefill, the step's
+    page after a decode step), so ``page_keys`` always describe the cache's contents.
+
+    Rows are left-padded: positions are contiguous in the slots, row ``b``'s position ``j`` at
+    slot ``slot_offset[b] + j`` (no eviction moves them).
 
     Attributes:
       cache: the dense :class:`models.cache.KVCache` (``C`` covers the whole sequence).
-      page_keys: ``[L, B, Hkv, P, D]`` mean key of each page (valid once the page is full).
-      budget: ``[B]`` int32 k (middle pages) of each row at this step.
-      slot_offset: ``[B]`` int32 cache slot of each row's position 0 (its left padding).
-      selected: ``[L, B, Hkv, K]`` int32 pages each layer attended to (``NO_PAGE`` everywhere
-        on dense layers); filled by ``attend``.
+      page_keys: ``[L, B, Hkv, P, D]`` mean of each page's written keys (zero for a page with
+        none), ``P = ceil(C / page_size)``; a page's mean is final once the page is full,
+        which is before any selection scores it.
+      budget: ``[B]`` int32 k (middle pages) of each row at the next decode step (the caller
+        sets it, e.g. from a schedule of the cached length).
+      slot_offset: ``[B]`` int32 cache slot of each row's position 0 (its left padding); set
+        by ``begin_forward`` from the forward's positions.
+      selected: ``[L, B, Hkv, K]`` int32 pages each layer attended to at the last decode step
+        (``NO_PAGE`` everywhere on dense layers); filled by ``attend``.
       page_size: tokens per page (static).
       max_k: the largest k any row may get (static; the selection holds ``max_k + 3`` pages).
       dense_layers: layers that attend densely (static).
@@ -63,30 +76,52 @@ class PageSparseCache(PerLayerPositions):
         return selected_slots(self.max_k, self.page_keys.shape[-2])
 
     @property
+    def index(self) -> jax.Array:
+        """The cache's write index ``[]``."""
+        return self.cache.index
+
+    @property
+    def capacity(self) -> int:
+        """The cache's slots ``C`` per layer, row and head."""
+        return self.cache.capacity
+
+    @property
     def position_offset(self) -> jax.Array:
         """The cache's write index."""
         return self.cache.index
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
-        """The cache fits, one token per row (``T == 1``), ``page_keys`` / ``selected``
-        match the model, ``dense_layers`` name layers it has."""
-        if t != 1:
-            raise ValueError(f"PageSparseCache: page-sparse attention decodes one token per "
-                             f"row (T=1), got T={t}")
+        """The cache fits a forward of ``[batch, t]`` tokens; ``page_keys`` cover its slots;
+        ``budget``, ``slot_offset`` and ``selected`` match the model; ``dense_layers`` name
+        layers it has."""
         self.cache.check(config, batch, t, backend)
         check_shape("PageSparseCache.page_keys", self.page_keys, L=config.num_layers, B=batch,
-                    Hkv=config.num_kv_heads, P=None, D=config.head_dim)
+                    Hkv=config.num_kv_heads, P=-(-self.capacity // self.page_size),
+                    D=config.head_dim)
+        check_shape("PageSparseCache.budget", self.budget, dtype=int, B=batch)
+        check_shape("PageSparseCache.slot_offset", self.slot_offset, dtype=int, B=batch)
         check_shape("PageSparseCache.selected", self.selected, dtype=int, L=config.num_layers,
                     B=batch, Hkv=config.num_kv_heads, K=self.num_selected)
         if any(i >= config.num_layers for i in self.dense_layers):
             raise ValueError(f"PageSparseCache.dense_layers={self.dense_layers} names a layer "
                              f"the model ({config.num_layers} layers) does not have")
 
+    def begin_forward(self, positions: jax.Array) -> PageSparseCache:
+        """Write the forward's positions ``[B, T]`` into the cache (once, every layer) and
+        derive each row's ``slot_offset`` from them (column ``j`` goes to slot ``index + j``)."""
+        t = positions.shape[1]
+        offset = jnp.max(jnp.where(positions >= 0, jnp.arange(t) - positions, 0), axis=1)
+        return self.replace(cache=self.cache.begin_forward(positions),
+                            slot_offset=(self.cache.index + offset).astype(jnp.int32))
+
     def attend(self, layer, q, k, v, q_pos, backend):
-        """Store the step's token, then attend to this layer's selected pages (``page_keys``
-        is this layer's ``[B, Hkv, P, D]`` slice here)."""
-        del backend  # one query per row: the gathered pages are one block
-        cache = self.cache.store(layer, q, k, v, q_pos)
+        """Store the forward's tokens at ``layer``; a decode step (``T == 1``) then attends to
+        this layer's selected pages (``page_keys`` is this layer's ``[B, Hkv, P, D]`` slice
+        here), a prefill (``T > 1``) to every slot."""
+        if q.shape[1] > 1:
+            out, cache = self.cache.attend(layer, q, k, v, q_pos, backend)
+            return out, self.replace(cache=cache)
+        cache = self.cache.store(layer, q, k, v)
         ck, cv, cpos = cache.k[layer], cache.v[layer], cache.pos[layer]
 
         def sparse(_):
@@ -107,19 +142,73 @@ class PageSparseCache(PerLayerPositions):
         return out, self.replace(cache=cache, selected=selected)
 
     def end_forward(self, t: int) -> PageSparseCache:
-        """Advance the cache's write index."""
-        return self.replace(cache=self.cache.end_forward(t))
+        """Refresh the mean keys of the pages the forward's ``t`` tokens were written to
+        (``ceil((t - 1) / page_size) + 1`` pages per row from the first one; pages past the
+        row's newest position have no written keys and stay zero), then advance the index."""
+        first = jnp.maximum(self.cache.index - self.slot_offset, 0) // self.page_size  # [B]
+        touched = first[:, None] + jnp.arange(-(-(t - 1) // self.page_size) + 1)
+        page_keys = refresh_page_keys(self.page_keys, self.cache, self.slot_offset, touched,
+                                      self.page_size)
+        return self.replace(cache=self.cache.end_forward(t), page_keys=page_keys)
+
+    def row_tokens(self) -> jax.Array:
+        """``[B]`` int32 resident tokens of each row (every written one: nothing is evicted)."""
+        return self.cache.row_tokens()
+
+    def repeat_rows(self, n: int) -> PageSparseCache:
+        """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
+        return self.replace(cache=self.cache.repeat_rows(n),
+                            page_keys=jnp.repeat(self.page_keys, n, axis=1),
+                            budget=jnp.repeat(self.budget, n),
+                            slot_offset=jnp.repeat(self.slot_offset, n),
+                            selected=jnp.repeat(self.selected, n, axis=1))
 
 
-def page_sparse_cache(cache: KVCache, page_keys: jax.Array, budget: jax.Array,
-                      slot_offset: jax.Array, *, page_size: int, max_k: int,
+def page_sparse_cache(cache: KVCache, *, page_size: int, max_k: int,
                       dense_layers: tuple[int, ...]) -> PageSparseCache:
-    """A :class:`PageSparseCache` for one decode step, its ``selected`` all ``NO_PAGE``."""
-    n_layers, b, hkv, p, _ = page_keys.shape
-    selected = jnp.full((n_layers, b, hkv, selected_slots(max_k, p)), NO_PAGE, jnp.int32)
-    return PageSparseCache(cache=cache, page_keys=page_keys, budget=budget,
-                           slot_offset=slot_offset, selected=selected, page_size=page_size,
-                           max_k=max_k, dense_layers=tuple(dense_layers))
+    """A :class:`PageSparseCache` over an empty dense ``cache`` (``k [L, B, Hkv, C, D]``, no
+    query ring): zero page keys ``[L, B, Hkv, ceil(C / page_size), D]``, budget and
+    slot offsets 0, ``selected`` all ``NO_PAGE``."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_sparse_cache: page_size={page_size!r} must be an int >= 1")
+    n_layers, b, hkv, c, d = cache.k.shape
+    p = -(-c // page_size)
+    return PageSparseCache(
+        cache=cache, page_keys=jnp.zeros((n_layers, b, hkv, p, d), cache.k.dtype),
+        budget=jnp.zeros((b,), jnp.int32), slot_offset=jnp.zeros((b,), jnp.int32),
+        selected=jnp.full((n_layers, b, hkv, selected_slots(max_k, p)), NO_PAGE, jnp.int32),
+        page_size=page_size, max_k=max_k, dense_layers=tuple(dense_layers))
+
+
+def refresh_page_keys(
+    page_keys: jax.Array, cache: KVCache, slot_offset: jax.Array, pages: jax.Array,
+    page_size: int,
+) -> jax.Array:
+    """Recompute the mean key of ``pages [B, n]`` of each row (every layer and KV head).
+
+    Args:
+      page_keys: ``[L, B, Hkv, P, D]`` page-mean keys.
+      cache: the dense cache (``k [L, B, Hkv, C, D]``, ``pos``).
+      slot_offset: ``[B]`` slot of each row's position 0.
+      pages: ``[B, n]`` int page indices to refresh (``P`` or more = skipped).
+
+    Returns ``page_keys`` with those pages set to the mean of their written keys (zero for a
+    page with none). Reads ``n * page_size`` slots per row, layer and head.
+    """
+    n_layers, b, h, p, d = page_keys.shape
+    c = cache.capacity
+    want = (pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(b, -1)  # [B, n*ps]
+    slots = jnp.clip(slot_offset[:, None] + want, 0, c - 1)
+    idx = jnp.broadcast_to(slots[None, :, None, :], (n_layers, b, h, slots.shape[1]))
+    got = jnp.take_along_axis(cache.pos, idx, axis=-1) == want[None, :, None, :]
+    keys = jnp.take_along_axis(cache.k, idx[..., None], axis=3).astype(jnp.float32)
+    keys = jnp.where(got[..., None], keys, 0.0).reshape(n_layers, b, h, -1, page_size, d)
+    count = jnp.sum(got.reshape(n_layers, b, h, -1, page_size), axis=-1)[..., None]
+    means = jnp.sum(keys, axis=-2) / jnp.maximum(count, 1)  # [L, B, Hkv, n, D]
+    rows = jnp.arange(b)[:, None]
+    # Advanced indices (rows, pages) around a slice put [B, n] first: values [B, n, L, Hkv, D].
+    return page_keys.at[:, rows, :, pages].set(
+        means.transpose(1, 3, 0, 2, 4).astype(page_keys.dtype), mode="drop")
 
 
 @struct.dataclass

@@ -1,5 +1,5 @@
-"""Sparrow page-sparse decode: config, schedule, page scoring/selection against NumPy, the
-page-mean keys, and the sampler's log-probs against the selection-record replay and (in the
+"""Sparrow page-sparse decode: config, schedule, page scoring/selection against NumPy, and
+the sampler's log-probs against the selection-record replay and (in the
 dense regime) against the dense sampler."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from flax import nnx
 
 import models
 from models.attention import reference_attention
-from models.cache import KVCache
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
 from sparse_rl_jax.acceptance import score_acceptance
 from sparse_rl_jax.compile_count import count_compiles
@@ -22,7 +21,7 @@ from sparse_rl_jax.compression_config import SPARROW_PRESETS, CompressionConfig
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.config_io import ConfigError, from_dict
 from sparse_rl_jax.kv_state import init_state
-from sparse_rl_jax.page_sparsity import PageRecord, refresh_page_keys, schedule_budget
+from sparse_rl_jax.page_sparsity import PageRecord, schedule_budget
 from sparse_rl_jax.sampler import generate, replay_record
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import score
@@ -153,27 +152,6 @@ def test_page_sparse_attention_equals_masked_reference():
     assert gk.shape[2] == (3 + 3) * ps and int(jnp.sum(gpos >= 0)) == int(mask.sum())
 
 
-def test_refresh_page_keys_is_the_mean_of_each_pages_written_keys():
-    rng = np.random.default_rng(2)
-    n_layers, b, h, c, d, ps = 2, 2, 2, 20, 3, 4
-    lengths, offsets = np.array([14, 7]), np.array([0, 6])
-    k = rng.normal(size=(n_layers, b, h, c, d)).astype(np.float32)
-    pos = np.full((n_layers, b, h, c), -1, np.int32)
-    for i in range(b):
-        pos[:, i, :, offsets[i]: offsets[i] + lengths[i]] = np.arange(lengths[i])
-    cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(k), pos=jnp.asarray(pos),
-                    index=jnp.asarray(c, jnp.int32))
-    pages = jnp.broadcast_to(jnp.arange(5), (b, 5))
-    got = np.asarray(refresh_page_keys(jnp.zeros((n_layers, b, h, 5, d)), cache,
-                                       jnp.asarray(offsets), pages, ps))
-    for i in range(b):
-        for p in range(5):
-            lo, hi = p * ps, min((p + 1) * ps, lengths[i])
-            want = (k[:, i, :, offsets[i] + lo: offsets[i] + hi].mean(2) if hi > lo
-                    else np.zeros((n_layers, h, d)))
-            np.testing.assert_allclose(got[:, i, :, p], want, atol=1e-6)
-
-
 # ---------------------------------------------------------------- the sampler
 
 
@@ -221,7 +199,8 @@ def test_sampler_logp_equals_selection_record_replay(tmp_path_factory, heads, kv
     state = jax.eval_shape(lambda: init_state(
         SPARROW, num_layers=cfg.num_layers, batch=n, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=cfg.head_dim, max_len=p + m))
-    per_row = state.page_keys.size * state.page_keys.dtype.itemsize // n
+    page_keys = state.cache.page_keys  # kept by the cache (tests/test_models_kv_view.py)
+    per_row = page_keys.size * page_keys.dtype.itemsize // n
     assert est.parts["page_keys"] == per_row * (n + n // SAMPLING.num_samples)
 
 
