@@ -32,9 +32,9 @@ expiry times) and :class:`MaskRecord` (an explicit boolean mask, the general cas
 ``models.page_sparse``, ``PageReplay`` (a page-sparse selection replayed). Views of a rollout
 cache: ``models.cache.KVCache`` (the slot cache; dense and budget layouts are capacities of
 it; optionally holding the ring of the last ``W`` queries an eviction policy scores with),
-``models.page_sparse.PageSparseCache`` (Sparrow: the same slots and their page-mean keys) and
-``models.paged_cache.PagedKVCache`` (the paged layout of a dense rollout: one position array
-for all layers, decode reads only the filled pages).
+``models.paged_cache.PagedKVCache`` (the paged layout of dense and Sparrow rollouts: one
+position array for all layers, decode reads only the filled pages) and
+``models.page_sparse.PageSparseCache`` (Sparrow: a paged cache and its page-mean keys).
 """
 
 from __future__ import annotations

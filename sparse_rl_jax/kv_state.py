@@ -39,7 +39,7 @@ class SparseKVState:
         last ``window`` queries per layer, oldest -> newest, aligned with the newest written
         slots ``[index - window, index)``; None for ``none``), with ``layout: paged`` a
         ``models.paged_cache.PagedKVCache`` (``pos [B, C]``), and for ``sparrow`` a
-        ``models.page_sparse.PageSparseCache`` (a dense ``KVCache`` and its page-mean keys
+        ``models.page_sparse.PageSparseCache`` (a ``PagedKVCache`` and its page-mean keys
         ``[L, B, Hkv, ceil(max_len / page_size), D]``, which it refreshes itself).
       evicted_at: ``[L, B, Hkv, T_total]`` int32, indexed by token position: the first query
         position that no longer sees the key; ``NEVER`` if it was never evicted. ``T_total``
@@ -64,11 +64,11 @@ def init_state(
 ) -> SparseKVState:
     """An empty state for sequences of up to ``max_len`` positions (prompt + response).
 
-    The cache gets ``cfg.cache_capacity(max_len)`` slots (``budget + buffer``; ``max_len`` for
-    ``none`` and ``sparrow``, whose cache is page-sparse) and, when it compresses, a ring of
-    ``cfg.window`` queries; the eviction record
-    covers positions ``[0, max_len)``, or nothing when ``record`` is False (compression then
-    skips the bookkeeping).
+    The cache gets ``cfg.cache_capacity(max_len)`` slots (``budget + buffer``; ``max_len``,
+    rounded up to whole pages when paged, for ``none`` and ``sparrow``, whose paged cache is
+    wrapped in a page-sparse one) and, when it compresses, a ring of ``cfg.window`` queries;
+    the eviction record covers positions ``[0, max_len)``, or nothing when ``record`` is False
+    (compression then skips the bookkeeping).
     """
     for name, value in (
         ("num_layers", num_layers),
@@ -92,8 +92,7 @@ def init_state(
                            head_dim, dtype, num_heads=num_heads,
                            window=cfg.window if cfg.compresses else 0)
     if cfg.page_sparse:
-        cache = page_sparse_cache(cache, page_size=cfg.page_size, max_k=cfg.max_pages_k,
-                                  dense_layers=cfg.dense_layers)
+        cache = page_sparse_cache(cache, max_k=cfg.max_pages_k, dense_layers=cfg.dense_layers)
     return SparseKVState(
         cache=cache,
         evicted_at=jnp.full((num_layers, batch, num_kv_heads, max_len if record else 0), NEVER,

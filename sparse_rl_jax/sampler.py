@@ -8,11 +8,11 @@ Every decode step writes one token per row, and the cache is compressed back to 
 slots whenever it fills (``kv_state.maybe_compress``). The sampler records the log-prob of each
 sampled token under the policy that produced it, and the eviction record that makes that policy
 reproducible by a teacher-forced forward (``scoring.score(..., replay_record(rollout,
-compression))``). With ``sparrow`` the cache stays dense and each decode step attends to
-selected pages (``models.page_sparse``, whose cache keeps its own page-mean keys); the
-selection record replays it the same way. With
-``none`` nothing is evicted; its own layout is the paged cache (``models.paged_cache``, decode
-reads only the filled pages), ``compression.layout: dense`` the slot cache.
+compression))``). With ``sparrow`` nothing is evicted: each decode step attends to
+selected pages of the paged cache (``models.page_sparse``, whose cache keeps its own page-mean
+keys); the selection record replays it the same way. With ``none`` nothing is evicted; its own
+layout is the paged cache (``models.paged_cache``, decode reads only the filled pages),
+``compression.layout: dense`` the slot cache.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def test_config_resolves_presets_and_yaml_lists():
     cfg = CompressionConfig(method="sparrow", budget_schedule="qwen3-4b-0.86")
     assert len(cfg.budget_schedule) == 20
     assert cfg.budget_schedule[3] == (6000, 77) and cfg.max_pages_k == 509
-    assert not cfg.compresses and cfg.page_sparse and cfg.cache_capacity(100) == 100
+    assert not cfg.compresses and cfg.page_sparse and cfg.cache_capacity(100) == 112  # pages
     yaml = from_dict(CompressionConfig, {"method": "sparrow", "budget_schedule": [[0, 2], [64, 5]],
                                          "page_size": 8, "dense_layers": [0]})
     assert yaml.budget_schedule == ((0, 2), (64, 5)) and yaml.dense_layers == (0,)
@@ -112,43 +112,37 @@ def test_select_pages_matches_numpy_with_ties_and_small_rows():
     assert set(got[4, 0][got[4, 0] >= 0]) == set(range(6))
 
 
-def _left_padded_cache(rng, b, h, c, d, lengths, offsets):
-    k = rng.normal(size=(b, h, c, d)).astype(np.float32)
-    v = rng.normal(size=(b, h, c, d)).astype(np.float32)
-    pos = np.full((b, h, c), -1, np.int32)
-    for i in range(b):
-        pos[i, :, offsets[i]: offsets[i] + lengths[i]] = np.arange(lengths[i])
-    return k, v, pos
-
-
 def test_page_sparse_attention_equals_masked_reference():
-    """Gathered pages == reference attention over the whole cache masked to those pages."""
+    """Gathered pages of one layer of a paged cache (slot = position) == reference attention
+    over that layer's whole cache masked to those pages."""
     rng = np.random.default_rng(1)
-    b, hkv, g, d, c, ps = 3, 2, 2, 8, 48, 4
-    lengths, offsets = np.array([40, 23, 9]), np.array([2, 19, 30])  # left padding
-    k, v, pos = _left_padded_cache(rng, b, hkv, c, d, lengths, offsets)
+    n_layers, layer, b, hkv, g, d, c, ps = 2, 1, 3, 2, 2, 8, 48, 4
+    lengths = np.array([40, 23, 9])
+    k, v = (rng.normal(size=(n_layers, b, hkv, c, d)).astype(np.float32) for _ in range(2))
+    pos = np.where(np.arange(c) < lengths[:, None], np.arange(c), -1).astype(np.int32)  # [B, C]
     q = rng.normal(size=(b, 1, hkv * g, d)).astype(np.float32)
     q_pos = (lengths - 1)[:, None]
     n_pages = c // ps
     page_keys = np.zeros((b, hkv, n_pages, d), np.float32)
     for i in range(b):
         for p in range(-(-lengths[i] // ps)):
-            page_keys[i, :, p] = k[i, :, offsets[i] + p * ps: offsets[i] + min((p + 1) * ps, lengths[i])].mean(1)
+            page_keys[i, :, p] = k[layer, i, :, p * ps: min((p + 1) * ps, lengths[i])].mean(1)
     budget = np.array([2, 3, 1])
     out, pages = page_sparse_attention(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos), jnp.asarray(pos),
-        jnp.asarray(page_keys), jnp.asarray(budget), jnp.asarray(offsets), page_size=ps, max_k=3)
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(q_pos),
+        jnp.asarray(layer), jnp.asarray(page_keys), jnp.asarray(budget), page_size=ps, max_k=3)
     q_mean = q[:, 0].reshape(b, hkv, g, d).mean(2)
     want = np_select(q_mean, page_keys, -(-lengths // ps), budget)
     mask = np.zeros((b, hkv, 1, c), bool)
     for (i, j), sel in want.items():
-        mask[i, j, 0] = np.isin(np.where(pos[i, j] >= 0, pos[i, j] // ps, -1), list(sel))
-    ref = reference_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
-                              jnp.asarray(pos), mask=jnp.asarray(mask))
+        mask[i, j, 0] = np.isin(np.where(pos[i] >= 0, pos[i] // ps, -1), list(sel))
+    head_pos = np.broadcast_to(pos[:, None], (b, hkv, c))
+    ref = reference_attention(jnp.asarray(q), jnp.asarray(k[layer]), jnp.asarray(v[layer]),
+                              jnp.asarray(q_pos), jnp.asarray(head_pos), mask=jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
     # only the selected pages are read: the gather holds K * ps slots, not C
     gk, _, gpos = gather_pages(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), pages,
-                               jnp.asarray(offsets), ps)
+                               jnp.asarray(layer), ps)
     assert gk.shape[2] == (3 + 3) * ps and int(jnp.sum(gpos >= 0)) == int(mask.sum())
 
 
