@@ -1,11 +1,15 @@
 """The slot cache of a rollout: a :mod:`models.kv_view` view the decoder writes through.
 
-The cache is owned by the caller (the sampler); per layer, ``attend`` writes the new tokens'
-keys and values at the shared write index and attends over every slot. Keys are stored
+The cache is owned by the caller (the sampler). A forward writes the new tokens' positions
+once, for every layer and KV head (``begin_forward``, before the layers); then, per layer,
+``attend`` writes the tokens' keys and values at the shared write index and attends over
+every slot. Keys are stored
 *after* RoPE, so a caller may reorder or drop slots (KV eviction) without re-rotating anything.
 Each slot carries the original position of its token per KV head (``-1`` marks an empty or
 padding slot), which is all attention needs for its mask: slot ``s`` is visible to a query
-at position ``t`` iff ``0 <= pos[s] <= t``. The dense and budget layouts are two capacities
+at position ``t`` iff ``0 <= pos[s] <= t``. The position array stays per layer and head
+(``[L, B, Hkv, C]``) because an evicting caller keeps different tokens in each after
+compressing; only the write is shared. The dense and budget layouts are two capacities
 of it (the whole sequence, or ``budget + buffer`` slots compressed by the caller).
 
 An eviction policy that scores keys with the newest queries gets them from the cache's query
@@ -20,7 +24,6 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention import attention
-from models.kv_view import PerLayerPositions, self_keys
 from models.shapes import check_shape
 
 
@@ -53,7 +56,7 @@ class WriteIndexCache:
 
 
 @struct.dataclass
-class KVCache(WriteIndexCache, PerLayerPositions):
+class KVCache(WriteIndexCache):
     """Fixed-capacity key/value buffers for every layer (a ``models.kv_view`` view).
 
     Attributes:
@@ -84,17 +87,24 @@ class KVCache(WriteIndexCache, PerLayerPositions):
                     Hq=config.num_heads, W=None, D=config.head_dim)
         self.check_room(t, backend)
 
-    def store(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-              q_pos: jax.Array) -> KVCache:
-        """Write ``k, v [B, Hkv, T, D]`` (positions ``q_pos [B, T]``) at slots
-        ``[index, index + T)`` of ``layer`` and push the newest queries ``q [B, T, Hq, D]``
-        into the ring. In-place updates of the carried buffers: nothing is copied."""
-        at = (layer, 0, 0, self.index)
-        pos = self_keys(q_pos, k)
+    def begin_forward(self, positions: jax.Array) -> KVCache:
+        """Write the forward's positions ``[B, T]`` at slots ``[index, index + T)`` of every
+        layer and KV head: one update of ``pos`` per forward, not one per layer."""
+        n_layers, b, hkv, _ = self.pos.shape
+        block = jnp.broadcast_to(positions.astype(jnp.int32)[None, :, None, :],
+                                 (n_layers, b, hkv, positions.shape[1]))
+        return self.replace(pos=jax.lax.dynamic_update_slice(self.pos, block,
+                                                             (0, 0, 0, self.index)))
+
+    def store(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+        """Write ``k, v [B, Hkv, T, D]`` at slots ``[index, index + T)`` of ``layer`` (their
+        positions were written by :meth:`begin_forward`) and push the newest queries
+        ``q [B, T, Hq, D]`` into the ring. In-place updates of the carried buffers: nothing is
+        copied."""
+        at = (layer, 0, 0, self.index, 0)
         cache = self.replace(
-            k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at + (0,)),
-            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at + (0,)),
-            pos=jax.lax.dynamic_update_slice(self.pos, pos[None].astype(jnp.int32), at),
+            k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
+            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at),
         )
         if self.queries is None or self.queries.shape[3] == 0:
             return cache
@@ -106,7 +116,7 @@ class KVCache(WriteIndexCache, PerLayerPositions):
 
     def attend(self, layer, q, k, v, q_pos, backend):
         """Store the new tokens at ``layer``, then attend over all ``C`` slots of it."""
-        cache = self.store(layer, q, k, v, q_pos)
+        cache = self.store(layer, q, k, v)
         out = attention(q, cache.k[layer], cache.v[layer], q_pos, cache.pos[layer],
                         backend=backend)
         return out, cache

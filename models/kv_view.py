@@ -16,10 +16,10 @@ Protocol (:class:`KVView`; every view is a ``flax.struct`` pytree):
 - ``position_offset``: position of the first token when the caller passes none (a cache's
   write index; 0 for a full forward).
 - ``begin_forward(positions)``: the view before the first layer of a forward of positions
-  ``[B, T]`` (the decoder calls it once, before the layer scan: a view that keeps one position
-  array for all layers, ``models.paged_cache.PagedKVCache``, writes it here; the others return
-  themselves).
-- ``end_forward(t)``: the view after all layers saw ``t`` tokens (a cache advances its index).
+  ``[B, T]`` (the decoder calls it once, before the layer scan: a cache writes the new tokens'
+  positions here, once for all layers; a full forward returns itself).
+- ``end_forward(t)``: the view after all layers saw ``t`` tokens (a cache advances its index;
+  the page-sparse cache also refreshes the mean keys of the pages the forward wrote).
 
 Fields declared with :func:`layer_field` hold ``[L, ...]`` read-only per-layer arrays: the
 decoder scans them with the layers (``attend`` sees one layer's slice, so no layer's data is
@@ -32,9 +32,9 @@ expiry times) and :class:`MaskRecord` (an explicit boolean mask, the general cas
 ``models.page_sparse``, ``PageReplay`` (a page-sparse selection replayed). Views of a rollout
 cache: ``models.cache.KVCache`` (the slot cache; dense and budget layouts are capacities of
 it; optionally holding the ring of the last ``W`` queries an eviction policy scores with),
-``models.page_sparse.PageSparseCache`` (Sparrow decode over the same slots) and
-``models.paged_cache.PagedKVCache`` (the paged layout of a dense rollout: one position array
-for all layers, decode reads only the filled pages).
+``models.paged_cache.PagedKVCache`` (the paged layout of dense and Sparrow rollouts: one
+position array for all layers, decode reads only the filled pages) and
+``models.page_sparse.PageSparseCache`` (Sparrow: a paged cache and its page-mean keys).
 """
 
 from __future__ import annotations
@@ -94,19 +94,15 @@ def self_keys(q_pos: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.broadcast_to(q_pos[:, None, :], k.shape[:3])
 
 
-class PerLayerPositions:
-    """``begin_forward`` of a view that takes positions per layer in ``attend`` (or none)."""
-
-    def begin_forward(self, positions: jax.Array):
-        """Nothing to write before the layers."""
-        del positions
-        return self
-
-
-class FullForward(PerLayerPositions):
+class FullForward:
     """Shared parts of the full-forward views (keys are the forward's own tokens)."""
 
     position_offset = 0
+
+    def begin_forward(self, positions: jax.Array):
+        """Nothing to write before the layers: a full forward keeps no state."""
+        del positions
+        return self
 
     def end_forward(self, t: int):
         """Nothing to advance: a full forward keeps no state."""

@@ -1,13 +1,15 @@
-"""Page-sparse decode attention (Sparrow): attend to a few selected pages of a dense cache.
+"""Page-sparse decode attention (Sparrow): attend to a few selected pages of a full cache.
 
-Two ``models.kv_view`` views: :class:`PageSparseCache` (a decode step over a ``KVCache``)
-and :class:`PageReplay` (a full forward replaying a rollout's selections).
+Two ``models.kv_view`` views: :class:`PageSparseCache` (Sparrow's rollout cache: a
+``models.paged_cache.PagedKVCache`` and the mean key of each of its pages, which it refreshes
+itself) and :class:`PageReplay` (a full forward replaying a rollout's selections).
 
-The dense cache of a layer is read as pages of ``page_size`` consecutive token positions of a
-row (page ``p`` holds positions ``[p * page_size, (p + 1) * page_size)``; with left padding
-position ``j`` of row ``b`` sits at slot ``slot_offset[b] + j``). For the query of one decode
-step, per KV head, every page is scored by the query averaged over the KV head's group dotted
-with the page's mean key (post-RoPE keys, no ``1/sqrt(d)``, no softmax). The step attends to
+The pages are the paged cache's own: page ``p`` of a row is slots ``[p * page_size, (p + 1) *
+page_size)``, which hold its positions ``[p * page_size, (p + 1) * page_size)`` (the paged
+cache writes every token at the slot of its position), so a selection is a list of page
+indices, the same for the cache, the record and the replay. For the query of one decode step,
+per KV head, every page is scored by the query averaged over the KV head's group dotted with
+the page's mean key (post-RoPE keys, no ``1/sqrt(d)``, no softmax). The step attends to
 
   the sink page 0 + the top-``k`` middle pages ``1 .. n-3`` + the 2 newest pages ``n-2, n-1``
 
@@ -23,39 +25,52 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention import attention
-from models.cache import KVCache
-from models.kv_view import FullForward, PerLayerPositions, layer_field, self_keys
+from models.paged_cache import PagedKVCache
+from models.kv_view import FullForward, layer_field, self_keys
 from models.shapes import check_shape
 
 NO_PAGE = -1  # a slot of the selection that holds no page
 
 
 @struct.dataclass
-class PageSparseCache(PerLayerPositions):
-    """A decode step of page-sparse attention over a dense slot cache (a ``models.kv_view``
-    view): the step's keys are written into ``cache``, then each layer attends to its
-    selected pages (densely on ``dense_layers``), recorded in ``selected``.
+class PageSparseCache:
+    """Sparrow's rollout cache (a ``models.kv_view`` view): a paged cache and the mean key of
+    each of its pages, kept by the cache itself.
+
+    A forward of one token per row (a decode step) writes its keys into ``cache``, then each
+    layer attends to its selected pages (densely, through the paged loop, on
+    ``dense_layers``), recorded in ``selected``; a longer forward (the prefill) attends
+    densely. ``end_forward`` refreshes the mean keys of the pages the forward wrote (every
+    prompt page after a prefill, the step's page after a decode step), so ``page_keys``
+    always describe the cache's contents.
 
     Attributes:
-      cache: the dense :class:`models.cache.KVCache` (``C`` covers the whole sequence).
-      page_keys: ``[L, B, Hkv, P, D]`` mean key of each page (valid once the page is full).
-      budget: ``[B]`` int32 k (middle pages) of each row at this step.
-      slot_offset: ``[B]`` int32 cache slot of each row's position 0 (its left padding).
-      selected: ``[L, B, Hkv, K]`` int32 pages each layer attended to (``NO_PAGE`` everywhere
-        on dense layers); filled by ``attend``.
-      page_size: tokens per page (static).
+      cache: the :class:`models.paged_cache.PagedKVCache` (its pages are the selectable pages).
+      page_keys: ``[L, B, Hkv, P, D]`` mean of each page's written keys (zero for a page with
+        none), ``P = C / page_size``; a page's mean is final once the page is full, which is
+        before any selection scores it.
+      budget: ``[B]`` int32 k (middle pages) of each row at the next decode step (the caller
+        sets it, e.g. from a schedule of the cached length).
+      first_position: ``[B]`` int32 the first position the current forward writes in each
+        row (set by ``begin_forward``; ``end_forward`` refreshes from its page on).
+      selected: ``[L, B, Hkv, K]`` int32 pages each layer attended to at the last decode step
+        (``NO_PAGE`` everywhere on dense layers); filled by ``attend``.
       max_k: the largest k any row may get (static; the selection holds ``max_k + 3`` pages).
       dense_layers: layers that attend densely (static).
     """
 
-    cache: KVCache
+    cache: PagedKVCache
     page_keys: jax.Array = layer_field()
     budget: jax.Array
-    slot_offset: jax.Array
+    first_position: jax.Array
     selected: jax.Array
-    page_size: int = struct.field(pytree_node=False, default=16)
     max_k: int = struct.field(pytree_node=False, default=0)
     dense_layers: tuple[int, ...] = struct.field(pytree_node=False, default=(0, 1))
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page: the paged cache's."""
+        return self.cache.page_size
 
     @property
     def num_selected(self) -> int:
@@ -63,40 +78,60 @@ class PageSparseCache(PerLayerPositions):
         return selected_slots(self.max_k, self.page_keys.shape[-2])
 
     @property
+    def index(self) -> jax.Array:
+        """The cache's write index ``[]``."""
+        return self.cache.index
+
+    @property
+    def capacity(self) -> int:
+        """The cache's slots ``C`` per layer, row and head."""
+        return self.cache.capacity
+
+    @property
     def position_offset(self) -> jax.Array:
         """The cache's write index."""
         return self.cache.index
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
-        """The cache fits, one token per row (``T == 1``), ``page_keys`` / ``selected``
-        match the model, ``dense_layers`` name layers it has."""
-        if t != 1:
-            raise ValueError(f"PageSparseCache: page-sparse attention decodes one token per "
-                             f"row (T=1), got T={t}")
+        """The cache fits a forward of ``[batch, t]`` tokens; ``page_keys`` cover its pages;
+        ``budget``, ``first_position`` and ``selected`` match the model; ``dense_layers`` name
+        layers it has."""
         self.cache.check(config, batch, t, backend)
         check_shape("PageSparseCache.page_keys", self.page_keys, L=config.num_layers, B=batch,
-                    Hkv=config.num_kv_heads, P=None, D=config.head_dim)
+                    Hkv=config.num_kv_heads, P=self.capacity // self.page_size,
+                    D=config.head_dim)
+        check_shape("PageSparseCache.budget", self.budget, dtype=int, B=batch)
+        check_shape("PageSparseCache.first_position", self.first_position, dtype=int, B=batch)
         check_shape("PageSparseCache.selected", self.selected, dtype=int, L=config.num_layers,
                     B=batch, Hkv=config.num_kv_heads, K=self.num_selected)
         if any(i >= config.num_layers for i in self.dense_layers):
             raise ValueError(f"PageSparseCache.dense_layers={self.dense_layers} names a layer "
                              f"the model ({config.num_layers} layers) does not have")
 
+    def begin_forward(self, positions: jax.Array) -> PageSparseCache:
+        """Write the forward's positions ``[B, T]`` into the cache (once, every layer) and
+        note each row's first one (``-1`` padding skipped)."""
+        first = jnp.min(jnp.where(positions >= 0, positions, self.capacity), axis=1)
+        return self.replace(cache=self.cache.begin_forward(positions),
+                            first_position=first.astype(jnp.int32))
+
     def attend(self, layer, q, k, v, q_pos, backend):
-        """Store the step's token, then attend to this layer's selected pages (``page_keys``
-        is this layer's ``[B, Hkv, P, D]`` slice here)."""
-        del backend  # one query per row: the gathered pages are one block
-        cache = self.cache.store(layer, q, k, v, q_pos)
-        ck, cv, cpos = cache.k[layer], cache.v[layer], cache.pos[layer]
+        """Write the forward's keys/values at ``layer``; a decode step (``T == 1``) then attends
+        to this layer's selected pages (``page_keys`` is this layer's ``[B, Hkv, P, D]`` slice
+        here), a prefill (``T > 1``) to every filled page."""
+        cache = self.cache.write(layer, k, v, q_pos)
+        if q.shape[1] > 1:
+            return cache.read(layer, q, q_pos, backend), self.replace(cache=cache)
 
         def sparse(_):
-            return page_sparse_attention(q, ck, cv, q_pos, cpos, self.page_keys, self.budget,
-                                         self.slot_offset, page_size=self.page_size,
-                                         max_k=self.max_k)
+            return page_sparse_attention(q, cache.k, cache.v, cache.pos, q_pos, layer,
+                                         self.page_keys, self.budget,
+                                         page_size=self.page_size, max_k=self.max_k)
 
         def dense(_):
-            shape = (ck.shape[0], ck.shape[1], self.num_selected)
-            return attention(q, ck, cv, q_pos, cpos), jnp.full(shape, NO_PAGE, jnp.int32)
+            shape = (q.shape[0], k.shape[1], self.num_selected)
+            return (cache.read(layer, q, q_pos, backend),
+                    jnp.full(shape, NO_PAGE, jnp.int32))
 
         if not self.dense_layers:
             out, pages = sparse(None)
@@ -107,19 +142,67 @@ class PageSparseCache(PerLayerPositions):
         return out, self.replace(cache=cache, selected=selected)
 
     def end_forward(self, t: int) -> PageSparseCache:
-        """Advance the cache's write index."""
-        return self.replace(cache=self.cache.end_forward(t))
+        """Refresh the mean keys of the pages the forward's ``t`` tokens were written to
+        (``ceil((t - 1) / page_size) + 1`` pages per row from the first position's; pages past
+        the row's newest position have no written keys and stay zero), then advance the
+        index."""
+        first = self.first_position // self.page_size  # [B]
+        touched = first[:, None] + jnp.arange(-(-(t - 1) // self.page_size) + 1)
+        page_keys = refresh_page_keys(self.page_keys, self.cache, touched)
+        return self.replace(cache=self.cache.end_forward(t), page_keys=page_keys)
+
+    def row_tokens(self) -> jax.Array:
+        """``[B]`` int32 resident tokens of each row (every written one: nothing is evicted)."""
+        return self.cache.row_tokens()
+
+    def repeat_rows(self, n: int) -> PageSparseCache:
+        """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
+        return self.replace(cache=self.cache.repeat_rows(n),
+                            page_keys=jnp.repeat(self.page_keys, n, axis=1),
+                            budget=jnp.repeat(self.budget, n),
+                            first_position=jnp.repeat(self.first_position, n),
+                            selected=jnp.repeat(self.selected, n, axis=1))
 
 
-def page_sparse_cache(cache: KVCache, page_keys: jax.Array, budget: jax.Array,
-                      slot_offset: jax.Array, *, page_size: int, max_k: int,
+def page_sparse_cache(cache: PagedKVCache, *, max_k: int,
                       dense_layers: tuple[int, ...]) -> PageSparseCache:
-    """A :class:`PageSparseCache` for one decode step, its ``selected`` all ``NO_PAGE``."""
-    n_layers, b, hkv, p, _ = page_keys.shape
-    selected = jnp.full((n_layers, b, hkv, selected_slots(max_k, p)), NO_PAGE, jnp.int32)
-    return PageSparseCache(cache=cache, page_keys=page_keys, budget=budget,
-                           slot_offset=slot_offset, selected=selected, page_size=page_size,
-                           max_k=max_k, dense_layers=tuple(dense_layers))
+    """A :class:`PageSparseCache` over an empty paged ``cache`` (``k [L, B, Hkv, C, D]``):
+    zero page keys ``[L, B, Hkv, C / page_size, D]``, budget and first positions 0,
+    ``selected`` all ``NO_PAGE``."""
+    n_layers, b, hkv, c, d = cache.k.shape
+    p = c // cache.page_size
+    return PageSparseCache(
+        cache=cache, page_keys=jnp.zeros((n_layers, b, hkv, p, d), cache.k.dtype),
+        budget=jnp.zeros((b,), jnp.int32), first_position=jnp.zeros((b,), jnp.int32),
+        selected=jnp.full((n_layers, b, hkv, selected_slots(max_k, p)), NO_PAGE, jnp.int32),
+        max_k=max_k, dense_layers=tuple(dense_layers))
+
+
+def refresh_page_keys(page_keys: jax.Array, cache: PagedKVCache, pages: jax.Array) -> jax.Array:
+    """Recompute the mean key of ``pages [B, n]`` of each row (every layer and KV head).
+
+    Args:
+      page_keys: ``[L, B, Hkv, P, D]`` page-mean keys.
+      cache: the paged cache (``k [L, B, Hkv, C, D]``, ``pos [B, C]``, ``C = P * page_size``).
+      pages: ``[B, n]`` int page indices to refresh (``P`` or more = skipped).
+
+    Returns ``page_keys`` with those pages set to the mean of their written keys (zero for a
+    page with none). Reads ``n * page_size`` slots per row, layer and head.
+    """
+    n_layers, b, h, p, d = page_keys.shape
+    ps, c = cache.page_size, cache.capacity
+    want = (pages[:, :, None] * ps + jnp.arange(ps)).reshape(b, -1)  # [B, n*ps]
+    slots = jnp.clip(want, 0, c - 1)
+    got = jnp.take_along_axis(cache.pos, slots, axis=-1) == want  # [B, n*ps]
+    idx = jnp.broadcast_to(slots[None, :, None, :], (n_layers, b, h, slots.shape[1]))
+    keys = jnp.take_along_axis(cache.k, idx[..., None], axis=3).astype(jnp.float32)
+    keys = jnp.where(got[None, :, None, :, None], keys, 0.0).reshape(n_layers, b, h, -1, ps, d)
+    count = jnp.sum(got.reshape(b, -1, ps), axis=-1)[None, :, None, :, None]
+    means = jnp.sum(keys, axis=-2) / jnp.maximum(count, 1)  # [L, B, Hkv, n, D]
+    rows = jnp.arange(b)[:, None]
+    # Advanced indices (rows, pages) around a slice put [B, n] first: values [B, n, L, Hkv, D].
+    return page_keys.at[:, rows, :, pages].set(
+        means.transpose(1, 3, 0, 2, 4).astype(page_keys.dtype), mode="drop")
 
 
 @struct.dataclass
@@ -199,43 +282,42 @@ def select_pages(
 
 
 def gather_pages(
-    k: jax.Array, v: jax.Array, k_pos: jax.Array, pages: jax.Array, slot_offset: jax.Array,
+    k: jax.Array, v: jax.Array, k_pos: jax.Array, pages: jax.Array, layer: jax.Array,
     page_size: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Keys, values and positions of the selected pages only.
+    """Keys, values and positions of the selected pages of one layer only.
 
     Args:
-      k, v: ``[B, Hkv, C, D]``; k_pos: ``[B, Hkv, C]`` (``-1`` empty).
+      k, v: ``[L, B, Hkv, C, D]`` a paged cache's buffers (slot = position); k_pos: ``[B, C]``
+        (``-1`` empty).
       pages: ``[B, Hkv, K]`` page indices (``NO_PAGE`` unused).
-      slot_offset: ``[B]`` slot of position 0 of each row.
+      layer: ``[]`` int the layer to read.
 
     Returns:
       ``k, v [B, Hkv, K * page_size, D]`` and positions ``[B, Hkv, K * page_size]`` with ``-1``
       on unused slots and on positions not yet written.
     """
-    c = k.shape[2]
+    b, h = pages.shape[:2]
     within = jnp.arange(page_size, dtype=jnp.int32)
-    want = (pages[..., None] * page_size + within).reshape(pages.shape[:2] + (-1,))
-    slots = jnp.clip(slot_offset[:, None, None] + want, 0, c - 1)
-    got = jnp.take_along_axis(k_pos, slots, axis=-1)
+    want = (pages[..., None] * page_size + within).reshape(b, h, -1)  # [B, Hkv, K*ps]
+    slots = jnp.clip(want, 0, k.shape[3] - 1)
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+    got = k_pos[rows, slots]
     used = jnp.repeat(pages >= 0, page_size, axis=-1) & (got == want)
-    gk = jnp.take_along_axis(k, slots[..., None], axis=2)
-    gv = jnp.take_along_axis(v, slots[..., None], axis=2)
-    return gk, gv, jnp.where(used, got, -1)
+    return k[layer, rows, heads, slots], v[layer, rows, heads, slots], jnp.where(used, got, -1)
 
 
 def page_sparse_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-    page_keys: jax.Array, budget: jax.Array, slot_offset: jax.Array, *, page_size: int,
-    max_k: int,
+    q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array, q_pos: jax.Array,
+    layer: jax.Array, page_keys: jax.Array, budget: jax.Array, *, page_size: int, max_k: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """One decode step of page-sparse attention for one layer.
+    """One decode step of page-sparse attention for one layer of a paged cache.
 
     Args:
       q: ``[B, 1, Hq, D]`` the step's query (after RoPE); q_pos ``[B, 1]`` its position.
-      k, v: ``[B, Hkv, C, D]`` the dense cache (the step's key already written); k_pos
-        ``[B, Hkv, C]``.
-      page_keys: ``[B, Hkv, P, D]``; budget ``[B]``; slot_offset ``[B]`` (see
+      k, v: ``[L, B, Hkv, C, D]`` the paged cache's buffers (the step's key already written);
+        k_pos ``[B, C]``; layer ``[]`` the layer to read.
+      page_keys: ``[B, Hkv, P, D]`` this layer's page-mean keys; budget ``[B]`` (see
         :class:`PageSparseCache`).
 
     Returns:
@@ -244,9 +326,9 @@ def page_sparse_attention(
     b, t, hq, d = q.shape
     if t != 1:
         raise ValueError(f"page_sparse_attention: one decode query per row, got T={t}")
-    hkv = k.shape[1]
+    hkv = k.shape[2]
     q_mean = jnp.mean(q[:, 0].reshape(b, hkv, hq // hkv, d).astype(jnp.float32), axis=2)
     num_pages = (q_pos[:, 0] + page_size) // page_size  # ceil((pos + 1) / page_size)
     pages = select_pages(q_mean, page_keys.astype(jnp.float32), num_pages, budget, max_k)
-    gk, gv, gpos = gather_pages(k, v, k_pos, pages, slot_offset, page_size)
+    gk, gv, gpos = gather_pages(k, v, k_pos, pages, layer, page_size)
     return attention(q, gk, gv, q_pos, gpos), pages

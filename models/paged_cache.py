@@ -1,23 +1,27 @@
-"""The paged KV cache of a dense rollout: a :mod:`models.kv_view` view whose decode reads only
-the pages filled so far.
+"""The paged KV cache of a rollout: a :mod:`models.kv_view` view whose decode reads only the
+pages filled so far.
 
 Per layer, keys and values live in ``C = num_pages * page_size`` slots (page ``p`` is slots
-``[p * page_size, (p + 1) * page_size)``); every row writes at the shared write index (left
-padding lines rows of different prompt lengths up; padding slots carry position ``-1``).
+``[p * page_size, (p + 1) * page_size)``). Slots are positions: every row writes the token of
+position ``j`` at slot ``j`` (left padding is not written, padding slots carry position
+``-1``), so page ``p`` of every row holds its positions ``[p * page_size, (p + 1) *
+page_size)``: the pages a page-sparse decode selects (``models.page_sparse``) are these pages.
 Compared with the slot cache (``models.cache.KVCache``):
 
 - positions are written once per forward (``begin_forward``), one ``[B, C]`` array for every
-  layer and KV head (a dense cache keeps the same tokens everywhere);
-- ``attend`` writes the layer's new keys/values with one dynamic update of the carried
-  ``[L, ...]`` buffers at ``(layer, index)`` and reads them back in chunks of
+  layer and KV head (a cache that evicts nothing keeps the same tokens everywhere);
+- ``attend`` writes the layer's new keys/values with one scatter into the carried
+  ``[L, ...]`` buffers at ``(layer, row, position)`` and reads them back in chunks of
   ``chunk_pages`` pages with dynamic slices at ``(layer, chunk)``: no layer's buffer is
   sliced or copied whole;
-- the chunks run in a loop with a traced trip count, ``ceil((index + T) / chunk)``, folding
-  each into an fp32 online softmax (``models.attention.online_softmax_step``), so a decode
-  step costs the resident tokens, not the maximum length.
+- the chunks run in a loop with a traced trip count, ``ceil((newest position + 1) / chunk)``,
+  folding each into an fp32 online softmax (``models.attention.online_softmax_step``), so a
+  decode step costs the resident tokens, not the maximum length.
 
 Visibility is the slot cache's: slot ``s`` is visible to a query at position ``t`` iff
-``0 <= pos[s] <= t``. Rollouts only (no gradient through the loop).
+``0 <= pos[s] <= t``. Positions must be below the capacity (the caller sizes it; a row's
+positions never exceed its forwarded columns, which ``check`` bounds when the index is known).
+Rollouts only (no gradient through the loop).
 """
 
 from __future__ import annotations
@@ -72,29 +76,40 @@ class PagedKVCache(WriteIndexCache):
         self.check_room(t, backend)
 
     def begin_forward(self, positions: jax.Array) -> PagedKVCache:
-        """Write the forward's positions ``[B, T]`` at slots ``[index, index + T)``, once for
-        every layer."""
-        pos = jax.lax.dynamic_update_slice(self.pos, positions.astype(jnp.int32),
-                                           (0, self.index))
-        return self.replace(pos=pos)
+        """Write the forward's positions ``[B, T]`` at their own slots (position ``j`` of a
+        row at slot ``j``; padding, ``-1``, is not written), once for every layer."""
+        return self.replace(pos=self.pos.at[_rows(positions), _slots(positions, self.capacity)]
+                            .set(positions.astype(jnp.int32), mode="drop"))
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array,
+              q_pos: jax.Array) -> PagedKVCache:
+        """Write ``k, v [B, Hkv, T, D]`` of ``layer`` at the slots of their positions
+        ``q_pos [B, T]`` (padding is dropped): one in-place scatter per buffer."""
+        rows, slots = _rows(q_pos), _slots(q_pos, self.capacity)
+        # advanced indices (layer, rows, slots) around a slice put [B, T] first: [B, T, Hkv, D]
+        return self.replace(
+            k=self.k.at[layer, rows, :, slots].set(
+                k.transpose(0, 2, 1, 3).astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, rows, :, slots].set(
+                v.transpose(0, 2, 1, 3).astype(self.v.dtype), mode="drop"))
+
+    def read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
+             backend: str) -> jax.Array:
+        """Attention ``[B, T, Hq, D]`` of ``q`` (positions ``q_pos [B, T]``) over the chunks of
+        ``layer`` up to the newest position (``"reference"``: the einsum over every slot, the
+        oracle)."""
+        if backend == "reference":
+            b, hkv = self.pos.shape[0], self.k.shape[2]
+            k_pos = jnp.broadcast_to(self.pos[:, None], (b, hkv, self.capacity))
+            return attention(q, self.k[layer], self.v[layer], q_pos, k_pos, backend=backend)
+        return paged_attention(q, self.k, self.v, self.pos, q_pos, layer,
+                               filled=jnp.max(q_pos) + 1,
+                               chunk=min(self.chunk_pages * self.page_size, self.capacity))
 
     def attend(self, layer, q, k, v, q_pos, backend):
-        """Write ``k, v [B, Hkv, T, D]`` at slots ``[index, index + T)`` of ``layer``, then
-        attend ``q [B, T, Hq, D]`` over the filled chunks (``"reference"``: the einsum over
-        every slot, the oracle)."""
-        at = (layer, 0, 0, self.index, 0)
-        cache = self.replace(
-            k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
-            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at))
-        if backend == "reference":
-            k_pos = jnp.broadcast_to(cache.pos[:, None], (cache.pos.shape[0], k.shape[1],
-                                                          self.capacity))
-            return attention(q, cache.k[layer], cache.v[layer], q_pos, k_pos,
-                             backend=backend), cache
-        out = paged_attention(q, cache.k, cache.v, cache.pos, q_pos, layer,
-                              filled=self.index + q.shape[1],
-                              chunk=min(self.chunk_pages * self.page_size, self.capacity))
-        return out, cache
+        """:meth:`write` the layer's keys/values, then :meth:`read` over the filled chunks."""
+        cache = self.write(layer, k, v, q_pos)
+        return cache.read(layer, q, q_pos, backend), cache
 
     def row_tokens(self) -> jax.Array:
         """``[B]`` int32 resident (non-empty) slots of each row."""
@@ -104,6 +119,16 @@ class PagedKVCache(WriteIndexCache):
         """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
         return self.replace(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1),
                             pos=jnp.repeat(self.pos, n, axis=0))
+
+
+def _rows(positions: jax.Array) -> jax.Array:
+    """``[B, 1]`` row indices broadcasting against positions ``[B, T]``."""
+    return jnp.arange(positions.shape[0])[:, None]
+
+
+def _slots(positions: jax.Array, capacity: int) -> jax.Array:
+    """``[B, T]`` the slot of each position: itself, or ``capacity`` (dropped) for padding."""
+    return jnp.where(positions >= 0, positions, capacity)
 
 
 def init_paged_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: int,

@@ -12,13 +12,14 @@ slots compressed back when full; ``paged``: a slot for every token in ``page_siz
 pages, one position array for all layers, decode reads only the filled pages,
 ``models.paged_cache``). ``layout`` may be left out (None: the method's own,
 :attr:`CompressionConfig.natural_layout`); the evicting policies run on ``budget``, ``sparrow``
-on ``dense``, ``none`` on ``paged`` (its own: faster on CPU at every length measured,
+on ``paged``, ``none`` on ``paged`` (its own: faster on CPU at every length measured,
 benchmarks/README.md) or ``dense``; any other pair is a config error naming ``layout``. Every
 layout a method takes runs the same policy (same tokens up to float summation order).
 
-``sparrow`` (page-sparse decode, arXiv 2606.08446) evicts nothing either: the cache stays dense
-and each decode step attends, per layer and KV head, to the sink page, the top-k middle pages
-by ``mean-query . page-mean-key`` and the 2 newest pages (``models.page_sparse``); k comes from
+``sparrow`` (page-sparse decode, arXiv 2606.08446) evicts nothing either: the cache holds every
+token in pages and each decode step attends, per layer and KV head, to the sink page, the
+top-k middle pages by ``mean-query . page-mean-key`` and the 2 newest pages
+(``models.page_sparse``: a selection over the paged layout's own pages); k comes from
 ``budget_schedule``, a step function of the cached length.
 """
 
@@ -83,10 +84,10 @@ class CompressionConfig:
         (Z = importance), ``rkv`` (Z = rkv_lambda * importance - (1 - rkv_lambda) *
         redundancy), ``streaming`` (``num_sinks`` first tokens + the newest), ``sparrow``
         (attend selected pages, evict nothing).
-      layout: the cache layout: ``dense`` (one slot per token; ``sparrow``, or ``none``),
-        ``budget`` (``budget + buffer`` slots; the evicting methods) or ``paged`` (one slot
-        per token in ``page_size``-slot pages, decode reads only the filled ones; ``none``'s
-        own); None = the method's own. Other pairs are rejected.
+      layout: the cache layout: ``dense`` (one slot per token; ``none``), ``budget``
+        (``budget + buffer`` slots; the evicting methods) or ``paged`` (one slot per token in
+        ``page_size``-slot pages, decode reads only the filled ones; ``none``'s own and
+        ``sparrow``'s); None = the method's own. Other pairs are rejected.
       budget: slots kept after a compression (includes the ``window`` newest), > window.
       buffer: slots written between two compressions, >= 1; capacity = budget + buffer.
       window: newest tokens that always survive; their queries score the others.
@@ -104,7 +105,8 @@ class CompressionConfig:
       importance: ``sparse_rl`` (pool logits over the group, softmax over non-window keys) or
         ``kvpress_snapkv`` (per-head softmax over all keys, causal inside the window, sliced;
         its usual window is 64).
-      page_size: (``sparrow``, layout ``paged``) tokens per page, >= 1 (16 in Sparrow).
+      page_size: (layout ``paged``: ``sparrow``'s pages) tokens per page, >= 1 (16 in
+        Sparrow).
       budget_schedule: (``sparrow``) ``((start_0=0, k_0), (start_1, k_1), ...)``: a row whose
         cached length ``L`` (prompt + response, current token included) has
         ``ceil(L / page_size) * page_size >= start_i`` (largest such i) attends to ``k_i``
@@ -195,8 +197,7 @@ class CompressionConfig:
                            "not hold",
             }[self.method]
         elif self.method == "sparrow":
-            reason = ("sparrow's pages are token positions of the dense slot cache; the paged "
-                      "cache's pages are slots of left-padded rows, which do not line up")
+            reason = "sparrow selects among the pages of the paged cache"
         else:
             reason = (f"method {self.method!r} evicts: it compresses a budget cache (method "
                       "none keeps every token)")
@@ -276,12 +277,12 @@ class CompressionConfig:
         """The layouts ``method`` runs on, its own (:attr:`natural_layout`) first."""
         if self.method in EVICTING:
             return ("budget",)
-        return ("paged", "dense") if self.method == "none" else ("dense",)
+        return ("paged", "dense") if self.method == "none" else ("paged",)
 
     @property
     def natural_layout(self) -> str:
         """The layout ``method`` runs on when ``layout`` is left out: ``budget`` if it
-        evicts, ``paged`` for ``none``, ``dense`` for ``sparrow``."""
+        evicts, ``paged`` for ``none`` and ``sparrow``."""
         return self.valid_layouts[0]
 
     @property
@@ -296,7 +297,7 @@ class CompressionConfig:
 
     @property
     def page_sparse(self) -> bool:
-        """True for ``sparrow``: decode attends to selected pages of a dense cache."""
+        """True for ``sparrow``: decode attends to selected pages of a full paged cache."""
         return self.method == "sparrow"
 
     @property

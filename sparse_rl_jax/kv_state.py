@@ -18,13 +18,13 @@ from flax import struct
 from jax import lax
 
 from models.cache import KVCache, init_cache
+from models.page_sparse import PageSparseCache, page_sparse_cache
 from models.paged_cache import PagedKVCache, init_paged_cache
 from models.kv_view import ExpiryRecord
 from models.shapes import check_shape
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.kv_scores import slot_scores
 from sparse_rl_jax.kv_selection import select_slots
-from sparse_rl_jax.page_sparsity import num_pages
 
 NEVER = 2**30  # eviction-record value of a key that is never evicted
 
@@ -37,18 +37,17 @@ class SparseKVState:
       cache: the model's ``KVCache`` (``k, v [L, B, Hkv, C, D]``, ``pos [L, B, Hkv, C]``,
         index; for the evicting methods ``queries [L, B, Hq, window, D]``, the ring of the
         last ``window`` queries per layer, oldest -> newest, aligned with the newest written
-        slots ``[index - window, index)``; None for ``none`` and ``sparrow``), or with
-        ``layout: paged`` a ``models.paged_cache.PagedKVCache`` (``pos [B, C]``).
+        slots ``[index - window, index)``; None for ``none``), with ``layout: paged`` a
+        ``models.paged_cache.PagedKVCache`` (``pos [B, C]``), and for ``sparrow`` a
+        ``models.page_sparse.PageSparseCache`` (a ``PagedKVCache`` and its page-mean keys
+        ``[L, B, Hkv, ceil(max_len / page_size), D]``, which it refreshes itself).
       evicted_at: ``[L, B, Hkv, T_total]`` int32, indexed by token position: the first query
         position that no longer sees the key; ``NEVER`` if it was never evicted. ``T_total``
         is 0 when the state keeps no record (``init_state(record=False)``).
-      page_keys: ``[L, B, Hkv, P, D]`` page-mean keys of a page-sparse (``sparrow``) cache,
-        ``P = ceil(max_len / page_size)``; ``P = 0`` for the other methods.
     """
 
-    cache: KVCache | PagedKVCache
+    cache: KVCache | PagedKVCache | PageSparseCache
     evicted_at: jax.Array
-    page_keys: jax.Array
 
 
 def init_state(
@@ -65,10 +64,11 @@ def init_state(
 ) -> SparseKVState:
     """An empty state for sequences of up to ``max_len`` positions (prompt + response).
 
-    The cache gets ``cfg.cache_capacity(max_len)`` slots (``budget + buffer``; ``max_len`` for
-    ``none``) and, when it compresses, a ring of ``cfg.window`` queries; the eviction record
-    covers positions ``[0, max_len)``, or nothing when ``record`` is False (compression then
-    skips the bookkeeping).
+    The cache gets ``cfg.cache_capacity(max_len)`` slots (``budget + buffer``; ``max_len``,
+    rounded up to whole pages when paged, for ``none`` and ``sparrow``, whose paged cache is
+    wrapped in a page-sparse one) and, when it compresses, a ring of ``cfg.window`` queries;
+    the eviction record covers positions ``[0, max_len)``, or nothing when ``record`` is False
+    (compression then skips the bookkeeping).
     """
     for name, value in (
         ("num_layers", num_layers),
@@ -91,12 +91,12 @@ def init_state(
         cache = init_cache(num_layers, batch, num_kv_heads, cfg.cache_capacity(max_len),
                            head_dim, dtype, num_heads=num_heads,
                            window=cfg.window if cfg.compresses else 0)
-    pages = num_pages(max_len, cfg.page_size) if cfg.page_sparse else 0
+    if cfg.page_sparse:
+        cache = page_sparse_cache(cache, max_k=cfg.max_pages_k, dense_layers=cfg.dense_layers)
     return SparseKVState(
         cache=cache,
         evicted_at=jnp.full((num_layers, batch, num_kv_heads, max_len if record else 0), NEVER,
                             jnp.int32),
-        page_keys=jnp.zeros((num_layers, batch, num_kv_heads, pages, head_dim), dtype),
     )
 
 

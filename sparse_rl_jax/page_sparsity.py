@@ -1,8 +1,7 @@
-"""Sparrow bookkeeping around the model's page-sparse decode (``models.page_sparse``).
+"""Sparrow bookkeeping around the model's page-sparse decode (``models.page_sparse``, whose
+cache keeps its own page-mean keys).
 
 - :func:`schedule_budget`: k of each row from ``budget_schedule`` and its cached length.
-- :func:`refresh_page_keys`: the page-mean keys of the pages just written (the model scores
-  only full pages, so a page's mean is final once it fills).
 - :func:`replay_from_page_record`: the selection record as the per-query pages of a
   teacher-forced forward, which replays the sampler's page-sparse policy exactly;
   :class:`PageRecord` is the record as a ``scoring.ReplayRecord``.
@@ -14,7 +13,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.cache import KVCache
 from models.page_sparse import NO_PAGE, PageReplay
 from models.shapes import check_shape
 from sparse_rl_jax.compression_config import CompressionConfig
@@ -45,37 +43,6 @@ def schedule_budget(cfg: CompressionConfig, lengths: jax.Array,
 def num_pages(max_len: int, page_size: int) -> int:
     """Pages that hold ``max_len`` positions: ``ceil(max_len / page_size)``."""
     return -(-max_len // page_size)
-
-
-def refresh_page_keys(
-    page_keys: jax.Array, cache: KVCache, slot_offset: jax.Array, pages: jax.Array,
-    page_size: int,
-) -> jax.Array:
-    """Recompute the mean key of ``pages [B, n]`` of each row (every layer and KV head).
-
-    Args:
-      page_keys: ``[L, B, Hkv, P, D]`` page-mean keys.
-      cache: the dense cache (``k [L, B, Hkv, C, D]``, ``pos``).
-      slot_offset: ``[B]`` slot of each row's position 0.
-      pages: ``[B, n]`` int page indices to refresh (``P`` or more = skipped).
-
-    Returns ``page_keys`` with those pages set to the mean of their written keys (zero for a
-    page with none). Reads ``n * page_size`` slots per row, layer and head.
-    """
-    n_layers, b, h, p, d = page_keys.shape
-    c = cache.capacity
-    want = (pages[:, :, None] * page_size + jnp.arange(page_size)).reshape(b, -1)  # [B, n*ps]
-    slots = jnp.clip(slot_offset[:, None] + want, 0, c - 1)
-    idx = jnp.broadcast_to(slots[None, :, None, :], (n_layers, b, h, slots.shape[1]))
-    got = jnp.take_along_axis(cache.pos, idx, axis=-1) == want[None, :, None, :]
-    keys = jnp.take_along_axis(cache.k, idx[..., None], axis=3).astype(jnp.float32)
-    keys = jnp.where(got[..., None], keys, 0.0).reshape(n_layers, b, h, -1, page_size, d)
-    count = jnp.sum(got.reshape(n_layers, b, h, -1, page_size), axis=-1)[..., None]
-    means = jnp.sum(keys, axis=-2) / jnp.maximum(count, 1)  # [L, B, Hkv, n, D]
-    rows = jnp.arange(b)[:, None]
-    # Advanced indices (rows, pages) around a slice put [B, n] first: values [B, n, L, Hkv, D].
-    return page_keys.at[:, rows, :, pages].set(
-        means.transpose(1, 3, 0, 2, 4).astype(page_keys.dtype), mode="drop")
 
 
 def replay_from_page_record(

@@ -8,10 +8,11 @@ Every decode step writes one token per row, and the cache is compressed back to 
 slots whenever it fills (``kv_state.maybe_compress``). The sampler records the log-prob of each
 sampled token under the policy that produced it, and the eviction record that makes that policy
 reproducible by a teacher-forced forward (``scoring.score(..., replay_record(rollout,
-compression))``). With ``sparrow`` the cache stays dense and each decode step attends to
-selected pages (``models.page_sparse``); the selection record replays it the same way. With
-``none`` nothing is evicted; its own layout is the paged cache (``models.paged_cache``, decode
-reads only the filled pages), ``compression.layout: dense`` the slot cache.
+compression))``). With ``sparrow`` nothing is evicted: each decode step attends to
+selected pages of the paged cache (``models.page_sparse``, whose cache keeps its own page-mean
+keys); the selection record replays it the same way. With ``none`` nothing is evicted; its own
+layout is the paged cache (``models.paged_cache``, decode reads only the filled pages),
+``compression.layout: dense`` the slot cache.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.page_sparse import page_sparse_cache, selected_slots
 from models.shapes import check_shape
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
-from sparse_rl_jax.page_sparsity import PageRecord, refresh_page_keys, schedule_budget
+from sparse_rl_jax.page_sparsity import PageRecord, schedule_budget
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.token_sampling import sample_tokens
 
@@ -217,49 +217,33 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
     state = kv_state.maybe_compress(state, compression, after_prefill=True)
     compressed = (state.cache.index != before).astype(jnp.int32)
     logits = model.unembed(out.hidden[:, -1])  # [B, V]
-    if compression.page_sparse:
-        total_pages = state.page_keys.shape[3]
-        every_page = jnp.broadcast_to(jnp.arange(total_pages), (b, total_pages))
-        state = state.replace(page_keys=refresh_page_keys(
-            state.page_keys, state.cache, p - prompt_mask.sum(axis=1), every_page,
-            compression.page_size))
 
     n = sampling.num_samples
     fan_out = lambda x, axis: jnp.repeat(x, n, axis=axis)  # noqa: E731
     state = kv_state.SparseKVState(
         cache=state.cache.repeat_rows(n),
         evicted_at=fan_out(state.evicted_at, 1),
-        page_keys=fan_out(state.page_keys, 1),
     )
     tokens, logp = sample_tokens(key, fan_out(logits, 0), sampling)
     return Prefilled(state=state, first=tokens, first_logp=logp, resident=fan_out(resident, 0),
                      lengths=fan_out(prompt_mask.sum(axis=1), 0), compressions=compressed)
 
 
-def _step(model, c: DecodeLoop, *, lengths, slot_offset, sampling: SamplingConfig,
+def _step(model, c: DecodeLoop, *, lengths, sampling: SamplingConfig,
           compression: CompressionConfig, budget_ks=None) -> DecodeLoop:
     """One decode forward: feed ``c.last``, sample the next token of every active row."""
     positions = (lengths + c.step - 1)[:, None]
     kv = c.state.cache
-    if compression.page_sparse:
-        kv = page_sparse_cache(
-            kv, c.state.page_keys, schedule_budget(compression, positions[:, 0] + 1, budget_ks),
-            slot_offset, page_size=compression.page_size, max_k=compression.max_pages_k,
-            dense_layers=compression.dense_layers)
+    if compression.page_sparse:  # the cache refreshes its own page keys (end_forward)
+        kv = kv.replace(budget=schedule_budget(compression, positions[:, 0] + 1, budget_ks))
     out = model(c.last[:, None], positions, kv=kv, return_logits=False)
     active = ~c.done
     page_record = c.page_record
-    if not compression.page_sparse:
-        state = c.state.replace(cache=out.kv)
-    else:
-        state = c.state.replace(cache=out.kv.cache)
-        state = state.replace(page_keys=refresh_page_keys(
-            state.page_keys, state.cache, slot_offset,
-            positions // compression.page_size, compression.page_size))
-        if page_record.shape[-1]:
-            chosen = jnp.where(active[None, :, None, None], out.kv.selected, -1)
-            page_record = jax.lax.dynamic_update_slice(
-                page_record, chosen[:, :, :, None], (0, 0, 0, c.step - 1, 0))
+    state = c.state.replace(cache=out.kv)
+    if page_record.shape[-1]:
+        chosen = jnp.where(active[None, :, None, None], out.kv.selected, -1)
+        page_record = jax.lax.dynamic_update_slice(
+            page_record, chosen[:, :, :, None], (0, 0, 0, c.step - 1, 0))
     resident = _resident(state)
     key, sub = jax.random.split(c.key)
     token, logp = sample_tokens(sub, model.unembed(out.hidden[:, 0]), sampling)
@@ -306,10 +290,9 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
     model = nnx.merge(graphdef, params)
     state, lengths = prefilled.state, prefilled.lengths
     m, cfg = sampling.max_new_tokens, model.config
-    selected = selected_slots(compression.max_pages_k, state.page_keys.shape[3])
     keep_record = compression.page_sparse and sampling.record_evictions
-    record_shape = (cfg.num_layers, n, cfg.num_kv_heads) + ((m, selected) if keep_record
-                                                             else (0, 0))
+    record_shape = (cfg.num_layers, n, cfg.num_kv_heads) + (
+        (m, state.cache.num_selected) if keep_record else (0, 0))
     loop = DecodeLoop(
         state=state,
         step=jnp.ones((), jnp.int32),
@@ -324,9 +307,8 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
         key=key,
         page_record=jnp.full(record_shape, -1, jnp.int32),
     )
-    slot_offset = state.cache.index - lengths  # [N] slot of position 0 (left padding)
-    step = functools.partial(_step, model, lengths=lengths, slot_offset=slot_offset,
-                             sampling=sampling, compression=compression, budget_ks=budget_ks)
+    step = functools.partial(_step, model, lengths=lengths, sampling=sampling,
+                             compression=compression, budget_ks=budget_ks)
     capacity = state.cache.capacity
 
     def running(c: DecodeLoop):

@@ -27,13 +27,14 @@ from sparse_rl_jax.compression_config import CompressionConfig
         ({"layout": "paged"},
          r"layout='paged' does not fit method 'snapkv' \(needs 'budget'\): method 'snapkv' "
          r"evicts"),
-        ({"method": "sparrow", "layout": "paged"},
-         r"layout='paged' does not fit method 'sparrow' \(needs 'dense'\): sparrow's pages"),
+        ({"method": "sparrow", "layout": "dense"},
+         r"layout='dense' does not fit method 'sparrow' \(needs 'paged'\): sparrow selects "
+         r"among the pages of the paged cache"),
         ({"method": "none", "layout": "budget"},
          r"layout='budget' does not fit method 'none' \(needs 'paged' or 'dense'\): a budget "
          r"cache needs an eviction policy"),
         ({"method": "sparrow", "layout": "budget"},
-         r"layout='budget' does not fit method 'sparrow' \(needs 'dense'\)"),
+         r"layout='budget' does not fit method 'sparrow' \(needs 'paged'\)"),
         ({"method": "rkv", "layout": "dense"},
          r"layout='dense' does not fit method 'rkv' \(needs 'budget'\): method 'rkv' evicts"),
     ],
@@ -76,7 +77,7 @@ def test_layout_defaults_to_the_methods_own_and_hashes_the_same(method):
     explicit = CompressionConfig(method=method, layout=implied.natural_layout)
     assert implied.layout is None and implied.cache_layout == explicit.cache_layout
     assert implied.cache_layout == {"none": "paged", "snapkv": "budget",
-                                    "sparrow": "dense"}[method]
+                                    "sparrow": "paged"}[method]
     assert implied.cache_capacity(1000) == explicit.cache_capacity(1000)
     # a run of an older config (no layout key) still resumes: same hash either way, and
     # every layout the method takes hashes alike (layout changes only speed and memory)

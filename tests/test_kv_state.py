@@ -20,13 +20,14 @@ L, B, HQ, HKV, D = 2, 2, 4, 2, 8
 
 
 def _write(state, k, v, positions, queries):
-    """What the model does with a cache in a forward of T tokens: every layer stores its keys,
-    values and queries (``KVCache.store``), then the index advances.
+    """What the model does with a cache in a forward of T tokens: the positions are written
+    once (``KVCache.begin_forward``), every layer stores its keys, values and queries
+    (``KVCache.store``), then the index advances.
     k, v ``[L, B, Hkv, T, D]``, queries ``[L, B, Hq, T, D]``, positions ``[B, T]``."""
-    cache = state.cache
+    cache = state.cache.begin_forward(jnp.asarray(positions))
     for layer in range(L):
         cache = cache.store(jnp.asarray(layer), jnp.asarray(queries[layer]).transpose(0, 2, 1, 3),
-                            k[layer], v[layer], positions)
+                            k[layer], v[layer])
     return state.replace(cache=cache.end_forward(k.shape[3]))
 
 
@@ -294,8 +295,7 @@ def test_query_ring_keeps_last_window_per_layer():
 
     def store(cache, layer, q):
         kv = np.zeros((1, 1, q.shape[1], 2), np.float32)
-        pos = np.zeros((1, q.shape[1]), np.int32)
-        return cache.store(jnp.asarray(layer), q, kv, kv, pos)
+        return cache.store(jnp.asarray(layer), q, kv, kv)
 
     cache = store(state.cache, 0, seq[0, :, :2])
     assert ring(cache, 0) == [1, 2] and ring(cache, 1) == []

@@ -14,6 +14,7 @@ from models.cache import init_cache
 from models.config import ModelConfig
 from models.kv_view import Causal, ExpiryRecord, MaskRecord, join_layers, split_layers
 from models.page_sparse import NO_PAGE, PageReplay, page_sparse_cache
+from models.paged_cache import init_paged_cache
 from test_sparrow import np_select
 
 L, B, HQ, HKV, D = 3, 2, 4, 2, 8
@@ -39,9 +40,10 @@ def np_attention(q, k, v, visible):
 
 
 def call_layer(view, layer, q, k, v, q_pos, backend="blockwise"):
-    """``view.attend`` as the decoder calls it at ``layer`` (per-layer fields sliced)."""
+    """``view.attend`` as the decoder calls it at ``layer``, after ``begin_forward`` (per-layer
+    fields sliced)."""
     view.check(CFG, q.shape[0], q.shape[1], backend)
-    carried, per_layer = split_layers(view)
+    carried, per_layer = split_layers(view.begin_forward(jnp.asarray(q_pos)))
     one = {name: x[layer] for name, x in per_layer.items()}
     out, new = join_layers(carried, one).attend(jnp.asarray(layer), jnp.asarray(q),
                                                 jnp.asarray(k), jnp.asarray(v),
@@ -114,9 +116,12 @@ def test_slot_cache_writes_its_layer_pushes_the_ring_and_attends_over_every_slot
     visible = (want_pos[:, :, None, :] >= 0) & (want_pos[:, :, None, :] <= q_pos[:, None, :, None])
     np.testing.assert_allclose(out, np_attention(q, want_k, want_v, visible), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(new.k[LAYER]), want_k)
-    np.testing.assert_array_equal(np.asarray(new.pos[LAYER]), want_pos)
     other = [l for l in range(L) if l != LAYER]
     np.testing.assert_array_equal(np.asarray(new.k)[other], old_k[other])
+    # positions are written once per forward, before the layers: every layer's are new
+    want_all = old_pos.copy()
+    want_all[:, :, :, 4:6] = q_pos[None, :, None, :]
+    np.testing.assert_array_equal(np.asarray(new.pos), want_all)
     ring = np.concatenate([old_q[LAYER], q.transpose(0, 2, 1, 3)], axis=2)[:, :, -3:]
     np.testing.assert_array_equal(np.asarray(new.queries[LAYER]), ring)
     np.testing.assert_array_equal(np.asarray(new.queries)[other], old_q[other])
@@ -127,27 +132,27 @@ def test_slot_cache_writes_its_layer_pushes_the_ring_and_attends_over_every_slot
 def test_page_sparse_cache_attends_to_the_numpy_selection(layer):
     rng = np.random.default_rng(2)
     ps, c, max_k = 2, 24, 2
-    lengths, offsets = np.array([17, 9]), np.array([0, 8])  # row 1 left-padded by 8
+    lengths = np.array([17, 9])  # the step writes positions 16 and 8
     k_all, v_all = (rng.normal(size=(L, B, HKV, c, D)).astype(np.float32) for _ in range(2))
-    pos = np.full((L, B, HKV, c), -1, np.int32)
-    for i in range(B):
-        pos[:, i, :, offsets[i]: offsets[i] + lengths[i] - 1] = np.arange(lengths[i] - 1)
+    pos = np.where(np.arange(c) < lengths[:, None] - 1, np.arange(c), -1).astype(np.int32)
     n_pages = c // ps
     page_keys = rng.normal(size=(L, B, HKV, n_pages, D)).astype(np.float32)
     budget = np.array([2, 1], np.int32)
-    cache = init_cache(L, B, HKV, c, D).replace(
+    cache = init_paged_cache(L, B, HKV, c, D, page_size=ps).replace(
         k=jnp.asarray(k_all), v=jnp.asarray(v_all), pos=jnp.asarray(pos),
-        index=jnp.asarray(int((offsets + lengths - 1).max()), jnp.int32))
-    view = page_sparse_cache(cache, jnp.asarray(page_keys), jnp.asarray(budget),
-                             jnp.asarray(offsets, np.int32), page_size=ps, max_k=max_k,
-                             dense_layers=(0,))
+        index=jnp.asarray(16, jnp.int32))
+    view = page_sparse_cache(cache, max_k=max_k, dense_layers=(0,)).replace(
+        page_keys=jnp.asarray(page_keys), budget=jnp.asarray(budget))
     q, k, v = _tokens(rng, 1)
     q_pos = (lengths - 1)[:, None].astype(np.int32)
-    index = int(cache.index)  # the step's slot (shared by the rows: left padding aligns them)
     out, new = call_layer(view, layer, q, k, v, q_pos)
+    np.testing.assert_array_equal(np.asarray(new.first_position), lengths - 1)
 
-    want_k, want_v, want_pos = k_all[layer].copy(), v_all[layer].copy(), pos[layer].copy()
-    want_k[:, :, index], want_v[:, :, index], want_pos[:, :, index] = k[:, :, 0], v[:, :, 0], q_pos
+    want_k, want_v = k_all[layer].copy(), v_all[layer].copy()
+    want_pos = np.broadcast_to(pos[:, None], (B, HKV, c)).copy()
+    for i in range(B):  # each row's token at the slot of its position
+        p = q_pos[i, 0]
+        want_k[i, :, p], want_v[i, :, p], want_pos[i, :, p] = k[i, :, 0], v[i, :, 0], p
     visible = (want_pos >= 0) & (want_pos <= q_pos[:, None, :])  # [B, Hkv, C]
     selected = np.asarray(new.selected[layer])
     if layer == 0:
@@ -165,15 +170,66 @@ def test_page_sparse_cache_attends_to_the_numpy_selection(layer):
     np.testing.assert_array_equal(np.asarray(new.page_keys), page_keys)  # read-only, whole
 
 
+def test_page_sparse_cache_prefills_densely_and_keeps_its_page_means():
+    """A whole forward through the cache (every layer, as the decoder runs it): a prefill
+    attends densely, then ``end_forward`` holds the mean key of every prompt page; a decode
+    step then refreshes the page it wrote to and no other. NumPy keeps keys by position."""
+    rng = np.random.default_rng(3)
+    ps, c, t = 4, 20, 14
+    lengths = np.array([14, 7])
+    q_pos = np.stack([np.arange(t), np.r_[[-1] * 7, np.arange(7)]]).astype(np.int32)
+    view = page_sparse_cache(init_paged_cache(L, B, HKV, c, D, page_size=ps), max_k=1,
+                             dense_layers=(0,))
+    by_pos = np.zeros((L, B, HKV, c, D), np.float32)  # key of each position
+    written = np.zeros((B, c), bool)
+
+    def forward(view, q_pos):
+        view = view.begin_forward(jnp.asarray(q_pos))
+        carried, per_layer = split_layers(view)
+        outs = []
+        for layer in range(L):
+            q, k, v = _tokens(rng, q_pos.shape[1])
+            one = {name: x[layer] for name, x in per_layer.items()}
+            out, new = join_layers(carried, one).attend(
+                jnp.asarray(layer), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                jnp.asarray(q_pos), "blockwise")
+            carried = split_layers(new)[0]
+            outs.append((np.asarray(out), q, k, v))
+            for i, j in zip(*np.nonzero(q_pos >= 0)):
+                by_pos[layer, i, :, q_pos[i, j]] = k[i, :, j]
+        for i, j in zip(*np.nonzero(q_pos >= 0)):
+            written[i, q_pos[i, j]] = True
+        return join_layers(carried, per_layer).end_forward(q_pos.shape[1]), outs
+
+    def want_means():
+        means = np.zeros((L, B, HKV, c // ps, D), np.float32)
+        for i, p in np.ndindex(B, c // ps):
+            held = np.flatnonzero(written[i, p * ps:(p + 1) * ps]) + p * ps
+            if held.size:
+                means[:, i, :, p] = by_pos[:, i, :, held].mean(axis=0)
+        return means
+
+    view, outs = forward(view, q_pos)
+    for out, q, k, v in outs:
+        np.testing.assert_allclose(out, np_attention(q, k, v, _causal(q_pos)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(view.page_keys), want_means(), atol=1e-6)
+    assert int(view.index) == t and np.asarray(view.first_position).tolist() == [0, 0]
+    before = np.asarray(view.page_keys)
+    view, _ = forward(view, lengths[:, None].astype(np.int32))  # positions 14 and 7
+    after = np.asarray(view.page_keys)
+    np.testing.assert_allclose(after, want_means(), atol=1e-6)
+    changed = np.argwhere(np.any(after != before, axis=(0, 2, 4)))  # (row, page) pairs
+    assert changed.tolist() == [[0, 3], [1, 1]]
+
+
 def test_views_reject_what_does_not_fit():
-    with pytest.raises(ValueError, match=r"PageSparseCache: .*\(T=1\), got T=2"):
-        page_sparse_cache(init_cache(L, B, HKV, 8, D), jnp.zeros((L, B, HKV, 4, D)),
-                          jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), page_size=2,
-                          max_k=1, dense_layers=()).check(CFG, B, 2, "blockwise")
+    with pytest.raises(ValueError, match=r"PageSparseCache.page_keys: expected .*5"):
+        page_sparse_cache(init_paged_cache(L, B, HKV, 10, D, page_size=2), max_k=1,
+                          dense_layers=()).replace(page_keys=jnp.zeros((L, B, HKV, 4, D))
+                                                   ).check(CFG, B, 1, "blockwise")
     with pytest.raises(ValueError, match=r"PageSparseCache.dense_layers=\(5,\)"):
-        page_sparse_cache(init_cache(L, B, HKV, 8, D), jnp.zeros((L, B, HKV, 4, D)),
-                          jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), page_size=2,
-                          max_k=1, dense_layers=(5,)).check(CFG, B, 1, "blockwise")
+        page_sparse_cache(init_paged_cache(L, B, HKV, 8, D, page_size=2), max_k=1,
+                          dense_layers=(5,)).check(CFG, B, 1, "blockwise")
     with pytest.raises(ValueError, match=r"KVCache.queries: expected .* got \[3, 2, 2, 3, 8\]"):
         init_cache(L, B, HKV, 8, D, num_heads=2, window=3).check(CFG, B, 1, "blockwise")
     with pytest.raises(ValueError, match="window=3\\) needs num_heads"):

@@ -50,6 +50,7 @@ def test_attention_equals_numpy_over_the_keys_it_holds(page_size, chunk_pages, h
     for t in [width] + steps:
         if t != width or held_pos.shape[1]:
             q_pos = (nxt[:, None] + np.arange(t)).astype(np.int32)
+            nxt = nxt + t
         q = rng.normal(size=(B, t, hq, D)).astype(np.float32)
         k, v = (rng.normal(size=(B, hkv, t, D)).astype(np.float32) for _ in range(2))
         out, cache = _forward(cache, cfg, LAYER, q, k, v, q_pos)
@@ -59,15 +60,18 @@ def test_attention_equals_numpy_over_the_keys_it_holds(page_size, chunk_pages, h
         visible = np.broadcast_to((kp >= 0) & (kp <= q_pos[:, None, :, None]),
                                   (B, hkv, t, held_pos.shape[1]))
         np.testing.assert_allclose(out, np_attention(q, held_k, held_v, visible), atol=1e-5,
-                                   err_msg=f"step of {t} tokens at slot {held_pos.shape[1] - t}")
-        nxt = nxt + t
-    filled = held_pos.shape[1]
-    assert int(cache.index) == filled
-    # what it wrote: positions once for every layer, this layer's keys/values at their slots
-    np.testing.assert_array_equal(np.asarray(cache.pos)[:, :filled], held_pos)
-    assert (np.asarray(cache.pos)[:, filled:] == -1).all()
-    np.testing.assert_array_equal(np.asarray(cache.k)[LAYER, :, :, :filled], held_k)
-    np.testing.assert_array_equal(np.asarray(cache.v)[LAYER, :, :, :filled], held_v)
+                                   err_msg=f"step of {t} tokens at column {held_pos.shape[1] - t}")
+    assert int(cache.index) == held_pos.shape[1]
+    # what it wrote: positions once for every layer, this layer's keys/values, each token at
+    # the slot of its position (rows' pages are positions, whatever their left padding)
+    want_pos = np.full((B, cache.capacity), -1)
+    want_k, want_v = (np.zeros((B, hkv, cache.capacity, D), np.float32) for _ in range(2))
+    for i, j in zip(*np.nonzero(held_pos >= 0)):
+        p = held_pos[i, j]
+        want_pos[i, p], want_k[i, :, p], want_v[i, :, p] = p, held_k[i, :, j], held_v[i, :, j]
+    np.testing.assert_array_equal(np.asarray(cache.pos), want_pos)
+    np.testing.assert_array_equal(np.asarray(cache.k)[LAYER], want_k)
+    np.testing.assert_array_equal(np.asarray(cache.v)[LAYER], want_v)
     other = [l for l in range(L) if l != LAYER]
     assert not np.asarray(cache.k)[other].any()  # other layers untouched
 

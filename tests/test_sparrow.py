@@ -1,5 +1,5 @@
-"""Sparrow page-sparse decode: config, schedule, page scoring/selection against NumPy, the
-page-mean keys, and the sampler's log-probs against the selection-record replay and (in the
+"""Sparrow page-sparse decode: config, schedule, page scoring/selection against NumPy, and
+the sampler's log-probs against the selection-record replay and (in the
 dense regime) against the dense sampler."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from flax import nnx
 
 import models
 from models.attention import reference_attention
-from models.cache import KVCache
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
 from sparse_rl_jax.acceptance import score_acceptance
 from sparse_rl_jax.compile_count import count_compiles
@@ -22,7 +21,7 @@ from sparse_rl_jax.compression_config import SPARROW_PRESETS, CompressionConfig
 from sparse_rl_jax import memory_plan
 from sparse_rl_jax.config_io import ConfigError, from_dict
 from sparse_rl_jax.kv_state import init_state
-from sparse_rl_jax.page_sparsity import PageRecord, refresh_page_keys, schedule_budget
+from sparse_rl_jax.page_sparsity import PageRecord, schedule_budget
 from sparse_rl_jax.sampler import generate, replay_record
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import score
@@ -36,7 +35,7 @@ def test_config_resolves_presets_and_yaml_lists():
     cfg = CompressionConfig(method="sparrow", budget_schedule="qwen3-4b-0.86")
     assert len(cfg.budget_schedule) == 20
     assert cfg.budget_schedule[3] == (6000, 77) and cfg.max_pages_k == 509
-    assert not cfg.compresses and cfg.page_sparse and cfg.cache_capacity(100) == 100
+    assert not cfg.compresses and cfg.page_sparse and cfg.cache_capacity(100) == 112  # pages
     yaml = from_dict(CompressionConfig, {"method": "sparrow", "budget_schedule": [[0, 2], [64, 5]],
                                          "page_size": 8, "dense_layers": [0]})
     assert yaml.budget_schedule == ((0, 2), (64, 5)) and yaml.dense_layers == (0,)
@@ -113,65 +112,38 @@ def test_select_pages_matches_numpy_with_ties_and_small_rows():
     assert set(got[4, 0][got[4, 0] >= 0]) == set(range(6))
 
 
-def _left_padded_cache(rng, b, h, c, d, lengths, offsets):
-    k = rng.normal(size=(b, h, c, d)).astype(np.float32)
-    v = rng.normal(size=(b, h, c, d)).astype(np.float32)
-    pos = np.full((b, h, c), -1, np.int32)
-    for i in range(b):
-        pos[i, :, offsets[i]: offsets[i] + lengths[i]] = np.arange(lengths[i])
-    return k, v, pos
-
-
 def test_page_sparse_attention_equals_masked_reference():
-    """Gathered pages == reference attention over the whole cache masked to those pages."""
+    """Gathered pages of one layer of a paged cache (slot = position) == reference attention
+    over that layer's whole cache masked to those pages."""
     rng = np.random.default_rng(1)
-    b, hkv, g, d, c, ps = 3, 2, 2, 8, 48, 4
-    lengths, offsets = np.array([40, 23, 9]), np.array([2, 19, 30])  # left padding
-    k, v, pos = _left_padded_cache(rng, b, hkv, c, d, lengths, offsets)
+    n_layers, layer, b, hkv, g, d, c, ps = 2, 1, 3, 2, 2, 8, 48, 4
+    lengths = np.array([40, 23, 9])
+    k, v = (rng.normal(size=(n_layers, b, hkv, c, d)).astype(np.float32) for _ in range(2))
+    pos = np.where(np.arange(c) < lengths[:, None], np.arange(c), -1).astype(np.int32)  # [B, C]
     q = rng.normal(size=(b, 1, hkv * g, d)).astype(np.float32)
     q_pos = (lengths - 1)[:, None]
     n_pages = c // ps
     page_keys = np.zeros((b, hkv, n_pages, d), np.float32)
     for i in range(b):
         for p in range(-(-lengths[i] // ps)):
-            page_keys[i, :, p] = k[i, :, offsets[i] + p * ps: offsets[i] + min((p + 1) * ps, lengths[i])].mean(1)
+            page_keys[i, :, p] = k[layer, i, :, p * ps: min((p + 1) * ps, lengths[i])].mean(1)
     budget = np.array([2, 3, 1])
     out, pages = page_sparse_attention(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos), jnp.asarray(pos),
-        jnp.asarray(page_keys), jnp.asarray(budget), jnp.asarray(offsets), page_size=ps, max_k=3)
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(q_pos),
+        jnp.asarray(layer), jnp.asarray(page_keys), jnp.asarray(budget), page_size=ps, max_k=3)
     q_mean = q[:, 0].reshape(b, hkv, g, d).mean(2)
     want = np_select(q_mean, page_keys, -(-lengths // ps), budget)
     mask = np.zeros((b, hkv, 1, c), bool)
     for (i, j), sel in want.items():
-        mask[i, j, 0] = np.isin(np.where(pos[i, j] >= 0, pos[i, j] // ps, -1), list(sel))
-    ref = reference_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
-                              jnp.asarray(pos), mask=jnp.asarray(mask))
+        mask[i, j, 0] = np.isin(np.where(pos[i] >= 0, pos[i] // ps, -1), list(sel))
+    head_pos = np.broadcast_to(pos[:, None], (b, hkv, c))
+    ref = reference_attention(jnp.asarray(q), jnp.asarray(k[layer]), jnp.asarray(v[layer]),
+                              jnp.asarray(q_pos), jnp.asarray(head_pos), mask=jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
     # only the selected pages are read: the gather holds K * ps slots, not C
     gk, _, gpos = gather_pages(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), pages,
-                               jnp.asarray(offsets), ps)
+                               jnp.asarray(layer), ps)
     assert gk.shape[2] == (3 + 3) * ps and int(jnp.sum(gpos >= 0)) == int(mask.sum())
-
-
-def test_refresh_page_keys_is_the_mean_of_each_pages_written_keys():
-    rng = np.random.default_rng(2)
-    n_layers, b, h, c, d, ps = 2, 2, 2, 20, 3, 4
-    lengths, offsets = np.array([14, 7]), np.array([0, 6])
-    k = rng.normal(size=(n_layers, b, h, c, d)).astype(np.float32)
-    pos = np.full((n_layers, b, h, c), -1, np.int32)
-    for i in range(b):
-        pos[:, i, :, offsets[i]: offsets[i] + lengths[i]] = np.arange(lengths[i])
-    cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(k), pos=jnp.asarray(pos),
-                    index=jnp.asarray(c, jnp.int32))
-    pages = jnp.broadcast_to(jnp.arange(5), (b, 5))
-    got = np.asarray(refresh_page_keys(jnp.zeros((n_layers, b, h, 5, d)), cache,
-                                       jnp.asarray(offsets), pages, ps))
-    for i in range(b):
-        for p in range(5):
-            lo, hi = p * ps, min((p + 1) * ps, lengths[i])
-            want = (k[:, i, :, offsets[i] + lo: offsets[i] + hi].mean(2) if hi > lo
-                    else np.zeros((n_layers, h, d)))
-            np.testing.assert_allclose(got[:, i, :, p], want, atol=1e-6)
 
 
 # ---------------------------------------------------------------- the sampler
@@ -221,7 +193,8 @@ def test_sampler_logp_equals_selection_record_replay(tmp_path_factory, heads, kv
     state = jax.eval_shape(lambda: init_state(
         SPARROW, num_layers=cfg.num_layers, batch=n, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=cfg.head_dim, max_len=p + m))
-    per_row = state.page_keys.size * state.page_keys.dtype.itemsize // n
+    page_keys = state.cache.page_keys  # kept by the cache (tests/test_models_kv_view.py)
+    per_row = page_keys.size * page_keys.dtype.itemsize // n
     assert est.parts["page_keys"] == per_row * (n + n // SAMPLING.num_samples)
 
 
