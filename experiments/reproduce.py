@@ -50,7 +50,7 @@ DISTILL = 0.1  # shadow-mask arm's loss.distill_coef (the paper's value is not p
 COMPARE_KEYS = ("reward_mean", "rejection_rate", "clip_fraction", "mismatch_k3",
                 "repetition_fraction", "kv_token_savings", "kv_peak_savings",
                 "response_length_mean", "token_mask_fraction", "truncated_fraction",
-                "low_r_sequence_fraction", "low_r_grad_share")
+                "low_r_sequence_fraction", "low_r_grad_share", "entropy_estimate")
 # Collapse, defined before any run (issue 14): a run collapses when, for at least a quarter
 # of its steps in a row, its training reward (smoothed over a tenth of the run) sits at least
 # COLLAPSE_DROP below its peak while its truncated fraction (smoothed alike) is at least

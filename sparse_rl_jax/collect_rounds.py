@@ -163,7 +163,7 @@ def _metrics(rounds: list[Collected], ctx) -> dict[str, jax.Array]:
     mask = cat(lambda r: r.response_mask)
     metrics = _rollout_metrics(jnp.asarray(rewards), cat(lambda r: r.response), mask,
                                ~cat(lambda r: r.finished), cat(lambda r: r.kv_mean),
-                               cat(lambda r: r.dense_kv_mean))
+                               cat(lambda r: r.dense_kv_mean), logp=cat(lambda r: r.logp))
     kv_peak, dense_peak = cat(lambda r: r.kv_peak), cat(lambda r: r.dense_kv_peak)
     metrics["kv_peak_tokens"] = jnp.max(kv_peak)
     metrics["dense_kv_peak_tokens"] = jnp.max(dense_peak)

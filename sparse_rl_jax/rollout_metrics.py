@@ -73,6 +73,7 @@ def rollout_metrics(
     sparse_resident: jax.Array | None = None,
     dense_resident: jax.Array | None = None,
     *,
+    logp: jax.Array | None = None,
     max_period: int = 16,
     repeats: int = 3,
     min_span: int = 16,
@@ -80,10 +81,13 @@ def rollout_metrics(
     """Scalar float32 statistics of one rollout batch of N responses.
 
     rewards `[N]`; tokens, response_mask `[N, T]`; truncated `[N]` bool (hit the length limit
-    without EOS); sparse_resident / dense_resident: optional `[N]` KV residency arrays.
+    without EOS); sparse_resident / dense_resident: optional `[N]` KV residency arrays;
+    logp: optional `[N, T]` log-prob of each token under the policy that sampled it.
     Returns reward_mean, reward_std (population, ddof=0), response_length_mean/max,
-    truncated_fraction, repetition_fraction (`repetition_flags`), and kv_token_savings when
-    both residency arrays are given.
+    truncated_fraction, repetition_fraction (`repetition_flags`), kv_token_savings when
+    both residency arrays are given, and with ``logp`` entropy_estimate: the token mean of
+    ``-logp`` over the responses, a one-sample estimate of the sampling policy's per-token
+    entropy (E_x~p[-log p(x)] = H(p)), which falls when the policy collapses onto few tokens.
     """
     n, t = tokens.shape
     check_shape("rewards", rewards, N=n)
@@ -106,6 +110,11 @@ def rollout_metrics(
     }
     if sparse_resident is not None:
         metrics["kv_token_savings"] = kv_token_savings(sparse_resident, dense_resident)
+    if logp is not None:
+        check_shape("logp", logp, N=n, T=t)
+        on = as_mask(response_mask)
+        metrics["entropy_estimate"] = (-jnp.sum(jnp.where(on, logp, 0.0))
+                                       / jnp.maximum(jnp.sum(on), 1))
     return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
 

@@ -100,8 +100,10 @@ def test_rollout_metrics_match_numpy():
     rewards = rng.normal(0, 1, N).astype(np.float32)
     sparse = rng.uniform(10, 40, N).astype(np.float32)
     dense = sparse + rng.uniform(0, 60, N).astype(np.float32)
+    logp = -rng.exponential(1.0, (N, T)).astype(np.float32)
     m = jax.jit(rollout_metrics, static_argnames=("max_period", "repeats", "min_span"))(
-        rewards, tokens, mask, truncated, sparse, dense, max_period=4, repeats=3, min_span=12
+        rewards, tokens, mask, truncated, sparse, dense, logp=logp, max_period=4, repeats=3,
+        min_span=12
     )
     expected = {
         "reward_mean": rewards.mean(),
@@ -111,6 +113,7 @@ def test_rollout_metrics_match_numpy():
         "truncated_fraction": 2 / 6,
         "repetition_fraction": py_flags(tokens, mask, 4, 3, 12).mean(),
         "kv_token_savings": 1 - sparse.sum() / dense.sum(),
+        "entropy_estimate": -sum(logp[i, :lengths[i]].sum() for i in range(N)) / lengths.sum(),
     }
     assert set(m) == set(expected)
     for k, v in expected.items():
@@ -130,3 +133,19 @@ def test_kv_savings_edge_cases_and_errors():
         rollout_metrics(np.zeros(2), tokens, mask, np.zeros(2, bool), np.zeros(2))
     with pytest.raises(ValueError, match="truncated"):
         rollout_metrics(np.zeros(2), tokens, mask, np.zeros(3, bool))
+
+
+def test_entropy_estimate_tracks_the_sampling_entropy():
+    # Tokens drawn from a known distribution: the mean -log p of the draws estimates H(p).
+    rng = np.random.default_rng(1)
+    probs = np.array([0.7, 0.2, 0.05, 0.05])
+    tokens = rng.choice(4, size=(64, 32), p=probs).astype(np.int32)
+    logp = np.log(probs)[tokens].astype(np.float32)
+    mask = np.ones_like(tokens)
+    m = rollout_metrics(np.zeros(64), tokens, mask, np.zeros(64, bool), logp=logp)
+    entropy = -(probs * np.log(probs)).sum()
+    np.testing.assert_allclose(float(m["entropy_estimate"]), entropy, rtol=0.05)
+    assert "entropy_estimate" not in rollout_metrics(np.zeros(64), tokens, mask,
+                                                     np.zeros(64, bool))
+    with pytest.raises(ValueError, match="logp"):
+        rollout_metrics(np.zeros(64), tokens, mask, np.zeros(64, bool), logp=logp[:, :3])
