@@ -137,17 +137,20 @@ def _score_batch(policy: RolloutPolicy, params, plan: dict, rows: int) -> int:
 
 
 def score_all(policy: RolloutPolicy, params, prompt, prompt_mask, response, record=None,
-              size=None) -> jax.Array:
+              size=None, temperature=None) -> jax.Array:
     """Teacher-forced log-probs ``[N, M]``, ``size`` sequences a call (None:
     ``policy.score_batch``): dense, or with ``record`` (``[N, L, Hkv, P + M]``, sequence axis
-    first) under the recorded sparse context."""
+    first) under the recorded sparse context; at ``temperature`` (None:
+    ``policy.sampling.temperature``, the policy the rollouts were drawn from)."""
+    temperature = policy.sampling.temperature if temperature is None else temperature
     size = size or policy.score_batch or response.shape[0]
     parts = []
     for start in range(0, response.shape[0], size):
         rows = slice(start, start + size)
         replay = None if record is None else EvictionRecord(jnp.moveaxis(record[rows], 0, 1))
         parts.append(score(policy.graphdef, params, prompt[rows], prompt_mask[rows],
-                           response[rows], replay, chunk_size=policy.logp_chunk).logp)
+                           response[rows], replay, chunk_size=policy.logp_chunk,
+                           temperature=temperature).logp)
     return jnp.concatenate(parts, axis=0)
 
 
@@ -221,7 +224,7 @@ def collect_prompts(policy: RolloutPolicy, params, prompts: Sequence[str],
         return Collected(rollout, rewards, loss_mask, None, None, None, seconds)
     size = _score_batch(policy, params, plan, rollout.response.shape[0])
     logp_old, t_score = timed(score_all, policy, params, rollout.prompt, rollout.prompt_mask,
-                              rollout.response, size=size)
+                              rollout.response, size=size, temperature=sampling.temperature)
     alpha, t_alpha = timed(acceptance_all, policy, params, rollout, size, comp,
                            sampling.temperature)
     seconds["score"] = t_score + t_alpha

@@ -66,9 +66,21 @@ def sequence_positions(prompt_mask: jax.Array, response_len: int) -> jax.Array:
     return jnp.concatenate([prompt_pos, response_pos], axis=1).astype(jnp.int32)
 
 
-def _log_softmax(model, hidden):
-    """Float32 log-probabilities ``[N, c, V]`` of one chunk of hidden states ``[N, c, H]``."""
-    return jax.nn.log_softmax(model.unembed(hidden).astype(jnp.float32), axis=-1)
+def _check_temperature(where: str, temperature) -> None:
+    """Raise ValueError unless ``temperature`` is a finite number > 0 (a JAX array, possibly
+    traced, passes unchecked)."""
+    if isinstance(temperature, jax.Array):
+        return
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            0 < temperature < float("inf")):
+        raise ValueError(f"{where}: temperature={temperature!r} must be a finite number > 0 "
+                         f"(the rollout's sampling.temperature)")
+
+
+def _log_softmax(model, hidden, temperature):
+    """Float32 log-probabilities ``[N, c, V]`` of one chunk of hidden states ``[N, c, H]``
+    under the ``temperature``-scaled softmax."""
+    return jax.nn.log_softmax(model.unembed(hidden).astype(jnp.float32) / temperature, axis=-1)
 
 
 def _pick_stats(logp_NxCxV, targets, with_entropy):
@@ -78,9 +90,9 @@ def _pick_stats(logp_NxCxV, targets, with_entropy):
     return logp, entropy
 
 
-def _chunk_stats(model, hidden, targets, with_entropy):
+def _chunk_stats(model, hidden, targets, with_entropy, temperature):
     """log p(target) (and entropy) for one chunk: hidden ``[N, c, H]``, targets ``[N, c]``."""
-    return _pick_stats(_log_softmax(model, hidden), targets, with_entropy)
+    return _pick_stats(_log_softmax(model, hidden, temperature), targets, with_entropy)
 
 
 def _response_hidden(model, prompt, prompt_mask, response, record: ReplayRecord | None):
@@ -140,6 +152,7 @@ def response_logprobs(
     record: ReplayRecord | None = None,
     chunk_size: int = 128,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> ScoreOutput:
     """Log-probs of each response token given the prompt and the response before it.
 
@@ -155,12 +168,18 @@ def response_logprobs(
         sampler's log-probs.
       chunk_size: response columns per LM-head chunk.
       with_entropy: also return the per-token entropy of the full distribution.
+      temperature: the policy is ``softmax(logits / temperature)``. Pass the rollout's
+        ``sampling.temperature``: the sampler records its log-probs under that distribution,
+        so only then are learner and sampler the same policy (and the PPO ratio, the
+        Sparse-RL corrections and the KL term compare like with like).
 
     Returns:
       ``ScoreOutput(logp [N, M], entropy [N, M] | None)``.
     """
+    _check_temperature("response_logprobs", temperature)
     hidden = _response_hidden(model, prompt, prompt_mask, response, record)
-    stats = functools.partial(_chunk_stats, model, with_entropy=with_entropy)
+    stats = functools.partial(_chunk_stats, model, with_entropy=with_entropy,
+                              temperature=temperature)
     logp, entropy = _map_chunks(stats, chunk_size, hidden, response.astype(jnp.int32))
     return ScoreOutput(logp, entropy)
 
@@ -182,9 +201,11 @@ class ShadowScores(NamedTuple):
     entropy: jax.Array | None = None
 
 
-def _shadow_chunk(student, teacher, h_sparse, h_dense, targets, with_kl, with_entropy):
+def _shadow_chunk(student, teacher, h_sparse, h_dense, targets, with_kl, with_entropy,
+                  temperature):
     """Sparse/dense log p(target) (and the vocabulary KL, the sparse entropy) for one chunk."""
-    sparse_NxCxV, dense_NxCxV = _log_softmax(student, h_sparse), _log_softmax(teacher, h_dense)
+    sparse_NxCxV = _log_softmax(student, h_sparse, temperature)
+    dense_NxCxV = _log_softmax(teacher, h_dense, temperature)
     logp_sparse, entropy = _pick_stats(sparse_NxCxV, targets, with_entropy)
     logp_dense, _ = _pick_stats(dense_NxCxV, targets, False)
     kl = (jnp.sum(jnp.exp(dense_NxCxV) * (dense_NxCxV - sparse_NxCxV), axis=-1) if with_kl
@@ -202,6 +223,7 @@ def shadow_logprobs(
     chunk_size: int = 128,
     with_kl: bool = False,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> ShadowScores:
     """Scores for shadow-mask training: the response under the recorded sparse context
     (the learner's policy) and under the full context (the distillation teacher).
@@ -212,23 +234,26 @@ def shadow_logprobs(
     arrays exist at a time, never ``[N, M, V]``.
 
     Args:
-      model, prompt, prompt_mask, response, chunk_size: as in :func:`response_logprobs`.
+      model, prompt, prompt_mask, response, chunk_size, temperature: as in
+        :func:`response_logprobs` (both policies are taken at ``temperature``).
       record: the rollout's :class:`ReplayRecord` (the sparse context).
       with_kl: also compute the full-vocabulary forward KL per token.
       with_entropy: also return the sparse policy's per-token entropy.
     """
+    _check_temperature("shadow_logprobs", temperature)
     graphdef, state = nnx.split(model)
     teacher = nnx.merge(graphdef, jax.lax.stop_gradient(state))
     h_sparse = _response_hidden(model, prompt, prompt_mask, response, record)
     h_dense = _response_hidden(teacher, prompt, prompt_mask, response, None)
     fn = functools.partial(_shadow_chunk, model, teacher, with_kl=with_kl,
-                           with_entropy=with_entropy)
+                           with_entropy=with_entropy, temperature=temperature)
     logp_sparse, logp_dense, kl, entropy = _map_chunks(fn, chunk_size, h_sparse, h_dense,
                                                        response.astype(jnp.int32))
     return ShadowScores(logp_sparse, jax.lax.stop_gradient(logp_dense), kl, entropy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "with_entropy"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "with_entropy",
+                                             "temperature"))
 def score(
     graphdef: nnx.GraphDef,
     params,
@@ -239,12 +264,14 @@ def score(
     *,
     chunk_size: int = 128,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> ScoreOutput:
     """Jitted :func:`response_logprobs` over an ``nnx.split`` model (``graphdef, params``).
 
     Pass the reference model's params for reference log-probs; pass the rollout's replay
     record (``sampler.replay_record(rollout, compression)``) to replay the sparse policy
-    exactly.
+    exactly; pass the rollout's ``sampling.temperature`` (static: one compile per value) to
+    score the policy it sampled from.
     """
     model = nnx.merge(graphdef, params)
     return response_logprobs(
@@ -255,4 +282,5 @@ def score(
         record=record,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
+        temperature=temperature,
     )

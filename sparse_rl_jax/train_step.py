@@ -72,13 +72,14 @@ def micro_batches(batch: Minibatch, micro_batch_size: int) -> Minibatch:
 
 def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
                    norm: LossNorm | None, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128,
-                   dropout_key: jax.Array | None = None):
+                   dropout_key: jax.Array | None = None, temperature: float = 1.0):
     """``(loss, metrics)`` of ``grpo_loss`` on ``batch`` scored by the policy
     ``trainable`` + ``frozen`` (``split_trainable``; dense, or with ``batch.eviction_record``
     under the recorded sparse context); ``norm``: the aggregation denominators (None:
     ``batch``'s own); ``dropout_key``: the adapters' input dropout keys
-    (``models.lora.drop_adapter_inputs``; None: no dropout). Differentiable in
-    ``trainable``."""
+    (``models.lora.drop_adapter_inputs``; None: no dropout); ``temperature``: the rollout's
+    sampling temperature, the learner's policy being ``softmax(logits / temperature)`` like
+    the sampler's (``scoring.response_logprobs``). Differentiable in ``trainable``."""
     model = nnx.merge(graphdef, trainable, frozen)
     if dropout_key is not None:
         drop_adapter_inputs(model, dropout_key)
@@ -86,13 +87,14 @@ def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
     if batch.eviction_record is None:
         out = response_logprobs(
             model, batch.prompt, batch.prompt_mask, batch.response, chunk_size=chunk_size,
-            with_entropy=with_entropy,
+            with_entropy=with_entropy, temperature=temperature,
         )
         return grpo_loss(out.logp, batch.loss, loss_cfg, entropy=out.entropy, norm=norm)
     scores = shadow_logprobs(
         model, batch.prompt, batch.prompt_mask, batch.response,
         EvictionRecord(jnp.moveaxis(batch.eviction_record, 0, 1)), chunk_size=chunk_size,
         with_kl=loss_cfg.distill_kind == "full", with_entropy=with_entropy,
+        temperature=temperature,
     )
     return grpo_loss(scores.logp_sparse, batch.loss, loss_cfg, entropy=scores.entropy,
                      logp_dense=scores.logp_dense, kl_full=scores.kl_full, norm=norm)
@@ -100,18 +102,21 @@ def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
 
 def accumulated_grads(graphdef: nnx.GraphDef, params, frozen, batch: Minibatch,
                       micro_batch_size: int, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128,
-                      dropout_key: jax.Array | None = None, norm: LossNorm | None = None):
+                      dropout_key: jax.Array | None = None, norm: LossNorm | None = None,
+                      temperature: float = 1.0):
     """``(loss, metrics, grads)`` of the whole minibatch ``batch`` computed over micro-batches
     of ``micro_batch_size`` sequences (``lax.scan``), gradients with respect to the trainable
     ``params`` (``frozen`` held fixed) summed in float32 and returned in the params' dtypes.
     Each micro-batch loss uses the minibatch's ``loss_norm`` (or ``norm`` when given), so the
     sums are the minibatch's loss and gradient; metrics are merged by ``combine_metrics``.
-    ``dropout_key`` (None: no adapter dropout) is split into one key per micro-batch."""
+    ``dropout_key`` (None: no adapter dropout) is split into one key per micro-batch;
+    ``temperature`` as in :func:`minibatch_loss`."""
     norm = loss_norm(batch.loss, loss_cfg) if norm is None else norm
     grad_fn = jax.value_and_grad(
         lambda p, micro, key: minibatch_loss(graphdef, p, frozen, micro, norm,
                                              loss_cfg=loss_cfg, chunk_size=chunk_size,
-                                             dropout_key=key), has_aux=True)
+                                             dropout_key=key, temperature=temperature),
+        has_aux=True)
 
     def one(acc, xs):
         micro, key = xs
@@ -131,27 +136,29 @@ def accumulated_grads(graphdef: nnx.GraphDef, params, frozen, batch: Minibatch,
 def loss_grads(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch, *,
                loss_cfg: GRPOLossConfig, chunk_size: int = 128,
                micro_batch_size: int | None = None, dropout_key: jax.Array | None = None,
-               norm: LossNorm | None = None):
+               norm: LossNorm | None = None, temperature: float = 1.0):
     """``(loss, metrics, grads)`` of ``batch`` with respect to ``trainable``: one
     forward/backward when ``micro_batch_size`` is None or ``N``, else accumulated over
     micro-batches (:func:`accumulated_grads`). ``norm``: the aggregation denominators (None:
-    ``batch``'s own)."""
+    ``batch``'s own); ``temperature`` as in :func:`minibatch_loss`."""
     n = batch.response.shape[0]
     if micro_batch_size is None or micro_batch_size == n:
         (loss, metrics), grads = jax.value_and_grad(
             lambda p: minibatch_loss(graphdef, p, frozen, batch, norm, loss_cfg=loss_cfg,
-                                     chunk_size=chunk_size, dropout_key=dropout_key),
+                                     chunk_size=chunk_size, dropout_key=dropout_key,
+                                     temperature=temperature),
             has_aux=True)(trainable)
         return loss, metrics, grads
     return accumulated_grads(graphdef, trainable, frozen, batch, micro_batch_size,
                              loss_cfg=loss_cfg, chunk_size=chunk_size, dropout_key=dropout_key,
-                             norm=norm)
+                             norm=norm, temperature=temperature)
 
 
 def low_r_grad_metrics(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch, grads, *,
                        loss_cfg: GRPOLossConfig, chunk_size: int = 128,
                        micro_batch_size: int | None = None,
-                       dropout_key: jax.Array | None = None) -> dict[str, jax.Array]:
+                       dropout_key: jax.Array | None = None,
+                       temperature: float = 1.0) -> dict[str, jax.Array]:
     """How much of the update ``grads`` comes from the sequences a 1e-4 veto would drop
     (``batch.loss.low_r``), measured without dropping them: a second backward of the loss
     restricted to those sequences, under the whole minibatch's denominators, so that it is
@@ -170,7 +177,7 @@ def low_r_grad_metrics(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibat
         seq_mask=batch.loss.seq_mask & batch.loss.low_r))
     _, _, low = loss_grads(graphdef, trainable, frozen, low_only, loss_cfg=loss_cfg,
                            chunk_size=chunk_size, micro_batch_size=micro_batch_size,
-                           dropout_key=dropout_key, norm=norm)
+                           dropout_key=dropout_key, norm=norm, temperature=temperature)
     total_sq = optax.tree.norm(grads, squared=True)
     dot = sum(jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32))
               for a, b in zip(jax.tree.leaves(low), jax.tree.leaves(grads)))
@@ -192,6 +199,7 @@ def update_step(
     micro_batch_size: int | None = None,
     dropout_key: jax.Array | None = None,
     low_r_share: bool = False,
+    temperature: float = 1.0,
 ):
     """Loss, gradients and one optimizer update.
 
@@ -206,6 +214,8 @@ def update_step(
       adapters of rate 0: no dropout, the update is deterministic).
     low_r_share: also log :func:`low_r_grad_metrics` (a second backward; the update is
       unchanged).
+    temperature: the rollouts' sampling temperature; the learner scores
+      ``softmax(logits / temperature)``, the policy the sampler drew from and recorded.
 
     Returns:
       ``(params, opt_state, metrics)``; metrics are float32 scalars (``grad_norm`` and
@@ -214,7 +224,7 @@ def update_step(
     """
     trainable, frozen = split_trainable(params)
     kw = dict(loss_cfg=loss_cfg, chunk_size=chunk_size, micro_batch_size=micro_batch_size,
-              dropout_key=dropout_key)
+              dropout_key=dropout_key, temperature=temperature)
     loss, metrics, grads = loss_grads(graphdef, trainable, frozen, batch, **kw)
     metrics["grad_norm"] = optax.tree.norm(grads)
     if low_r_share:
@@ -268,13 +278,14 @@ def jit_update_step(
     batch_sharding,
     chunk_size: int = 128,
     low_r_share: bool = False,
+    temperature: float = 1.0,
 ):
     """``update_step`` jitted with explicit shardings (compiled as ``update_minibatch``);
     params and optimizer state are donated.
 
     Args:
       graphdef: the policy's ``nnx.GraphDef``.
-      loss_cfg, optimizer, chunk_size, low_r_share: as in :func:`update_step`.
+      loss_cfg, optimizer, chunk_size, low_r_share, temperature: as in :func:`update_step`.
       param_shardings: pytree of ``NamedSharding`` like the params.
       opt_shardings: pytree of ``NamedSharding`` like the optimizer state.
       batch_sharding: one ``NamedSharding`` splitting every minibatch leaf's leading
@@ -290,7 +301,7 @@ def jit_update_step(
         return update_step(
             graphdef, params, opt_state, batch, loss_cfg=loss_cfg, optimizer=optimizer,
             chunk_size=chunk_size, micro_batch_size=micro_batch_size, dropout_key=dropout_key,
-            low_r_share=low_r_share,
+            low_r_share=low_r_share, temperature=temperature,
         )
 
     jitted = jax.jit(

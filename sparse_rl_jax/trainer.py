@@ -255,7 +255,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         graphdef, loss_cfg=cfg.loss, optimizer=optimizer,
         param_shardings=jax.tree.map(lambda x: x.sharding, params), opt_shardings=opt_shardings,
         batch_sharding=batch_sharding(mesh), chunk_size=cfg.trainer.logp_chunk,
-        low_r_share=cfg.trainer.low_r_grad_share,
+        low_r_share=cfg.trainer.low_r_grad_share, temperature=cfg.sampling.temperature,
     )
     ctx = StepContext(
         cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,

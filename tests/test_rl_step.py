@@ -91,7 +91,8 @@ def _update(ctx, params, batch, optimizer, low_r_share=False):
         ctx.graphdef, loss_cfg=ctx.cfg.loss, optimizer=optimizer,
         param_shardings=jax.tree.map(lambda x: x.sharding, params),
         opt_shardings=opt_shardings, batch_sharding=batch_sharding(mesh),
-        chunk_size=ctx.cfg.trainer.logp_chunk, low_r_share=low_r_share)
+        chunk_size=ctx.cfg.trainer.logp_chunk, low_r_share=low_r_share,
+        temperature=ctx.cfg.sampling.temperature)  # as the trainer builds it
     return update(dataclasses.replace(ctx, update=step, mesh=mesh), params, opt_state, batch,
                   step=0)
 
@@ -120,6 +121,36 @@ def test_sgd_update_is_one_step_down_the_loss_gradient(collected, policy):
     want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new, want)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-4
+
+
+def test_a_tempered_dense_rollout_is_on_policy_for_the_learner(policy):
+    """Sampling at temperature 0.5 records ``log softmax(logits / 0.5)``; the old-policy
+    scores, the corrections and the update's PPO ratio take the same tempered policy, so a
+    dense rollout has no sampler/learner mismatch (k3 0, ratio 1, nothing clipped), and the
+    update is ``jax.grad`` of ``grpo_loss`` over the tempered log-probs. Scored at
+    temperature 1 the same tokens are off by far more than the tolerance."""
+    ctx = step_context(policy, "sampling.temperature=0.5", "compression.method=none",
+                       f"trainer.minibatch_size={N}")
+    graphdef, params = policy[2:]
+    batch, metrics, _ = collect(ctx, params, POSITION)
+    mask = np.asarray(batch.loss.loss_mask).astype(bool)
+    untempered = score(graphdef, params, batch.prompt, batch.prompt_mask, batch.response).logp
+    assert np.abs(np.asarray(untempered) - np.asarray(batch.loss.logp_old_dense))[mask].max() > 0.1
+    assert float(metrics["mismatch_k3"]) < 1e-6
+    assert np.asarray(batch.loss.seq_mask).all() and float(metrics["rejection_rate"]) == 0
+
+    lr = 0.05
+
+    def loss(p):
+        logp = response_logprobs(nnx.merge(graphdef, p), batch.prompt, batch.prompt_mask,
+                                 batch.response, temperature=0.5).logp
+        return grpo_loss(logp, batch.loss, ctx.cfg.loss)[0]
+
+    grads = jax.grad(loss)(params)
+    new, _, metrics = _update(ctx, params, batch, optax.sgd(lr))
+    assert abs(float(metrics["ratio_mean"]) - 1) < 1e-5 and float(metrics["clip_fraction"]) == 0
+    want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new, want)
 
 
 @pytest.mark.parametrize("micro", [None, N // 2])

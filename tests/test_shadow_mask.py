@@ -46,10 +46,10 @@ def tiny(tmp_path_factory):
     return graphdef, params, prompt, mask
 
 
-def _rollout(tiny, method):
+def _rollout(tiny, method, temperature=1.0):
     graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4,
-                              record_evictions=True)
+                              record_evictions=True, temperature=temperature)
     compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
     return generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
 
@@ -64,13 +64,13 @@ def _minibatch(rollout, logp_old, record, kind="shadow_mask"):
 
 
 _update = jax.jit(update_step, static_argnames=("graphdef", "loss_cfg", "optimizer",
-                                                 "chunk_size"))
+                                                 "chunk_size", "temperature"))
 
 
-def _step(tiny, batch, cfg):
+def _step(tiny, batch, cfg, temperature=1.0):
     graphdef, params, _, _ = tiny
     new, _, metrics = _update(graphdef, params, SGD.init(params), batch, loss_cfg=cfg,
-                              optimizer=SGD, chunk_size=CHUNK)
+                              optimizer=SGD, chunk_size=CHUNK, temperature=temperature)
     delta = jax.tree.map(lambda a, b: np.asarray(a - b), new, params)
     return jax.device_get(metrics), delta
 
@@ -90,15 +90,19 @@ def test_without_compression_shadow_mask_equals_plain_grpo(tiny):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_ratio_is_one_at_the_first_update_and_distillation_measures_the_gap(tiny):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_ratio_is_one_at_the_first_update_and_distillation_measures_the_gap(tiny, temperature):
+    """Also at a sampling temperature other than 1: student, teacher and the sampler's
+    recorded log-probs are all the tempered policy."""
     graphdef, params, _, _ = tiny
-    rollout = _rollout(tiny, "rkv")
+    rollout = _rollout(tiny, "rkv", temperature)
     assert int(rollout.num_compressions) >= 3
     valid = np.asarray(rollout.response_mask, bool)
-    dense = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response).logp
+    dense = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response,
+                  temperature=temperature).logp
     assert np.max(np.abs(np.asarray(dense - rollout.logp))[valid]) > 1e-2  # a real mismatch
     batch = _minibatch(rollout, rollout.logp, rollout.eviction_record)
-    metrics, delta = _step(tiny, batch, K3)
+    metrics, delta = _step(tiny, batch, K3, temperature)
     # On-policy for the sampler: the ratio is 1 up to the replay's float error.
     assert float(metrics["log_ratio_abs_max"]) <= 1e-4
     assert float(metrics["ratio_std"]) <= 1e-4 and float(metrics["clip_fraction"]) == 0.0
