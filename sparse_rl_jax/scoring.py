@@ -31,6 +31,7 @@ from flax import nnx
 from models.attention import fused_is_flash
 from models.kv_view import KVView
 from models.shapes import check_shape
+from sparse_rl_jax.config_checks import is_number
 
 
 class ReplayRecord(Protocol):
@@ -71,8 +72,7 @@ def _check_temperature(where: str, temperature) -> None:
     traced, passes unchecked)."""
     if isinstance(temperature, jax.Array):
         return
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            0 < temperature < float("inf")):
+    if not (is_number(temperature) and temperature > 0):
         raise ValueError(f"{where}: temperature={temperature!r} must be a finite number > 0 "
                          f"(the rollout's sampling.temperature)")
 
