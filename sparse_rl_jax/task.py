@@ -81,6 +81,30 @@ class TaskConfig:
         """Longest correct response in task tokens, EOS included (a floor for max_new_tokens)."""
         return solution_length(self.n_max) + 1
 
+    def curriculum(self, progress: float) -> TaskConfig:
+        """The easier distribution a warm start draws from at ``progress`` in [0, 1] of its
+        curriculum: ``n`` in ``[1, m]``, ``m`` rising linearly from 1 to ``n_max``; this
+        config itself from ``progress >= 1`` on."""
+        if progress >= 1:
+            return self
+        top = 1 + round(max(0.0, progress) * (self.n_max - 1))
+        return dataclasses.replace(self, n_min=1, n_max=top)
+
+    def shuffled(self) -> TaskConfig:
+        """This distribution with its labels in random order (where a label's place in the
+        prompt no longer gives its digit)."""
+        return dataclasses.replace(self, label_order="random")
+
+    @staticmethod
+    def lookup_columns(problem: Problem) -> list[int]:
+        """Solution characters copied from the prompt by label: each step's digit."""
+        return [4 * i + 1 for i in range(num_items(problem))]
+
+    @staticmethod
+    def label_columns(problem: Problem) -> list[int]:
+        """Solution characters naming the next label (each step's first character)."""
+        return [4 * i for i in range(num_items(problem))]
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -99,6 +123,11 @@ def prompt_length(n: int) -> int:
 def solution_length(n: int) -> int:
     """Characters (= task tokens, EOS excluded) in the solution for ``n`` digits: ``4n + 2``."""
     return 4 * n + 2
+
+
+def num_items(problem: Problem) -> int:
+    """``n``, the number of labelled digits of a problem of this task."""
+    return (len(problem.prompt) - 1) // 4
 
 
 def max_items_for_context(num_tokens: int) -> int:

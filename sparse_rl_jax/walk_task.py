@@ -96,6 +96,24 @@ class WalkTaskConfig:
         """Longest correct response in task tokens, EOS included (a floor for max_new_tokens)."""
         return walk_solution_length(10 * self.c_max, self.echo_every) + 1
 
+    def curriculum(self, progress: float) -> WalkTaskConfig:
+        """A warm start's curriculum at ``progress``: the walk has none (this config)."""
+        return self
+
+    def shuffled(self) -> None:
+        """No label order to shuffle (the facts are placed by ``fact_order``)."""
+        return None
+
+    @staticmethod
+    def lookup_columns(problem: Problem) -> list[int]:
+        """No solution character is a plain copy of one prompt fact."""
+        return []
+
+    @staticmethod
+    def label_columns(problem: Problem) -> list[int]:
+        """No solution character names a label."""
+        return []
+
 
 def walk_solution_length(steps: int, echo_every: int) -> int:
     """Characters (= task tokens, EOS excluded) of a solution taking ``steps`` steps:

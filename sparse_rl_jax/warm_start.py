@@ -4,6 +4,11 @@ supervised stage, saved as an HF checkpoint directory (weights + tokenizer).
 No pretrained weights can be downloaded, so the default run makes its own and then loads the
 result through ``models.load_pretrained`` exactly like a real Qwen2.5 checkpoint. The result
 is cached: a directory whose ``warm_start.json`` matches the config is reused as is.
+
+The recipe (``WarmStartConfig``): a curriculum over the task's size, a share of rows whose
+labels are shuffled, a constant learning rate, and a held-out check
+(``warm_start_check.HeldOutCheck``) that stops once the task is solved and says so in one
+warning line when it never is.
 """
 
 from __future__ import annotations
@@ -14,19 +19,23 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import models
-from sparse_rl_jax.task import TaskConfig
+from sparse_rl_jax.supervised import sft_loss, sft_optimizer, supervised_batch
+from sparse_rl_jax.task import Problem, TaskConfig
 from sparse_rl_jax.task_tokenizer import build_task_tokenizer
 from sparse_rl_jax.walk_task import WalkTaskConfig, synthetic_dataset
+from sparse_rl_jax.warm_start_check import HeldOutCheck, HeldOutScore
 from sparse_rl_jax.warm_start_config import WarmStartConfig
 
 MARKER = "warm_start.json"
+DATA_SEED_OFFSET = 1_000_003
+"""The warm start's problems use ``task.seed + DATA_SEED_OFFSET + warm.seed`` (not RL's)."""
+CHECK_SEED_OFFSET = 2_000_003
+"""Its held-out check uses ``task.seed + CHECK_SEED_OFFSET`` (neither training nor eval)."""
 
 
 def tiny_model_config(cfg, vocab_size: int, eos_id: int, pad_id: int) -> models.ModelConfig:
@@ -48,51 +57,27 @@ def tiny_model_config(cfg, vocab_size: int, eos_id: int, pad_id: int) -> models.
     )
 
 
-def supervised_batch(
-    tokenizer: models.Tokenizer, problems, eos_id: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Right-padded ``prompt + solution + EOS`` rows for next-token training.
+def warm_start_problems(warm: WarmStartConfig, task: TaskConfig | WalkTaskConfig,
+                        step: int) -> tuple[list[Problem], list[list[int]]]:
+    """Step ``step``'s batch of the recipe and each row's masked solution columns.
 
-    Returns:
-      ``(tokens [B, T], attention_mask [B, T], loss_mask [B, T])``; ``loss_mask`` marks the
-      positions whose *next* token is part of the solution (or the EOS).
+    Row ``j`` is problem ``step * batch_size + j`` of the task's curriculum distribution at
+    ``step / curriculum_steps``; the first ``round(shuffled_fraction * batch_size)`` rows come
+    from its shuffled-label twin, with their next-label targets masked (but the first: the
+    first label is the prompt's first token). Pure in ``(warm, task, step)``.
     """
-    rows, starts = [], []
-    for problem in problems:
-        prompt = tokenizer.hf(problem.prompt, add_special_tokens=False)["input_ids"]
-        solution = tokenizer.hf(problem.solution, add_special_tokens=False)["input_ids"]
-        rows.append(prompt + solution + [eos_id])
-        starts.append(len(prompt))
-    width = max(len(r) for r in rows)
-    tokens = np.zeros((len(rows), width), np.int32)
-    attention = np.zeros((len(rows), width), np.int32)
-    loss_mask = np.zeros((len(rows), width), np.float32)
-    for i, (row, start) in enumerate(zip(rows, starts)):
-        tokens[i, : len(row)] = row
-        attention[i, : len(row)] = 1
-        loss_mask[i, start - 1 : len(row) - 1] = 1.0
-    return tokens, attention, loss_mask
-
-
-def sft_loss(model, tokens, attention, loss_mask, kv=None):
-    """Mean next-token cross-entropy on ``loss_mask`` (``supervised_batch``'s arrays); ``kv``
-    an optional full-forward ``models.KVView`` (e.g. an ``ExpiryRecord`` hiding keys)."""
-    logits = model(tokens, attention_mask=attention, kv=kv).logits[:, :-1]
-    targets = tokens[:, 1:]
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
-    mask = loss_mask[:, :-1]
-    return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-
-
-def sft_optimizer(model, lr: float, steps: int) -> nnx.Optimizer:
-    """The supervised stage's optimizer: AdamW (weight decay 0.01, global-norm clip 1.0) at
-    ``lr`` after a linear warmup of ``min(50, steps // 10 + 1)`` steps, cosine-decayed to 5%
-    at ``steps``."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(50, steps // 10 + 1), steps,
-                                                  lr * 0.05)
-    return nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0),
-                                            optax.adamw(schedule, weight_decay=0.01)),
-                         wrt=nnx.Param)
+    progress = step / warm.curriculum_steps if warm.curriculum_steps else 1.0
+    base = dataclasses.replace(task.curriculum(progress),
+                               seed=task.seed + DATA_SEED_OFFSET + warm.seed)
+    shuffled = base.shuffled()
+    n_shuffled = round(warm.shuffled_fraction * warm.batch_size) if shuffled else 0
+    first = step * warm.batch_size
+    problems = synthetic_dataset(base, first + warm.batch_size)[first + n_shuffled:]
+    if n_shuffled:
+        problems = synthetic_dataset(shuffled, first + n_shuffled)[first:] + problems
+    masked = [type(task).label_columns(p)[1:] if j < n_shuffled else []
+              for j, p in enumerate(problems)]
+    return problems, masked
 
 
 def build_default_model(
@@ -105,15 +90,18 @@ def build_default_model(
     """Creates (or reuses) the warm-started default checkpoint in ``out_dir``; returns it.
 
     Trains on problems drawn with a seed distinct from RL's (``warm.seed`` offsets the task
-    seed) so the warm start never sees RL's exact prompts. ``task`` is either shipped task
-    (``data.synthetic``).
+    seed) so the warm start never sees RL's exact prompts, and checks it on another draw.
+    ``task`` is either shipped task (``data.synthetic``). Ends with a ``warning:`` line when
+    the held-out check never reached ``warm.target_accuracy``.
     """
     out = Path(out_dir)
     signature = {"warm_start": dataclasses.asdict(warm), "task": dataclasses.asdict(task)}
     marker = out / MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == signature:
-        log(f"warm start: reusing {out}")
-        return str(out)
+    if marker.is_file():
+        found = json.loads(marker.read_text())
+        if {k: found.get(k) for k in signature} == signature:
+            log(f"warm start: reusing {out} ({found.get('result', {}).get('summary', '')})")
+            return str(out)
     out.mkdir(parents=True, exist_ok=True)
     build_task_tokenizer(out)
     tokenizer = models.Tokenizer(out)
@@ -121,7 +109,8 @@ def build_default_model(
     config = tiny_model_config(warm, tokenizer.vocab_size, eos_id, tokenizer.pad_id)
     model = models.Decoder(config, dtype=jnp.float32, param_dtype=jnp.float32,
                            rngs=nnx.Rngs(warm.seed))
-    optimizer = sft_optimizer(model, warm.lr, warm.steps)
+    optimizer = sft_optimizer(model, warm.lr, warm.steps, warmup=warm.warmup_steps,
+                              schedule=warm.lr_schedule)
 
     @nnx.jit
     def train_step(model, optimizer, tokens, attention, loss_mask):
@@ -129,20 +118,34 @@ def build_default_model(
         optimizer.update(model, grads)
         return loss
 
-    data = synthetic_dataset(dataclasses.replace(task, seed=task.seed + 1_000_003 + warm.seed),
-                             warm.steps * warm.batch_size)
     # Pad to the task's longest problem so every step reuses one compiled program.
     full = task.max_prompt_tokens + task.max_response_tokens
+    check = HeldOutCheck(tokenizer, task, dataclasses.replace(
+        task, seed=task.seed + CHECK_SEED_OFFSET), warm.check_problems, width=full)
     start = time.monotonic()
-    for step in range(warm.steps):
-        batch = data[step * warm.batch_size : (step + 1) * warm.batch_size]
-        tokens, attention, loss_mask = supervised_batch(tokenizer, batch, eos_id)
-        pad = ((0, 0), (0, max(0, full - tokens.shape[1])))
-        loss = train_step(model, optimizer, np.pad(tokens, pad), np.pad(attention, pad),
-                          np.pad(loss_mask, pad))
-        if step % max(1, warm.steps // 10) == 0 or step == warm.steps - 1:
-            log(f"warm start: step {step + 1}/{warm.steps} loss {float(loss):.4f} "
-                f"({time.monotonic() - start:.0f}s)")
+    score: HeldOutScore | None = None
+    for step in range(1, warm.steps + 1):
+        problems, masked = warm_start_problems(warm, task, step - 1)
+        arrays = supervised_batch(tokenizer, problems, eos_id, masked)
+        loss = train_step(model, optimizer,
+                          *(np.pad(a, ((0, 0), (0, max(0, full - a.shape[1])))) for a in arrays))
+        if step % warm.check_every and step != warm.steps:
+            continue
+        score = check(model)
+        log(f"warm start: step {step}/{warm.steps} loss {float(loss):.4f} held-out "
+            f"{score.summary()} ({time.monotonic() - start:.0f}s)")
+        if warm.target_accuracy is not None and score.solutions >= warm.target_accuracy:
+            log(f"warm start: held-out solutions {score.solutions:.3f} >= target "
+                f"{warm.target_accuracy} at step {step}: done")
+            break
+    assert score is not None
+    if warm.target_accuracy is not None and score.solutions < warm.target_accuracy:
+        log(f"warning: the warm start did not learn the task in {warm.steps} steps: held-out "
+            f"{score.summary()} (target: solutions {warm.target_accuracy}); its policy may "
+            f"ignore the prompt. Try warm_start.steps={2 * warm.steps}, another "
+            f"warm_start.seed, or warm_start.hidden_size={2 * warm.hidden_size}")
     models.save_pretrained(model, out)
-    marker.write_text(json.dumps(signature, indent=1))
+    result = {"steps": step, "loss": float(loss), "summary": score.summary(),
+              **dataclasses.asdict(score)}
+    marker.write_text(json.dumps({**signature, "result": result}, indent=1))
     return str(out)

@@ -23,6 +23,12 @@ pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
     ("eval.task_seed=-1", "eval.task_seed=-1 must be an int >= 0"),
     ("warm_start.seed=-1", "warm_start.seed=-1 must be an int >= 0"),
     ("warm_start.steps=1", "warm_start.steps=1 must be an int >= 2"),
+    ("warm_start.shuffled_fraction=1", "warm_start.shuffled_fraction=1.0 must be in [0, 1)"),
+    ("warm_start.target_accuracy=0", "warm_start.target_accuracy=0.0 must be None or in (0, 1]"),
+    ("warm_start.lr_schedule=linear", "warm_start.lr_schedule='linear' must be one of "
+                                      "('cosine', 'constant')"),
+    ("warm_start.curriculum_steps=-1", "warm_start.curriculum_steps=-1 must be an int >= 0"),
+    ("warm_start.check_every=0", "warm_start.check_every=0 must be an int >= 1"),
     ("optim.decay_steps=-1", "optim.decay_steps=-1 must be an int >= 0"),
     ("trainer.max_nonfinite_steps=0", "trainer.max_nonfinite_steps=0 must be an int >= 1"),
     ("run_dir=", "run_dir='' must be a directory path"),
