@@ -3,11 +3,14 @@
 Per token: `w_t * L_t` with `rho_t = exp(clamp(logp_new - logp_old_dense))` and
   ppo_clip: `L_t = max(-rho_t A, -clip(rho_t, 1 - eps_low, 1 + eps_high) A)`; with `clip_c`
     (dual-clip) `L_t = min(L_t, -clip_c A)` where `A < 0`.
-  cispo: `L_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A log rho_t` (every token keeps a
-    gradient; same gradient as verl's `... * log_prob`, whose value differs by a constant).
+  cispo: `L_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A log rho_t` where only the
+    stop-gradient weight uses the clamped `rho_t`; the factor `log rho_t = logp_new -
+    logp_old_dense` is unclamped, so every token keeps the gradient `-w A` on its log-prob,
+    however far its ratio (as verl's `... * log_prob`, whose value differs by a constant).
   ratio_level sequence (GSPO-token): `rho_t` is replaced by `sg(s) * pi(o_t) / sg(pi(o_t))`
     with `s = exp(mean over the sequence's kept tokens of log rho_t)`: its value is the
-    sequence ratio (so clipping is per sequence), its gradient `s * grad log pi(o_t)`.
+    sequence ratio (so clipping is per sequence), its gradient `s * grad log pi(o_t)`; with
+    cispo the factor `log rho_t` is likewise `log s` with the gradient `grad log pi(o_t)`.
 Corrections compose the same way in every variant: the IS weight `w_t` multiplies `L_t`,
 rejected tokens and sequences leave the effective mask (and, for the sequence ratio, the mean
 that defines `s`); the KL, distillation and entropy terms use the same mask and aggregation.
@@ -45,6 +48,7 @@ from sparse_rl_jax.masked_math import (
     masked_mean,
     masked_sum,
     safe_log_ratio,
+    unclamped_log_ratio,
 )
 
 
@@ -101,7 +105,8 @@ class LossNorm:
     """The denominators of the loss aggregation, counted over a whole optimizer minibatch.
 
     tokens: float32 scalar, the tokens that divide a `token_mean` sum (>= 1).
-    sequences: float32 scalar, the sequences that divide a `seq_mean_*` sum (>= 1).
+    sequences: float32 scalar, the sequences that divide a `seq_mean_*` sum (>= 1); for
+      `seq_mean_token_sum_norm` under `all`, every row of the minibatch.
     Passing the minibatch's `LossNorm` to `grpo_loss` on each of its micro-batches makes the
     micro-batch losses (and gradients) sum to the minibatch's.
     """
@@ -110,12 +115,17 @@ class LossNorm:
     sequences: jax.Array
 
 
-def norm_from_masks(kept: jax.Array, valid: jax.Array, denominator: str) -> LossNorm:
-    """The `LossNorm` of `[B, T]` bool masks `kept` (after rejection) and `valid` (before):
-    `denominator` `all` counts `valid`, `kept` counts `kept` (see `aggregate`)."""
+def norm_from_masks(kept: jax.Array, valid: jax.Array, mode: str, denominator: str
+                    ) -> LossNorm:
+    """The `LossNorm` of `[B, T]` bool masks `kept` (after rejection) and `valid` (before)
+    for aggregation `mode`: `denominator` `all` counts `valid` (Dr.GRPO's sequences: all `B`
+    rows), `kept` counts `kept` (see `aggregate`)."""
     base = valid if denominator == "all" else kept
+    sequences = masked_count(jnp.any(base, axis=1))
+    if mode == "seq_mean_token_sum_norm" and denominator == "all":
+        sequences = jnp.asarray(kept.shape[0], jnp.float32)
     return LossNorm(tokens=jnp.maximum(masked_count(base), 1.0),
-                    sequences=jnp.maximum(masked_count(jnp.any(base, axis=1)), 1.0))
+                    sequences=jnp.maximum(sequences, 1.0))
 
 
 def _masks(batch: LossBatch) -> tuple[jax.Array, jax.Array]:
@@ -125,9 +135,10 @@ def _masks(batch: LossBatch) -> tuple[jax.Array, jax.Array]:
 
 
 def loss_norm(batch: LossBatch, cfg: GRPOLossConfig) -> LossNorm:
-    """The `LossNorm` of a whole minibatch `batch` under `cfg.seq_denominator`."""
+    """The `LossNorm` of a whole minibatch `batch` under `cfg.aggregation` and
+    `cfg.seq_denominator`."""
     valid, kept = _masks(batch)
-    return norm_from_masks(kept, valid, cfg.seq_denominator)
+    return norm_from_masks(kept, valid, cfg.aggregation, cfg.seq_denominator)
 
 
 def aggregate(
@@ -142,22 +153,26 @@ def aggregate(
       seq_mean_token_mean: mean over each sequence's kept tokens, then over sequences.
       seq_mean_token_sum: sum over each sequence's kept tokens, then mean over sequences.
       seq_mean_token_sum_norm (Dr.GRPO): sum over each sequence's kept tokens divided by the
-        constant `T` (the response width, `sampling.max_new_tokens` in training), then mean
-        over sequences, i.e. total / (sequences x T) as in TRL's `dr_grpo` (verl divides the
-        total by `T` only, without the sequence count).
+        constant `T` (the response width, `sampling.max_new_tokens` in training), summed
+        over sequences and divided by the sequence count below, under `all` the fixed row
+        count `B`: total / (B x T) as in TRL's `dr_grpo` (verl divides the total by `T`
+        only, without the sequence count).
       token_mean: sum over kept tokens / a token count.
     denominator: which sequences / tokens divide the sum.
       all (official): sequences with at least one `valid` token (a vetoed or fully rejected
         sequence still counts, so rejection never scales the gradient up), and for
-        token_mean the `valid` tokens.
+        token_mean the `valid` tokens; for seq_mean_token_sum_norm every row of the batch,
+        rows without a `valid` token included (TRL's fixed batch size), so masking whole
+        rows (`overlong.mask_truncated`, dynamic-sampling padding) never changes it.
       kept: only sequences with a kept token / only kept tokens (rejection renormalises).
     The batch is whatever the caller passes: in training, one optimizer minibatch (the
-    official "global batch"). A row with no `valid` token at all (padding, or a response the
-    data pipeline excluded from the loss) is not a sample and never counts.
+    official "global batch"). Except for Dr.GRPO under `all`, a row with no `valid` token
+    at all (padding, or a response the data pipeline excluded from the loss) is not a
+    sample and never counts.
     norm: the denominators counted over a larger batch this one is part of (a micro-batch
       of a minibatch, see `loss_norm`); None counts them over this batch.
     """
-    norm = norm_from_masks(kept, valid, denominator) if norm is None else norm
+    norm = norm_from_masks(kept, valid, mode, denominator) if norm is None else norm
     if mode == "token_mean":
         return masked_sum(per_token, kept) / norm.tokens
     per_seq = masked_sum(per_token, kept, axis=1)
@@ -206,6 +221,13 @@ def _check_inputs(logp_new, batch, cfg, entropy, logp_dense, kl_full) -> None:
                          "(scoring.shadow_logprobs(..., with_kl=True))")
 
 
+def _with_sequence_value(log_ratio: jax.Array, log_s: jax.Array, mask: jax.Array) -> jax.Array:
+    """`[B, T]` per-token log ratios whose value is their row's `log_s` `[B]` (stop-gradient)
+    and whose gradient is that of `log_ratio`; 0 at masked positions (GSPO-token)."""
+    sg = jax.lax.stop_gradient
+    return jnp.where(mask, sg(log_s)[:, None] + log_ratio - sg(log_ratio), 0.0)
+
+
 def _policy_term(logp_new, batch: LossBatch, mask, cfg: GRPOLossConfig
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`w_t * L_t` `[B, T]` of `cfg.policy_loss` (module docstring) and the ratio metrics."""
@@ -214,15 +236,18 @@ def _policy_term(logp_new, batch: LossBatch, mask, cfg: GRPOLossConfig
     adv = jnp.where(mask, sg(batch.advantages).astype(jnp.float32)[:, None], 0.0)
     weights = jnp.where(mask, sg(batch.is_weights).astype(jnp.float32), 0.0)
     log_rho = safe_log_ratio(logp_new, sg(batch.logp_old_dense), mask, clamp)
+    # CISPO's factor `log rho`: not exponentiated, so unclamped (verl clamps only the weight)
+    log_pi_ratio = unclamped_log_ratio(logp_new, sg(batch.logp_old_dense), mask, clamp)
     if cfg.ratio_level == "sequence":  # GSPO-token: value s_i, gradient s_i * grad log pi_t
         log_s = jnp.clip(masked_mean(log_rho, mask, axis=1), -clamp, clamp)
-        log_rho = jnp.where(mask, sg(log_s)[:, None] + log_rho - sg(log_rho), 0.0)
+        log_rho = _with_sequence_value(log_rho, log_s, mask)
+        log_pi_ratio = _with_sequence_value(log_pi_ratio, log_s, mask)
     rho = jnp.exp(log_rho)
     clipped_rho = jnp.clip(rho, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     unclipped = -rho * adv
     clipped = -clipped_rho * adv
     if cfg.policy_loss == "cispo":
-        policy = -sg(clipped_rho) * adv * log_rho
+        policy = -sg(clipped_rho) * adv * log_pi_ratio
     else:
         policy = jnp.maximum(unclipped, clipped)
         if cfg.clip_c is not None:  # dual-clip: bound the loss of negative advantages

@@ -102,13 +102,15 @@ class GRPOLossConfig:
       at `-clip_c A`; None disables it; ppo_clip only.
     entropy_coef: entropy bonus, `loss -= entropy_coef * aggregate(entropy)` (0 = off).
     aggregation: `seq_mean_token_mean` (official default), `token_mean`, `seq_mean_token_sum`,
-      `seq_mean_token_sum_norm` (Dr.GRPO: token sums / the response width, mean over
-      sequences).
+      `seq_mean_token_sum_norm` (Dr.GRPO: token sums / the response width, summed over
+      sequences and divided by the minibatch's sequence count of `seq_denominator`).
     seq_denominator: what the aggregation divides by. `all` (official default): every sequence
       of the minibatch with a loss-mask token (`seq_mean_*`), or every loss-mask token
       (`token_mean`), rejected or not, so rejection removes terms but never scales the rest
-      up. `kept`: only sequences / tokens that survive rejection (the project's behaviour
-      before issue 13; effectively a larger learning rate at high rejection rates).
+      up; for `seq_mean_token_sum_norm` every row of the minibatch, rows without a loss-mask
+      token included (TRL's fixed batch size; masked rows never change it). `kept`: only
+      sequences / tokens that survive rejection (the project's behaviour before issue 13;
+      effectively a larger learning rate at high rejection rates).
     kl_coef, kl_kind: optional KL-to-reference penalty (`k1`, `k2` or `k3`), off at 0.
     distill_coef, distill_kind: shadow-mask distillation of the sparse policy toward the dense
       one, `distill_coef * KL` (0 = off; only with `correction.kind: shadow_mask`). `k3`: the

@@ -1,4 +1,4 @@
-"""NaN-safe reductions over masked arrays and the clamped log ratio shared by the RL losses.
+"""NaN-safe reductions over masked arrays and the log ratios shared by the RL losses.
 
 Every helper selects with `jnp.where` *before* doing arithmetic, so whatever sits at masked
 positions (padding garbage, -inf, NaN) can reach neither the value nor the gradient.
@@ -57,3 +57,18 @@ def safe_log_ratio(
     diff = num - den
     diff = jnp.where(jnp.isnan(diff), -bound, diff)
     return jnp.where(mask, jnp.clip(diff, -bound, bound), zero)
+
+
+def unclamped_log_ratio(
+    logp_num: jax.Array, logp_den: jax.Array, mask: jax.Array, bound: float
+) -> jax.Array:
+    """`logp_num - logp_den` at valid positions, 0 elsewhere, not clamped: a factor that is
+    never exponentiated keeps its gradient however far apart the log-probs are. Shapes `[B, T]`.
+
+    Where the difference is not finite (an infinite log-prob, inf - inf) it takes
+    `safe_log_ratio`'s value (+-bound) and a zero gradient, so the value stays finite.
+    """
+    zero = jnp.zeros((), jnp.float32)
+    diff = (jnp.where(mask, logp_num.astype(jnp.float32), zero)
+            - jnp.where(mask, logp_den.astype(jnp.float32), zero))
+    return jnp.where(jnp.isfinite(diff), diff, safe_log_ratio(logp_num, logp_den, mask, bound))

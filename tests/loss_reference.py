@@ -15,11 +15,13 @@ def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_fu
     aggregation by loops.
 
     mask: the kept tokens; valid: the loss mask before rejection (None: = mask), which sets
-    the denominator under `seq_denominator="all"`. dense / kl_full: the shadow-mask teacher's
+    the denominator under `seq_denominator="all"` (Dr.GRPO's: all `b` rows). dense / kl_full: the shadow-mask teacher's
     log-probs and the per-token vocabulary KL (a constant here). entropy: per-token entropy.
     base: where the stop-gradient parts (CISPO's clipped weight, GSPO-token's sequence
     ratio) are evaluated; None = `new` (the value). `np_grad` holds it at the unperturbed
     point, which makes central differences give the stop-gradient forms' gradients.
+    Log ratios are clamped to `cfg.log_ratio_clamp` where exponentiated; CISPO's factor
+    `log rho` is not (its gradient survives any ratio).
     """
     valid = mask if valid is None else valid
     base = new if base is None else base
@@ -27,10 +29,12 @@ def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_fu
     c = cfg.log_ratio_clamp
     lr = np.clip(new - old, -c, c)
     lr_base = np.clip(base - old, -c, c)
+    lr_pi = new - old  # CISPO's factor log rho: never exponentiated, so not clamped
     if cfg.ratio_level == "sequence":
         log_s = [np.clip(lr_base[i][mask[i]].mean(), -c, c) if mask[i].any() else 0.0
                  for i in range(b)]
         lr = np.array(log_s)[:, None] + lr - lr_base
+        lr_pi = np.array(log_s)[:, None] + new - base
         lr_base = np.broadcast_to(np.array(log_s)[:, None], (b, t))
     per_seq_terms = []
     for i in range(b):
@@ -41,7 +45,7 @@ def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_fu
             rho, a = np.exp(lr[i, j]), adv[i]
             lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
             if cfg.policy_loss == "cispo":
-                pol = -min(max(np.exp(lr_base[i, j]), lo), hi) * a * lr[i, j]
+                pol = -min(max(np.exp(lr_base[i, j]), lo), hi) * a * lr_pi[i, j]
             else:
                 pol = max(-rho * a, -min(max(rho, lo), hi) * a)
                 if cfg.clip_c is not None and a < 0:
@@ -70,8 +74,8 @@ def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_fu
         return sum(v for x in nonempty for v in x) / n_tok
     if cfg.aggregation == "seq_mean_token_mean":
         return sum(sum(x) / len(x) for x in nonempty) / n_seq
-    if cfg.aggregation == "seq_mean_token_sum_norm":
-        return sum(sum(x) for x in nonempty) / t / n_seq
+    if cfg.aggregation == "seq_mean_token_sum_norm":  # Dr.GRPO: under "all", every row
+        return sum(sum(x) for x in nonempty) / t / (b if cfg.seq_denominator == "all" else n_seq)
     return sum(sum(x) for x in nonempty) / n_seq
 
 

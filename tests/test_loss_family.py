@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from loss_reference import np_grad, np_loss, random_batch
-from sparse_rl_jax.grpo_loss import grpo_loss
+from sparse_rl_jax.grpo_loss import grpo_loss, loss_norm
 from sparse_rl_jax.loss_config import SEQ_DENOMINATORS, GRPOLossConfig
 
 
@@ -137,3 +137,61 @@ def test_gspo_ratio_is_the_sequence_ratio_and_clips_per_sequence():
     np.testing.assert_allclose(float(metrics["ratio_mean"]), (s * counts).sum() / counts.sum(),
                                rtol=1e-5)
 
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_cispo_keeps_the_gradient_of_tokens_beyond_the_log_ratio_clamp(ratio_level):
+    """verl clamps `log r` only inside the detached weight: a kept token with `|log r| = 25`
+    (past the clamp 20) still gets `d loss / d logp = -w A / denominator`, not 0."""
+    new, batch, (old, adv, eff, w), _, valid = random_batch(13)
+    extreme = [(2, int(np.flatnonzero(eff[2])[0]), 25.0),
+               (4, int(np.flatnonzero(eff[4])[-1]), -25.0)]
+    for i, j, log_r in extreme:
+        old[i, j] = np.float32(new[i, j] - log_r)
+    batch = batch.replace(logp_old_dense=jnp.asarray(old, jnp.float32))
+    cfg = GRPOLossConfig(policy_loss="cispo", ratio_level=ratio_level)
+    (loss, _), grad = jax.value_and_grad(grpo_loss, has_aux=True)(
+        jnp.asarray(new, jnp.float32), batch, cfg)
+    # seq_mean_token_mean, seq_denominator all: a kept token of row i weighs
+    # 1 / (kept tokens of row i x rows with a valid token)
+    denominator = eff.sum(1) * valid.any(1).sum()
+    c = cfg.log_ratio_clamp
+    log_rho = np.clip(new - old, -c, c)
+    if ratio_level == "sequence":
+        log_s = np.array([np.clip(log_rho[i][eff[i]].mean(), -c, c) if eff[i].any() else 0.0
+                          for i in range(len(eff))])
+        log_rho = np.broadcast_to(log_s[:, None], new.shape)
+    weight = np.clip(np.exp(log_rho), 1 - cfg.eps_low, 1 + cfg.eps_high)  # detached
+    for i, j, _ in extreme:
+        want = -w[i, j] * weight[i, j] * adv[i] / denominator[i]
+        assert abs(want) > 1e-3
+        np.testing.assert_allclose(float(grad[i, j]), want, rtol=1e-5)
+    args = (old, adv, eff, w, cfg, None, valid)
+    np.testing.assert_allclose(float(loss), np_loss(new, *args), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np_grad(new, *args), rtol=1e-4, atol=1e-6)
+    assert np.all(np.asarray(grad)[~eff] == 0)
+
+
+@pytest.mark.parametrize("micro", [None, 2])
+def test_dr_grpo_divides_by_every_row_of_the_minibatch(micro):
+    """Dr.GRPO (TRL `dr_grpo`): the token sums over the response width `T`, summed over rows
+    and divided by the batch's row count, fully masked rows (no loss-mask token: padding,
+    `mask_truncated`) included; with `micro`, micro-batch losses under the minibatch's
+    `loss_norm` sum to it."""
+    new, batch, (old, adv, eff, w), _, valid = random_batch(5, b=6, t=5)
+    assert not valid[0].any() and eff.any(1).sum() == 4  # an empty row, a rejected row
+    cfg = GRPOLossConfig(aggregation="seq_mean_token_sum_norm")
+    rho = np.exp(new - old)
+    a = adv[:, None]
+    per_token = w * np.maximum(-rho * a, -np.clip(rho, 1 - cfg.eps_low, 1 + cfg.eps_high) * a)
+    b, t = new.shape
+    want = np.sum(np.where(eff, per_token, 0.0).sum(1) / t) / b
+    x = jnp.asarray(new, jnp.float32)
+    if micro is None:
+        loss = grpo_loss(x, batch, cfg)[0]
+    else:
+        norm = loss_norm(batch, cfg)
+        rows = [np.arange(b)[k::b // micro] for k in range(b // micro)]
+        loss = sum(grpo_loss(x[r], jax.tree.map(lambda v: v[r], batch), cfg, norm=norm)[0]
+                   for r in rows)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-7)

@@ -18,6 +18,7 @@ from sparse_rl_jax.loss_config import (
     CORRECTION_KINDS,
     CORRECTION_LEVELS,
     KL_KINDS,
+    POLICY_LOSSES,
     SEQ_DENOMINATORS,
     CorrectionConfig,
     GRPOLossConfig,
@@ -183,16 +184,18 @@ def arrays(elements, dtype):
     agg=st.sampled_from(AGGREGATIONS),
     kl_kind=st.sampled_from(KL_KINDS),
     distill_kind=st.sampled_from(["k3", "full"]),
+    policy_loss=st.sampled_from(POLICY_LOSSES),
 )
 def test_extreme_log_prob_gaps_stay_finite(
-    old, sparse, new, ref, dense, mask, adv, kind, level, agg, kl_kind, distill_kind
+    old, sparse, new, ref, dense, mask, adv, kind, level, agg, kl_kind, distill_kind,
+    policy_loss,
 ):
     """Also the shadow-mask distillation term, against an extreme teacher (a vocabulary KL
-    from float32 logits is finite, however large)."""
+    from float32 logits is finite, however large), and CISPO's unclamped `log rho`."""
     corr = compute_corrections(old, sparse, mask, CorrectionConfig(kind=kind, level=level))
     batch = LossBatch.from_corrections(old, np.array(adv, np.float32), mask, corr, logp_ref=ref)
     cfg = GRPOLossConfig(aggregation=agg, kl_kind=kl_kind, kl_coef=1e-4, distill_coef=0.5,
-                         distill_kind=distill_kind)
+                         distill_kind=distill_kind, policy_loss=policy_loss)
     value_and_grad = jax.value_and_grad(grpo_loss, has_aux=True)
     (loss, metrics), grad = value_and_grad(jnp.asarray(new), batch, cfg, logp_dense=dense,
                                            kl_full=np.minimum(np.abs(dense), 1e4))
