@@ -51,8 +51,9 @@ def sparrow_config(schedule, page_size: int, dense_layers: tuple[int, ...]) -> C
 
 def measure_p5(graphdef, params, prompt, mask, key, sampling: SamplingConfig,
                compression: CompressionConfig, bin_tokens: int) -> np.ndarray:
-    """Alpha's p5 per ``bin_tokens`` bin of response position ``[ceil(M / bin_tokens)]`` of
-    one rollout of ``prompt [B, P]`` under ``compression``."""
+    """Alpha's p5 per ``bin_tokens`` bin of 1-based response position ``[M // bin_tokens + 1]``
+    (``acceptance_percentile_per_bin``) of one rollout of ``prompt [B, P]`` under
+    ``compression``."""
     r = generate(graphdef, params, prompt, mask, key, sampling, compression)
     alpha = score_acceptance(graphdef, params, r.prompt, r.prompt_mask, r.response,
                              replay_record(r, compression), temperature=sampling.temperature)

@@ -4,7 +4,8 @@
 probability that speculative acceptance keeps the sparse sample), at the rollout temperature.
 The exact form sums over the whole vocabulary in chunks; the ``top_k`` form is the official
 code's lower bound (the sum over ids in both top-k sets, no renormalisation). Sparrow holds the
-5th percentile of alpha per 2000-token bin of response position at a threshold (0.86).
+5th percentile of alpha (clipped to [0, 1]) per 2000-token bin of 1-based response position
+(``cumsum`` of the response mask: bin 0 is tokens 1..1999) at a threshold (0.86).
 """
 
 from __future__ import annotations
@@ -100,21 +101,64 @@ def score_acceptance(graphdef, params, prompt, prompt_mask, response, record, *,
                                chunk_size=chunk_size)
 
 
+def response_positions(mask) -> np.ndarray:
+    """``[N, M]`` int64 1-based position of each token among its row's valid response tokens:
+    ``cumsum(mask)`` along the response (Sparrow's rule), so a left-padded or masked token
+    does not advance it (the value on such a token is meaningless: callers drop it by ``mask``).
+
+    Args:
+      mask: ``[N, M]`` 1 on valid response tokens.
+    """
+    mask = np.asarray(mask).astype(bool)
+    check_shape("mask", mask, N=None, M=None)
+    return np.cumsum(mask, axis=1)
+
+
+def percentile_per_bin_id(
+    alpha: np.ndarray, mask: np.ndarray, bin_ids: np.ndarray, num_bins: int, *, q: float = 5.0,
+) -> np.ndarray:
+    """The ``q``-th percentile (``np.percentile``, linear) of ``alpha`` clipped to ``[0, 1]``
+    (as Sparrow's code does) over the valid tokens of each bin: ``[num_bins]`` float64, NaN
+    for a bin with no valid token. The one per-bin statistic behind
+    :func:`acceptance_percentile_per_bin` and ``budget_control.bin_p5``.
+
+    Args:
+      alpha: ``[N, M]`` per-token acceptance.
+      mask: ``[N, M]`` 1 on the tokens to pool (masked tokens are left out).
+      bin_ids: ``[N, M]`` int bin of each token, read only where ``mask`` is set.
+      num_bins: how many bins (ids outside ``[0, num_bins)`` are left out).
+    """
+    alpha = np.asarray(alpha, np.float64)
+    check_shape("alpha", alpha, N=None, M=None)
+    alpha = np.clip(alpha, 0.0, 1.0)
+    mask = np.asarray(mask).astype(bool)
+    check_shape("mask", mask, N=alpha.shape[0], M=alpha.shape[1])
+    check_shape("bin_ids", bin_ids, N=alpha.shape[0], M=alpha.shape[1])
+    bin_ids = np.asarray(bin_ids)
+    out = np.full(num_bins, np.nan)
+    for i in range(num_bins):
+        values = alpha[mask & (bin_ids == i)]
+        if values.size:
+            out[i] = np.percentile(values, q)
+    return out
+
+
 def acceptance_percentile_per_bin(
     alpha: np.ndarray, mask: np.ndarray, *, q: float = 5.0, bin_tokens: int = BIN_TOKENS,
 ) -> np.ndarray:
-    """The ``q``-th percentile (``np.percentile``, linear) of ``alpha`` per bin of response
-    position, pooling every valid token of the batch: ``[ceil(M / bin_tokens)]`` float64,
-    NaN for a bin with no valid token.
+    """The ``q``-th percentile of ``alpha`` (clipped to ``[0, 1]``) per bin of response
+    position, pooling every valid token of the batch (:func:`percentile_per_bin_id`):
+    ``[M // bin_tokens + 1]`` float64, NaN for a bin with no valid token.
+
+    As in Sparrow's code, the position is 1-based and counts valid tokens only
+    (:func:`response_positions`, ``cumsum(mask)``) and bin ``i`` holds positions
+    ``[i * bin_tokens, (i + 1) * bin_tokens)``: bin 0 the first ``bin_tokens - 1`` tokens,
+    bin 1 from the ``bin_tokens``-th on.
 
     Args:
       alpha: ``[N, M]`` per-token acceptance; mask: ``[N, M]`` 1 on response tokens.
     """
-    alpha, mask = np.asarray(alpha, np.float64), np.asarray(mask).astype(bool)
+    alpha = np.asarray(alpha, np.float64)
     check_shape("alpha", alpha, N=None, M=None)
-    check_shape("mask", mask, N=alpha.shape[0], M=alpha.shape[1])
-    out = []
-    for start in range(0, alpha.shape[1], bin_tokens):
-        values = alpha[:, start:start + bin_tokens][mask[:, start:start + bin_tokens]]
-        out.append(np.percentile(values, q) if values.size else np.nan)
-    return np.asarray(out)
+    bins = response_positions(mask) // bin_tokens
+    return percentile_per_bin_id(alpha, mask, bins, alpha.shape[1] // bin_tokens + 1, q=q)

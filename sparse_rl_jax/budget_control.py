@@ -3,9 +3,11 @@ acceptance p5 (``CompressionConfig.adapt_k``).
 
 After each RL step the acceptance ``alpha`` of every sampled token (sparse rollout vs the
 dense policy, ``acceptance``) is pooled per ``budget_schedule`` bin of the cached length the
-token was decoded at (token ``t >= 1`` of a row with a ``plen``-token prompt: ``L = plen + t``,
-the length whose k chose its pages; token 0 comes from the dense prefill and is left out), and
-each bin's 5th percentile ``p5_i`` (``np.percentile``, linear) moves its k:
+token was decoded at (the token at 1-based response position ``p = cumsum(response_mask)``,
+``p >= 2``, of a row with a ``plen``-token prompt: ``L = plen + p - 1``, the length whose k
+chose its pages; position 1 comes from the dense prefill and masked tokens are left out), and
+each bin's 5th percentile ``p5_i`` of alpha clipped to ``[0, 1]`` (``np.percentile``, linear)
+moves its k:
 
   ``p5_i < alpha_threshold``                   -> ``k_i + adapt_step`` (more pages)
   ``p5_i >= alpha_threshold + adapt_margin``   -> ``k_i - adapt_step`` (slack: fewer pages)
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.shapes import check_shape
+from sparse_rl_jax.acceptance import percentile_per_bin_id, response_positions
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.page_sparsity import schedule_bin
 
@@ -47,7 +50,13 @@ def upper_ks(cfg: CompressionConfig) -> tuple[int, ...]:
 
 
 def bin_p5(cfg: CompressionConfig, alpha, response_mask, prompt_lengths) -> np.ndarray:
-    """``[len(budget_schedule)]`` float64 p5 of alpha per schedule bin (NaN: no token).
+    """``[len(budget_schedule)]`` float64 p5 of alpha (clipped to ``[0, 1]``) per schedule bin
+    of the cached length each token was decoded at (NaN: no token), see the module docstring.
+
+    The response position is Sparrow's 1-based ``cumsum(response_mask)``
+    (``acceptance.response_positions``), so masked or padded tokens neither count nor advance
+    it: the token at position ``p >= 2`` was decoded at ``L = plen + p - 1``; position 1 (the
+    dense prefill's sample) and masked tokens are left out.
 
     Args:
       alpha: ``[N, M]`` per-token acceptance.
@@ -57,18 +66,13 @@ def bin_p5(cfg: CompressionConfig, alpha, response_mask, prompt_lengths) -> np.n
     alpha = np.asarray(alpha, np.float64)
     check_shape("alpha", alpha, N=None, M=None)
     n, m = alpha.shape
-    mask = np.asarray(response_mask).astype(bool)
-    check_shape("response_mask", mask, N=n, M=m)
+    check_shape("response_mask", response_mask, N=n, M=m)
     check_shape("prompt_lengths", prompt_lengths, N=n)
-    lengths = np.asarray(prompt_lengths)[:, None] + np.arange(m)[None, :]
+    positions = response_positions(response_mask)
+    lengths = np.asarray(prompt_lengths)[:, None] + positions - 1
     bins = np.asarray(schedule_bin(cfg, jnp.asarray(lengths.reshape(-1)))).reshape(n, m)
-    mask[:, 0] = False  # token 0: sampled from the dense prefill
-    out = np.full(len(cfg.budget_schedule), np.nan)
-    for i in range(len(out)):
-        values = alpha[mask & (bins == i)]
-        if values.size:
-            out[i] = np.percentile(values, 5)
-    return out
+    decoded = np.asarray(response_mask).astype(bool) & (positions >= 2)
+    return percentile_per_bin_id(alpha, decoded, bins, len(cfg.budget_schedule))
 
 
 def next_ks(cfg: CompressionConfig, ks: tuple[int, ...], p5: np.ndarray) -> tuple[int, ...]:

@@ -122,8 +122,9 @@ def acceptance_metrics(alpha, response_mask, threshold: float = 0.86) -> dict[st
     """Host-side alpha statistics of a rollout batch (``alpha``, ``response_mask`` ``[N, M]``).
 
     Returns ``alpha_mean``, ``alpha_p5`` (all valid tokens pooled), ``alpha_p5_bin{i}`` per
-    2000-token bin of response position that holds tokens, and ``alpha_bins_below`` (bins
-    whose p5 is under ``threshold``).
+    2000-token bin of 1-based response position (``cumsum(response_mask)``, alpha clipped to
+    ``[0, 1]``: ``acceptance.acceptance_percentile_per_bin``) that holds tokens, and
+    ``alpha_bins_below`` (bins whose p5 is under ``threshold``).
     """
     alpha, mask = np.asarray(alpha, np.float64), np.asarray(response_mask).astype(bool)
     check_shape("alpha", alpha, N=None, M=None)

@@ -66,6 +66,24 @@ def test_next_ks_random_against_reference():
             ks, p5, threshold=0.9, margin=0.05, step=2, low=1, highs=(4, 6, 6))
 
 
+def reference_bin_p5(alpha, mask, plen):
+    """LOOP's per-bin p5, one token at a time: a row's position counts its valid tokens from 1,
+    the token at position ``p >= 2`` was decoded at ``plen + p - 1`` (position 1: the dense
+    prefill's), alpha clipped to [0, 1]."""
+    pooled = {0: [], 1: [], 2: []}
+    for row in range(alpha.shape[0]):
+        position = 0
+        for col in range(alpha.shape[1]):
+            if not mask[row, col]:
+                continue
+            position += 1
+            if position >= 2:
+                covered = math.ceil((plen[row] + position - 1) / 4) * 4
+                pooled[0 if covered < 32 else 1 if covered < 48 else 2].append(
+                    min(max(alpha[row, col], 0.0), 1.0))
+    return np.asarray([np.percentile(v, 5) if v else np.nan for v in pooled.values()])
+
+
 def test_bin_p5_pools_tokens_by_cached_length():
     rng = np.random.default_rng(1)
     n, m = 5, 40
@@ -74,7 +92,7 @@ def test_bin_p5_pools_tokens_by_cached_length():
     plen = rng.integers(3, 20, size=n)
     pooled = {0: [], 1: [], 2: []}
     for row in range(n):
-        for t in range(1, m):  # token 0 comes from the dense prefill
+        for t in range(1, m):  # contiguous rows: column t is position t + 1, length plen + t
             if mask[row, t]:
                 covered = math.ceil((plen[row] + t) / 4) * 4
                 pooled[0 if covered < 32 else 1 if covered < 48 else 2].append(alpha[row, t])
@@ -82,6 +100,31 @@ def test_bin_p5_pools_tokens_by_cached_length():
     for i, values in pooled.items():
         want = np.percentile(values, 5) if values else np.nan
         np.testing.assert_allclose(got[i], want, equal_nan=True)
+    np.testing.assert_allclose(got, reference_bin_p5(alpha, mask, plen), equal_nan=True)
+
+
+def test_bin_p5_counts_positions_over_valid_tokens_only():
+    rng = np.random.default_rng(4)
+    alpha = rng.random((3, 40))
+    mask = np.ones((3, 40), np.int32)
+    mask[0, 5:15] = 0   # a hole: column 15 is position 6, decoded at plen + 5
+    mask[1, :12] = 0    # left padding: column 12 is position 1 (the dense prefill's)
+    mask[2, 1::2] = 0   # every other token
+    plen = np.array([20, 20, 20])
+    got = budget_control.bin_p5(LOOP, alpha, mask, plen)
+    np.testing.assert_allclose(got, reference_bin_p5(alpha, mask, plen), equal_nan=True)
+
+
+def test_bin_p5_clips_alpha_to_the_unit_interval():
+    rng = np.random.default_rng(5)
+    alpha = rng.uniform(-0.5, 1.5, size=(4, 40))
+    mask = np.ones((4, 40), np.int32)
+    plen = np.array([3, 9, 17, 24])
+    got = budget_control.bin_p5(LOOP, alpha, mask, plen)
+    np.testing.assert_allclose(got, reference_bin_p5(alpha, mask, plen), equal_nan=True)
+    assert np.all((got >= 0) & (got <= 1))
+    high = budget_control.bin_p5(LOOP, alpha + 2.0, mask, plen)  # every value above 1
+    np.testing.assert_array_equal(high, 1.0)
 
 
 @pytest.mark.parametrize("fields, field", [
