@@ -44,13 +44,53 @@ METHODS: tuple[str, ...] = ("none", "snapkv", "rkv", "streaming", "sparrow")
 EVICTING: tuple[str, ...] = ("snapkv", "rkv", "streaming")
 LAYOUTS: tuple[str, ...] = ("dense", "budget", "paged")
 
-# Sparrow's official budget presets: k (middle pages) per 2000-token bin of the cached length,
-# 20 bins (the last one open-ended), page size 16.
+# Sparrow's official budget presets: all 20 offline-calibrated schedules of the Sparrow repository
+# (github.com/Infini-AI-Lab/Sparrow, vortex_torch/vortex_torch/indexer/utils_sglang.py, commit
+# b8cb9870c524b7ab0288d9aa3c620e5990d69655), named as there: Qwen3 model size + the alpha p5
+# threshold calibrated for. k (middle pages: the sink page and the 2 newest come on top) per
+# 2000-token bin of the cached length, 20 bins (the last one open-ended), page size 16.
 SPARROW_BIN_TOKENS = 2000
 SPARROW_PRESETS: dict[str, tuple[int, ...]] = {
+    "qwen3-1.7b-0.75": (29, 29, 45, 45, 61, 61, 77, 77, 93, 93, 93, 93, 93, 93, 93, 93, 93, 93, 93,
+                        93),
+    "qwen3-1.7b-0.80": (29, 45, 61, 77, 93, 93, 125, 125, 125, 157, 157, 157, 157, 157, 157, 157,
+                        157, 157, 157, 157),
+    "qwen3-1.7b-0.83": (29, 61, 77, 93, 125, 125, 157, 157, 189, 189, 189, 189, 189, 189, 189, 189,
+                        189, 189, 189, 189),
     "qwen3-1.7b-0.86": (29, 61, 93, 93, 125, 157, 189, 221, 221) + (253,) * 11,
+    "qwen3-1.7b-0.88": (45, 77, 125, 157, 157, 189, 221, 253, 253, 317, 317, 317, 317, 317, 317,
+                        317, 317, 317, 317, 317),
+    "qwen3-1.7b-0.90": (45, 93, 157, 189, 221, 253, 317, 317, 381, 381, 381, 381, 381, 381, 381,
+                        381, 381, 381, 381, 381),
+    "qwen3-1.7b-0.92": (61, 125, 189, 221, 253, 317, 381, 381, 445, 509, 509, 509, 509, 509, 509,
+                        509, 509, 509, 509, 509),
+    "qwen3-1.7b-0.94": (77, 157, 221, 317, 381, 445, 509, 509, 637, 765, 765, 765, 765, 765, 765,
+                        765, 765, 765, 765, 765),
+    "qwen3-4b-0.75": (29, 29, 29, 29, 45, 61, 77, 93, 125, 125, 125, 125, 157, 157, 157, 157, 157,
+                      157, 189, 189),
+    "qwen3-4b-0.80": (29, 29, 45, 61, 77, 93, 125, 157, 157, 157, 189, 221, 221, 221, 221, 221,
+                      221, 221, 221, 221),
     "qwen3-4b-0.86": (29, 45, 61, 77, 93, 125, 157, 221, 253, 253, 317, 317, 317, 317, 381,
                       381, 381, 381, 509, 509),
+    "qwen3-4b-0.88": (29, 61, 93, 125, 157, 189, 253, 317, 381, 445, 445, 509, 509, 509, 637, 637,
+                      637, 637, 637, 637),
+    "qwen3-4b-0.90": (45, 77, 125, 157, 189, 253, 317, 445, 637, 765, 765, 765, 765, 765, 765, 893,
+                      893, 893, 893, 893),
+    "qwen3-4b-0.92": (45, 93, 157, 189, 253, 381, 445, 765, 893, 1021, 1021, 1149, 1149, 1149,
+                      1149, 1149, 1149, 1149, 1149, 1149),
+    "qwen3-8b-0.75": (29, 29, 29, 45, 45, 77, 77, 77, 93, 93, 93, 93, 125, 125, 125, 125, 125, 125,
+                      157, 157),
+    "qwen3-8b-0.80": (29, 29, 45, 61, 77, 93, 125, 125, 157, 157, 189, 189, 189, 221, 221, 221,
+                      221, 253, 253, 253),
+    # 385 is upstream's number; every other k is 16m - 3 (381 here would be one).
+    "qwen3-8b-0.86": (29, 45, 61, 77, 125, 157, 189, 253, 253, 253, 253, 317, 317, 317, 317, 317,
+                      317, 385, 445, 445),
+    "qwen3-8b-0.87": (29, 61, 77, 93, 157, 189, 221, 317, 317, 317, 317, 381, 381, 381, 381, 381,
+                      445, 445, 509, 509),
+    "qwen3-8b-0.92": (45, 93, 125, 189, 253, 445, 509, 637, 765, 765, 765, 893, 893, 893, 893, 893,
+                      1021, 1021, 1021, 1021),
+    "qwen3-14b-0.86": (29, 45, 77, 125, 253, 381, 381, 381, 381, 381, 381, 381, 381, 381, 381, 509,
+                       637, 637, 893, 893),
 }
 
 
@@ -111,8 +151,8 @@ class CompressionConfig:
         cached length ``L`` (prompt + response, current token included) has
         ``ceil(L / page_size) * page_size >= start_i`` (largest such i) attends to ``k_i``
         middle pages + the sink page + the 2 newest. Starts strictly increasing multiples of
-        ``page_size``; or a preset name (``qwen3-1.7b-0.86``, ``qwen3-4b-0.86``), resolved to
-        the tuple at construction.
+        ``page_size``; or a preset name (a key of :data:`SPARROW_PRESETS`, e.g.
+        ``qwen3-1.7b-0.86``, ``qwen3-4b-0.92``), resolved to the tuple at construction.
       dense_layers: (``sparrow``) layers that always attend densely (``(0, 1)`` in Sparrow).
       alpha_threshold: target of the 5th percentile of the per-token acceptance
         ``alpha = sum_x min(p_sparse, p_dense)`` per 2000-token response bin, in (0, 1];

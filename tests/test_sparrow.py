@@ -75,6 +75,31 @@ def test_schedule_lookup_matches_official_bins():
         np.testing.assert_array_equal(got, want)
 
 
+
+@pytest.mark.parametrize("name", sorted(SPARROW_PRESETS))
+def test_every_preset_is_a_valid_schedule(name):
+    """Each preset resolves through the config to 20 bins starting at 0 and 2000 tokens apart
+    (strictly increasing), with positive int k."""
+    cfg = CompressionConfig(method="sparrow", budget_schedule=name)
+    starts = [start for start, _ in cfg.budget_schedule]
+    ks = [k for _, k in cfg.budget_schedule]
+    assert starts == [2000 * i for i in range(20)]
+    assert all(b > a for a, b in zip(starts, starts[1:]))
+    assert all(isinstance(k, int) and k > 0 for k in ks)
+    assert tuple(ks) == SPARROW_PRESETS[name]
+
+
+def test_presets_match_upstream_spot_checks():
+    """New presets against Sparrow's own numbers, written here by hand from upstream."""
+    # Upstream: github.com/Infini-AI-Lab/Sparrow, vortex_torch/vortex_torch/indexer/
+    # utils_sglang.py (_SCHEDULE_POLICY_VALUES), commit b8cb9870c524b7ab0288d9aa3c620e5990d69655.
+    assert len(SPARROW_PRESETS) == 20
+    assert SPARROW_PRESETS["qwen3-1.7b-0.75"] == (29, 29, 45, 45, 61, 61, 77, 77) + (93,) * 12
+    assert SPARROW_PRESETS["qwen3-14b-0.86"] == ((29, 45, 77, 125, 253) + (381,) * 10
+                                                 + (509, 637, 637, 893, 893))
+    cfg = CompressionConfig(method="sparrow", budget_schedule="qwen3-4b-0.92")
+    assert cfg.budget_schedule[9] == (18000, 1021) and cfg.max_pages_k == 1149
+
 # ---------------------------------------------------------------- selection vs NumPy
 
 
