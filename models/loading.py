@@ -124,10 +124,21 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 _NP_DTYPES = {"F16": np.float16, "BF16": jnp.bfloat16, "F32": np.float32, "F64": np.float64}
-_EXPONENT_BITS = {2: np.uint16(0x7C00), 4: np.uint32(0x7F800000),
-                  8: np.uint64(0x7FF0000000000000)}
-"""Exponent field of each float width (F16 / F32 / F64; BF16 below): all ones = NaN or inf."""
-_BF16_EXPONENT = np.uint16(0x7F80)
+_MAGNITUDE_BITS = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF),
+                   8: np.uint64(0x7FFFFFFFFFFFFFFF)}
+"""Every bit but the sign, per float width (BF16 / F16, F32, F64). With the sign cleared,
+the bit patterns of IEEE floats order like their magnitudes, +inf above every finite value
+and NaN above +inf, so one integer max gives the largest |value| and finiteness at once."""
+
+MAX_ABS_WEIGHT = 1e4
+"""Largest |w| a checkpoint tensor may hold (:func:`load_pretrained` refuses more). Trained
+LLM weights stay far below: projections and embeddings are O(0.01..1), and the outliers
+(norm gains, attention biases) reach the tens to hundreds. A flipped top exponent bit, which
+safetensors (no checksums) cannot detect, makes a weight like 0.02 into ~1e36 (F32 / BF16),
+and one such value overflows the activations and turns every rollout NaN. The bound leaves
+well over an order of magnitude of headroom above real checkpoints and is still some thirty
+orders below what such a flip produces. (An F16 checkpoint's flips stay below its 65504
+maximum, so only those above the bound are caught there.)"""
 
 
 def _open_safetensors(file: Path) -> dict[str, np.ndarray]:
@@ -189,23 +200,26 @@ def _check_tensors(state: Any, tensors: dict[str, Any]) -> None:
         log.info("ignoring %d unexpected checkpoint tensors: %s", len(extra), ", ".join(extra))
 
 
-def _copy_finite(src: np.ndarray, out: np.ndarray | None = None,
-                 chunk_bytes: int = 1 << 18) -> bool:
-    """Copy ``src`` into ``out`` (casting) if given, and tell whether every value of the copy
-    (else of ``src``) is finite, a cache-sized chunk of rows at a time: the NaN/inf test reads
-    the exponent bits of a chunk just written, so it costs no extra pass over memory."""
+def _copy_max_abs(src: np.ndarray, out: np.ndarray | None = None,
+                  chunk_bytes: int = 1 << 18) -> float:
+    """Copy ``src`` into ``out`` (casting) if given, and return the largest |value| of the
+    copy (else of ``src``), ``inf`` when any value is NaN or inf, a cache-sized chunk of rows
+    at a time: the max reads the sign-cleared bits (:data:`_MAGNITUDE_BITS`) of a chunk just
+    written, so it costs no extra pass over memory."""
     dst = src if out is None else out
-    mask = _BF16_EXPONENT if dst.dtype == jnp.bfloat16 else _EXPONENT_BITS[dst.dtype.itemsize]
+    mask = _MAGNITUDE_BITS[dst.dtype.itemsize]
     rows = max(1, chunk_bytes // max(1, dst[:1].nbytes))
-    finite = True
+    peak = mask.dtype.type(0)
     for start in range(0, dst.shape[0], rows):
         part = slice(start, start + rows)
         if out is not None:
-            with np.errstate(over="ignore"):  # an overflow becomes inf, reported below
+            with np.errstate(over="ignore"):  # an overflow becomes inf, reported as such
                 np.copyto(out[part], src[part], casting="unsafe")
         bits = np.ascontiguousarray(dst[part]).view(mask.dtype)
-        finite = finite and not np.any(np.bitwise_and(bits, mask) == mask)
-    return finite
+        if bits.size:
+            peak = max(peak, np.bitwise_and(bits, mask).max())
+    value = float(np.array(peak).view(dst.dtype))
+    return math.inf if math.isnan(value) else value
 
 
 def _abstract_decoder(config: ModelConfig, dtype) -> Decoder:
@@ -221,9 +235,9 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
     """Load a local HF checkpoint directory into a :class:`Decoder` with params in ``dtype``.
 
     Each device's shard is read from the memory-mapped files, checked for NaN/inf and
-    converted in one host pass (a layer-stacked param's layers into one buffer); the device
-    copy applies the HF -> NNX transposition. Nothing is compiled; at most one host copy of
-    one param exists at a time.
+    implausible magnitudes (:data:`MAX_ABS_WEIGHT`) and converted in one host pass (a
+    layer-stacked param's layers into one buffer); the device copy applies the HF -> NNX
+    transposition. Nothing is compiled; at most one host copy of one param exists at a time.
 
     Args:
       path: directory with ``config.json`` and ``*.safetensors`` (optionally sharded with
@@ -237,7 +251,8 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
       FileNotFoundError: missing directory, config.json or safetensors files.
       ValueError: invalid config.json / index JSON, unsupported model_type/feature, missing
         tensor, wrong shape or dtype (all checked before any tensor data is read), or a
-        tensor holding NaN/inf (all such tensors named once every tensor was read). No
+        tensor holding NaN/inf or a |w| above :data:`MAX_ABS_WEIGHT` (all such tensors named,
+        with their largest |w| and file, once every tensor was read). No
         partial model is returned. Only safetensors are read: pickle ``*.bin`` files and
         ``auto_map`` code are ignored.
     """
@@ -245,22 +260,24 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
     config = read_config(path)
     files = checkpoint_files(path)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: _abstract_decoder(config, dtype)))
-    tensors = {}
+    tensors, sources = {}, {}
     for file in files:
-        tensors.update(_open_safetensors(file))
+        opened = _open_safetensors(file)
+        tensors.update(opened)
+        sources.update(dict.fromkeys(opened, file.name))
     _check_tensors(state, tensors)
     mesh = mesh if mesh is not None else make_mesh(devices=jax.devices()[:1])
-    bad = set()
+    peaks = dict.fromkeys(tensors, 0.0)
 
     def read(name, transpose, index, out=None):
         """HF tensor ``name``'s part at NNX ``index`` (HF layout; into ``out`` if given) and
-        whether it is a fresh host array, not a memory-map view; NaN/inf adds it to ``bad``."""
+        whether it is a fresh host array, not a memory-map view; its largest |value| goes
+        into ``peaks``."""
         part = tensors[name][tuple(reversed(index)) if transpose else index]
         fresh = out is not None or part.dtype != dtype
         if out is None and fresh:
             out = np.empty(part.shape, dtype)
-        if not _copy_finite(part, out):
-            bad.add(name)
+        peaks[name] = max(peaks[name], _copy_max_abs(part, out))
         return (out, True) if fresh else (part, False)  # a view: the device copy is the one
 
     def place(key_path, leaf, sharding):
@@ -284,22 +301,33 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
         return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
 
     state = jax.tree_util.tree_map_with_path(place, state, param_shardings(state, mesh))
-    _raise_if_nonfinite(path, state, sorted(tensors), bad)
+    _check_magnitudes(path, state, peaks, sources)
     return nnx.merge(graphdef, state)
 
 
-def _raise_if_nonfinite(path: Path, state, names: list[str], bad: set[str]) -> None:
-    """ValueError naming (in param order) the HF tensors any process found holding NaN/inf
-    (``bad``: this process's finds, among ``names``); every process raises, or none."""
+def _check_magnitudes(path: Path, state, peaks: dict[str, float],
+                      sources: dict[str, str]) -> None:
+    """ValueError naming (in param order) the HF tensors holding NaN/inf, else those whose
+    largest |w| exceeds :data:`MAX_ABS_WEIGHT`, with that |w| and their file (``sources``).
+    ``peaks``: the largest |value| per tensor this process read (inf for NaN/inf), combined
+    across processes, so every process raises, or none."""
     if jax.process_count() > 1:
-        flags = multihost_utils.process_allgather(np.array([name in bad for name in names]))
-        bad = {name for name, f in zip(names, flags.reshape(-1, len(names)).any(axis=0)) if f}
-    if bad:
-        ordered = [name for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
-                   for name, _, _ in hf_tensors(path_str(key_path), leaf.shape)
-                   if name in bad]
-        raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(ordered)} hold NaN or inf "
+        names = sorted(peaks)
+        local = np.array([peaks[name] for name in names], np.float32)
+        gathered = multihost_utils.process_allgather(local).reshape(-1, len(names))
+        peaks = dict(zip(names, gathered.max(axis=0).tolist()))
+    ordered = [name for key_path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+               for name, _, _ in hf_tensors(path_str(key_path), leaf.shape)]
+    nonfinite = [name for name in ordered if math.isinf(peaks[name])]
+    if nonfinite:
+        raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(nonfinite)} hold NaN or inf "
                          f"values")
+    large = [f"{name} (max |w| {peaks[name]:.2g} in {sources[name]})" for name in ordered
+             if peaks[name] > MAX_ABS_WEIGHT]
+    if large:
+        raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(large)} exceed the "
+                         f"plausible weight magnitude {MAX_ABS_WEIGHT:g} (a corrupted file, "
+                         f"e.g. a flipped exponent bit)")
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

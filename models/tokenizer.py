@@ -73,21 +73,32 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids the tokenizer can produce (including added tokens)."""
+        """Number of vocabulary entries (added tokens included). The ids need not be
+        contiguous, so the largest id can exceed it: see :meth:`largest_id`."""
         return len(self.hf)
 
+    def largest_id(self) -> tuple[int, str]:
+        """``(id, name)`` of the largest id this tokenizer can produce: every vocabulary
+        entry and added token (``get_vocab``; its ids, not its size, which misses an entry
+        mapped past the others), the special tokens and the EOS / pad ids (an id from
+        ``generation_config.json`` may have no token: named by the id alone)."""
+        names = {i: repr(token) for token, i in self.hf.get_vocab().items()}
+        for i in (*self.hf.all_special_ids, *self.eos_ids, self.pad_id):
+            if i is not None:
+                names.setdefault(i, "special id")
+        largest = max(names)
+        return largest, names[largest]
+
     def check_fits(self, vocab_size: int) -> None:
-        """ValueError naming both numbers when an id this tokenizer can produce (its
-        vocabulary, added tokens, EOS / pad / special ids) is outside an embedding of
-        ``vocab_size`` rows, where the gather would silently clamp it."""
-        special = [i for i in (*self.hf.all_special_ids, *self.eos_ids, self.pad_id)
-                   if i is not None]
-        largest = max([self.vocab_size - 1, *special])
+        """ValueError naming the token, its id and ``vocab_size`` when the largest id this
+        tokenizer can produce (:meth:`largest_id`) is outside an embedding of ``vocab_size``
+        rows, which has no row for it (every rollout would turn NaN)."""
+        largest, name = self.largest_id()
         if largest >= vocab_size:
             raise ValueError(
-                f"tokenizer {self.hf.name_or_path}: ids up to {largest} (vocabulary of "
-                f"{self.vocab_size}, special ids {sorted(set(special))}) do not fit the model's "
-                f"embedding of {vocab_size} rows")
+                f"tokenizer {self.hf.name_or_path}: token {name} has id {largest} (vocabulary "
+                f"of {self.vocab_size} entries), outside the model's embedding of "
+                f"{vocab_size} rows")
 
     def encode(
         self,

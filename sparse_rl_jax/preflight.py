@@ -27,8 +27,8 @@ def load_checked_policy(path: str, cfg, mesh) -> tuple[models.Tokenizer, models.
 
     The tokenizer's files are named when missing; every id it can produce (vocabulary,
     special ids) and the configured ``sampling.eos_ids`` / ``pad_id`` must fit the model's
-    embedding; ``load_pretrained`` validates config,
-    tensor names, shapes, dtypes and finiteness.
+    embedding (the largest id, not the vocabulary's size); ``load_pretrained`` validates
+    config, tensor names, shapes, dtypes, finiteness and magnitudes.
     """
     tokenizer = models.Tokenizer(path)
     model = models.load_pretrained(path, dtype=DTYPES[cfg.model.dtype], mesh=mesh)

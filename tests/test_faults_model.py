@@ -46,6 +46,10 @@ def _nan_tensor(t):
     t["model.layers.1.mlp.up_proj.weight"][0, 0] = np.nan
 
 
+def _huge_tensor(t):
+    t["model.layers.1.mlp.up_proj.weight"][0, 0] = 1e38  # finite: a flipped exponent bit
+
+
 def _drop_tokenizer(path):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (path / name).unlink(missing_ok=True)
@@ -80,6 +84,9 @@ MODEL_FAULTS = {
                        "model.safetensors.index.json: not a valid safetensors index"),
     "nan_tensor": (lambda p: _rewrite_tensors(p, _nan_tensor),
                    "tensor(s) model.layers.1.mlp.up_proj.weight hold NaN or inf values"),
+    "huge_tensor": (lambda p: _rewrite_tensors(p, _huge_tensor),
+                    "tensor(s) model.layers.1.mlp.up_proj.weight (max |w| 1e+38 in "
+                    "model.safetensors)"),
     "no_tokenizer": (_drop_tokenizer, "no tokenizer in"),
     "tokenizer_json_not_json": (_not_json("tokenizer.json"),
                                 "tokenizer.json: invalid JSON: Expecting property name"),
@@ -105,7 +112,26 @@ def test_tokenizer_larger_than_embedding_names_both_numbers(tiny, tmp_path, caps
     _, _, data = tiny
     small = make_tiny_hf(tmp_path, "qwen2", name="small", vocab_size=64)  # tokenizer: 102 ids
     refused(capsys, run_args(small, data, tmp_path / "run"),
-            "ids up to 101 (vocabulary of 102", "embedding of 64 rows")
+            "token '~' has id 101 (vocabulary of 102 entries)", "embedding of 64 rows")
+    assert not (tmp_path / "run").exists()
+
+
+def _remap_token(path, token: str, token_id: int) -> None:
+    """Rewrite ``path/tokenizer.json`` so ``token`` has id ``token_id`` (same vocab count)."""
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"][token] = token_id
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+def test_token_id_beyond_embedding_is_refused_naming_the_token(tiny, tmp_path, capsys):
+    """A vocab entry past the embedding (same entry count, so ``len(tokenizer)`` still fits)
+    would make every rollout NaN: refused naming the token, its id and the embedding."""
+    _, model, data = tiny
+    broken = tmp_path / "model"
+    shutil.copytree(model, broken)
+    _remap_token(broken, "=", 128 + 50)
+    refused(capsys, run_args(broken, data, tmp_path / "run"),
+            "token '=' has id 178", "embedding of 128 rows")
     assert not (tmp_path / "run").exists()
 
 

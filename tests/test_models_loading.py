@@ -184,21 +184,35 @@ def test_read_config_without_transformers_equals_autoconfig(tmp_path, monkeypatc
     (np.float32, None), (np.float16, None), (np.float64, None), (jnp.bfloat16, None),
     (np.float32, jnp.bfloat16), (jnp.bfloat16, np.float32), (np.float64, np.float16),
 ])
-def test_copy_finite_agrees_with_isfinite_on_every_dtype(src_dtype, out_dtype):
-    """The loader's bit-level NaN/inf test (chunked, fused with the copy) against np.isfinite
-    of the copy, for each float width, across chunk boundaries (a 3-row chunk here)."""
-    from models.loading import _copy_finite
+def test_copy_max_abs_agrees_with_numpy_on_every_dtype(src_dtype, out_dtype):
+    """The loader's bit-level largest |value| (chunked, fused with the copy; inf for NaN/inf)
+    against numpy on the copy, for each float width, across chunk boundaries (3-row chunks),
+    with a negative peak so the sign bit must be ignored."""
+    from models.loading import _copy_max_abs
 
     rng = np.random.default_rng(0)
-    for bad in (None, np.nan, np.inf, -np.inf, 1e300):
+    for bad in (None, np.nan, np.inf, -np.inf, 1e300, -3e4):
         src = rng.standard_normal((10, 7)).astype(src_dtype)
         if bad is not None:
             src[7, 3] = np.asarray(bad).astype(src_dtype)  # 1e300: inf in every narrower type
         out = None if out_dtype is None else np.empty(src.shape, out_dtype)
         row_bytes = 7 * np.dtype(out_dtype or src_dtype).itemsize
-        finite = _copy_finite(src, out, chunk_bytes=3 * row_bytes)
-        copy = src if out is None else out
+        peak = _copy_max_abs(src, out, chunk_bytes=3 * row_bytes)
+        copy = (src if out is None else out).astype(np.float64)
         if out is not None:
-            np.testing.assert_array_equal(out.astype(np.float64),
-                                          src.astype(out_dtype).astype(np.float64))
-        assert finite == bool(np.isfinite(copy.astype(np.float64)).all()), (bad, copy[7, 3])
+            np.testing.assert_array_equal(copy, src.astype(out_dtype).astype(np.float64))
+        expected = np.abs(copy).max() if np.isfinite(copy).all() else np.inf
+        assert peak == expected, (bad, copy[7, 3])
+
+
+def test_implausibly_large_weight_is_refused_naming_tensor_and_file(tmp_path):
+    """A finite 1e38 (a flipped exponent bit) in one tensor is refused by name, value and
+    file; the untouched checkpoint loads."""
+    path = Path(make_tiny_hf(tmp_path, "qwen2", tokenizer=False))
+    models.load_pretrained(path, dtype=jnp.float32)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"][3, 5] = -1e38
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor\(s\) model\.layers\.0\.self_attn\.k_proj\."
+                                         r"weight \(max \|w\| 1e\+38 in model\.safetensors\)"):
+        models.load_pretrained(path, dtype=jnp.bfloat16)
