@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sparse_rl_jax.checkpoint_errors import CheckpointError, OrbaxErrorLog, save_error
+from sparse_rl_jax.checkpoint_errors import (FAILURE_ECHOES, CheckpointError, OrbaxErrorLog,
+                                             save_error)
 from sparse_rl_jax.checkpoint_layout import (check_layout, flat_shapes, from_raw,
                                              nonfinite_leaves, prng_impls, raw_target, to_raw)
 
@@ -156,8 +157,8 @@ class Checkpointer:
                 step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
             )
         except Exception as err:  # orbax/tensorstore raise many types; name the checkpoint
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory}: cannot read '{_META}': {err}"
+            raise self._read_error(
+                step, f"checkpoint step {step} in {self.directory}: cannot read '{_META}'", err
             ) from err
         return dict(restored[_META])
 
@@ -169,7 +170,7 @@ class Checkpointer:
         try:
             stored = self._manager.metadata(step).item_metadata[_STATE]
         except Exception as err:  # orbax/tensorstore raise many types; name the checkpoint
-            raise CheckpointError(f"{where} is unreadable: {err}") from err
+            raise self._read_error(step, f"{where} is unreadable", err) from err
         if stored is None:
             raise CheckpointError(f"{where} has no '{_STATE}' item")
         return flat_shapes(stored.tree if hasattr(stored, "tree") else stored)
@@ -248,7 +249,7 @@ class Checkpointer:
                 step, args=ocp.args.Composite(**{_PRNG: ocp.args.JsonRestore()})
             )[_PRNG]
         except Exception as err:  # orbax/tensorstore raise many types; name the checkpoint
-            raise CheckpointError(f"{where} is unreadable: {err}") from err
+            raise self._read_error(step, f"{where} is unreadable", err) from err
         target = raw_target(abstract_state, impls, where)
         check_layout(self.stored_shapes(step), flat_shapes(target), where)
         try:
@@ -262,8 +263,17 @@ class Checkpointer:
                 ),
             )
         except Exception as err:  # orbax/tensorstore raise many types; name the checkpoint
-            raise CheckpointError(f"{where} could not be restored: {err}") from err
+            raise self._read_error(step, f"{where} could not be restored", err) from err
         return from_raw(restored[_STATE], impls), dict(restored[_META])
+
+    def _read_error(self, step: int, failure: str, err: Exception) -> CheckpointError:
+        """``failure: err`` as the CheckpointError of a failed read of ``step``. orbax leaves
+        that read's other array reads running; when they are collected, their errors (which
+        name the step's files) are dropped as echoes of this one
+        (``checkpoint_errors.FAILURE_ECHOES``), not printed as hundreds of lines of
+        "Exception ignored in: <coroutine ...>" tracebacks."""
+        FAILURE_ECHOES.add(os.path.join(self.directory, str(step), ""))
+        return CheckpointError(f"{failure}: {err}")
 
     def restore_newest_good(
         self, abstract_state: PyTree, log: Callable[[str], None] = print

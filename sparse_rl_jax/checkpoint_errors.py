@@ -10,7 +10,9 @@ attaches them to the CheckpointError as a note, so they are still there for whoe
 the traceback (``run.py --debug``). asyncio's reports of the failed save's futures that come
 later, when the futures are garbage-collected, restate the reported failure and are dropped,
 as are Python's warnings about the aborted save's coroutines that were never awaited
-(:data:`FAILED_SAVE_ECHOES`).
+(:data:`FAILURE_ECHOES`). A failed restore leaves the same kind of echoes: its array reads
+still in flight are closed unfinished when collected, and each one's error (naming the step's
+files) would print as an ``Exception ignored in: <coroutine ...>`` traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
 
 # Substrings of orbax / tensorstore / OS errors that mean the disk (or a quota or a file-size
@@ -92,35 +95,60 @@ class OrbaxErrorLog(logging.Filter):
         return "\n".join(formatter.format(record) for record in self.take_records())
 
 
-class _FailedSaveEchoes(logging.Filter):
-    """Drops asyncio's reports ("Future exception was never retrieved") of the unawaited
-    futures of a save that already failed with a CheckpointError: they restate that failure
-    and arrive when the futures are garbage-collected, often after the checkpointer is closed
-    and the error printed (at interpreter exit). Only records naming a directory whose save
-    failure was reported are dropped. Once a save failed, the "coroutine ... was never
-    awaited" RuntimeWarnings of its aborted writes (which name no directory) are ignored."""
+def _names_any(err: BaseException | None, paths: set[str]) -> bool:
+    """Whether the message of ``err``, or of an error it was raised from or during, names one
+    of ``paths``."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if any(path in str(err) for path in paths):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class _FailureEchoes(logging.Filter):
+    """Drops the echoes of checkpoint operations that already failed with a CheckpointError:
+    they restate that failure and arrive when orbax's abandoned futures and coroutines are
+    garbage-collected, often after the checkpointer is closed and the error printed (at
+    interpreter exit). Only reports naming a path whose failure was reported are dropped:
+    asyncio's ERROR records ("Future exception was never retrieved") and the errors of
+    coroutines closed unfinished (``sys.unraisablehook``, "Exception ignored in: <coroutine
+    ...>"). Once a failure was reported, the "coroutine ... was never awaited"
+    RuntimeWarnings of the aborted reads and writes (which name no path) are ignored."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.directories: set[str] = set()
+        self.paths: set[str] = set()
+        self._next_hook = sys.__unraisablehook__
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """False for an asyncio ERROR record naming a directory of a reported failure."""
+        """False for an asyncio ERROR record naming a path of a reported failure."""
         return not (record.levelno >= logging.ERROR
-                    and any(d in record.getMessage() for d in self.directories))
+                    and any(p in record.getMessage() for p in self.paths))
 
-    def add(self, directory: str) -> None:
-        """Starts dropping the echoes of ``directory``'s failed save (installs the filter on
-        the asyncio logger, and the warnings filter, once per process)."""
-        if not self.directories:
+    def unraisablehook(self, unraisable) -> None:
+        """``sys.unraisablehook`` while installed: drops an error naming a path of a reported
+        failure and passes anything else to the hook it replaced."""
+        if not _names_any(unraisable.exc_value, self.paths):
+            self._next_hook(unraisable)
+
+    def add(self, path: str) -> None:
+        """Starts dropping the echoes of the failed operation on ``path`` (a checkpoint
+        directory, or one step's directory): installs the filter on the asyncio logger and in
+        front of ``sys.unraisablehook`` (once; again if the hook was replaced since), and the
+        warnings filter once per process."""
+        if not self.paths:
             warnings.filterwarnings("ignore", message=_UNAWAITED, category=RuntimeWarning)
-        self.directories.add(directory)
+        self.paths.add(path)
         asyncio_log = logging.getLogger("asyncio")
         if self not in asyncio_log.filters:
             asyncio_log.addFilter(self)
+        if getattr(sys.unraisablehook, "__self__", None) is not self:
+            self._next_hook, sys.unraisablehook = sys.unraisablehook, self.unraisablehook
 
 
-FAILED_SAVE_ECHOES = _FailedSaveEchoes()
+FAILURE_ECHOES = _FailureEchoes()
 
 
 def save_error(directory: str, err: BaseException, step: int | None,
@@ -141,5 +169,5 @@ def save_error(directory: str, err: BaseException, step: int | None,
     details = orbax_log.take()
     if details:
         error.add_note(f"orbax's log of the failure:\n{details}")
-    FAILED_SAVE_ECHOES.add(directory)
+    FAILURE_ECHOES.add(directory)
     return error

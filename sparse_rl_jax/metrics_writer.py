@@ -21,16 +21,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from sparse_rl_jax.config_checks import check, reject
-
-log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -106,11 +103,12 @@ def to_float(name: str, value: Any) -> float:
     return float(array)
 
 
-def _parse_lines(path: str, strict: bool = True) -> list[dict[str, Any]]:
-    """Records of a metrics JSONL file; a torn final line (no newline) is dropped.
+def _parse_lines(path: str, strict: bool = True) -> tuple[list[dict[str, Any]], list[int]]:
+    """Records of a metrics JSONL file and the numbers of the lines skipped; a torn final
+    line (no newline) is dropped.
 
     ``strict`` raises ValueError (file:line) for any other malformed line or a step that
-    does not increase; otherwise such lines are skipped with one warning naming them.
+    does not increase; otherwise such lines are skipped and their numbers returned.
     """
     with open(path, "rb") as f:
         lines = f.read().split(b"\n")
@@ -132,10 +130,14 @@ def _parse_lines(path: str, strict: bool = True) -> list[dict[str, Any]]:
             bad.append(number)
             continue
         records.append(record)
-    if bad:
-        log.warning("%s: skipped %d malformed line(s) (lines %s); kept %d good records",
-                    path, len(bad), bad[:10], len(records))
-    return records
+    return records, bad
+
+
+def _skipped_warning(path: str, bad: list[int], kept: int) -> str:
+    """The CLI's ``warning:`` line for the malformed ``bad`` lines of ``path`` skipped on a
+    resume, ``kept`` good records read."""
+    return (f"warning: {path}: skipped {len(bad)} malformed line(s) (lines {bad[:10]}); "
+            f"kept {kept} good records")
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -147,7 +149,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
-    return _parse_lines(path)
+    return _parse_lines(path)[0]
 
 
 class WandbRun(NamedTuple):
@@ -175,6 +177,8 @@ class MetricsWriter:
       tensorboard: also write TensorBoard event files.
       wandb: also log to this W&B run (``wandb`` must be installed), under the TensorBoard
         tags; W&B keeps its steps, so steps re-run after a resume are not logged twice.
+      log: where the warning about malformed lines goes (one ``warning: ...`` line, as the
+        CLI's other warnings).
     """
 
     def __init__(
@@ -184,6 +188,7 @@ class MetricsWriter:
         resume_step: int | None = None,
         tensorboard: bool = True,
         wandb: WandbRun | None = None,
+        log: Callable[[str], None] = print,
     ) -> None:
         if resume_step is not None and (not isinstance(resume_step, int) or resume_step < 0):
             raise ValueError(
@@ -193,8 +198,10 @@ class MetricsWriter:
         self.path = os.path.join(self.run_dir, METRICS_FILE)
         kept: list[dict[str, Any]] = []
         if resume_step is not None and os.path.exists(self.path):
-            kept = [r for r in _parse_lines(self.path, strict=False)
-                    if r["step"] <= resume_step]
+            records, bad = _parse_lines(self.path, strict=False)
+            if bad:
+                log(_skipped_warning(self.path, bad, len(records)))
+            kept = [r for r in records if r["step"] <= resume_step]
         os.makedirs(self.run_dir, exist_ok=True)
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:

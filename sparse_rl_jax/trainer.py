@@ -276,7 +276,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         writer = closing.enter_context(MetricsWriter(
             run_dir, resume_step=start if start else None,
             tensorboard="tensorboard" in cfg.logging.backends,
-            wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None))
+            wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None, log=log))
         evaluate_now = _in_training_eval(cfg, ctx, eval_data)
         if evaluate_now is not None and cfg.eval.before_train and start == 0:
             writer.log(0, evaluate_now(params))

@@ -6,6 +6,7 @@ through the trainer / ``run.py``."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import pytest
 
 from fault_helpers import ROOT, run, run_args
 from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
-from sparse_rl_jax.checkpoint_errors import OrbaxErrorLog, save_error
+from sparse_rl_jax.checkpoint_errors import FAILURE_ECHOES, OrbaxErrorLog, save_error
 from sparse_rl_jax.config_io import load_config
 from sparse_rl_jax.metrics_writer import read_metrics
 from sparse_rl_jax.run_config import RunConfig
@@ -104,8 +105,8 @@ def test_late_asyncio_reports_of_a_reported_save_failure_are_dropped(tmp_path, c
 def test_unawaited_write_coroutines_of_a_reported_save_failure_are_not_warned(tmp_path):
     """A failed save's aborted write coroutines, collected at interpreter exit, print
     "coroutine ... was never awaited" (2 stderr lines) unless a save failure was reported."""
-    script = ("import gc\nfrom sparse_rl_jax.checkpoint_errors import FAILED_SAVE_ECHOES\n"
-              "if {report}: FAILED_SAVE_ECHOES.add('/ckpt')\n"
+    script = ("import gc\nfrom sparse_rl_jax.checkpoint_errors import FAILURE_ECHOES\n"
+              "if {report}: FAILURE_ECHOES.add('/ckpt')\n"
               "async def write_fragment(): pass\n"
               "pending = write_fragment()\ndel pending\ngc.collect()\n")
     stderr = {report: subprocess.run([sys.executable, "-c", script.format(report=report)],
@@ -114,6 +115,61 @@ def test_unawaited_write_coroutines_of_a_reported_save_failure_are_not_warned(tm
               for report in (False, True)}
     assert "coroutine 'write_fragment' was never awaited" in stderr[False]
     assert stderr[True] == ""
+
+
+class _Pending:
+    """An awaitable that never completes: a coroutine awaiting it stays suspended."""
+
+    def __await__(self):
+        yield
+
+
+async def _abandoned_read(path):
+    """Like orbax's array read: whatever interrupts it (GeneratorExit when it is collected
+    unfinished) is re-raised as an error naming the file it was reading."""
+    try:
+        await _Pending()
+    except BaseException as err:
+        raise Exception(f"abandoned read of {path}") from err
+
+
+def test_a_failed_restores_abandoned_reads_are_dropped_other_errors_still_surface(
+        tmp_path, monkeypatch):
+    """A restore that fails in orbax (step 2's array metadata is garbage) drops, from then on,
+    the errors of that step's reads collected unfinished ("Exception ignored in: <coroutine
+    ...>" through ``sys.unraisablehook``); such an error about another step still reaches the
+    hook, as does any other unraisable error."""
+    with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state(float(step)), {"step": step})
+    for file in (tmp_path / "ckpt" / "2" / "state" / "array_metadatas").iterdir():
+        file.write_bytes(b"garbage")
+    reached = []
+    monkeypatch.setattr(sys, "unraisablehook", reached.append)
+    with Checkpointer(tmp_path / "ckpt", keep=5) as ckpt:
+        with pytest.raises(CheckpointError, match="checkpoint step 2 in .* could not be restored"):
+            ckpt.restore(_state(0.0), step=2)
+    assert sys.unraisablehook == FAILURE_ECHOES.unraisablehook
+    for step in (2, 1):
+        read = _abandoned_read(tmp_path / "ckpt" / str(step) / "state" / "w")
+        read.send(None)  # suspended mid-read, then collected
+        del read
+        gc.collect()
+    ours = [str(u.exc_value) for u in reached if str(u.exc_value).startswith("abandoned read")]
+    assert ours == [f"abandoned read of {tmp_path / 'ckpt' / '1' / 'state' / 'w'}"]
+
+
+def test_resuming_past_a_corrupt_checkpoint_prints_no_echoes_of_its_reads(tmp_path):
+    """tests/scripts/restore_past_corrupt.py resumes past a corrupt step 2 four times, its
+    array reads in flight at the failure (before the fix its stderr held thousands of lines:
+    "Exception ignored in: <coroutine object _read_array_index_and_device_put>" tracebacks):
+    each resume takes step 1 and stderr holds no traceback."""
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" /
+                                               "restore_past_corrupt.py"), str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["1"] * 4, done.stderr[-3000:]
+    for noise in ("Exception ignored", "was never awaited", "Traceback"):
+        assert noise not in done.stderr, done.stderr[-3000:]
 
 
 def test_checkpointer_closed_by_an_error_keeps_that_error(tmp_path, caplog):
@@ -162,9 +218,11 @@ def test_disk_full_during_save_is_a_clear_error_and_keeps_earlier_checkpoints(tm
         np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(big["w"]))
 
 
-def test_trainer_resumes_past_a_corrupt_newest_checkpoint(tiny, tmp_path):
-    """A finished run whose newest checkpoint (step 2) is garbage: resuming it says which and
-    why, moves it to checkpoints.corrupt/ and continues from step 1."""
+def test_trainer_resumes_past_a_corrupt_newest_checkpoint(tiny, tmp_path, caplog):
+    """A finished run whose newest checkpoint (step 2) is garbage and whose metrics.jsonl
+    holds a line cut short: resuming it says which checkpoint and why, moves it to
+    checkpoints.corrupt/ and continues from step 1; the skipped metrics line is one
+    ``warning:`` message like the others (no Python logging record)."""
     from sparse_rl_jax.trainer import train
 
     _, model, data = tiny
@@ -174,8 +232,14 @@ def test_trainer_resumes_past_a_corrupt_newest_checkpoint(tiny, tmp_path):
     for file in (run_dir / "checkpoints" / "2" / "state").rglob("*"):
         if file.is_file():
             file.write_bytes(b"garbage")
+    metrics = run_dir / "metrics.jsonl"
+    first, second = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text(first + '{"step": 2, "rew\n' + second)  # a write cut short, then more
     messages = []
     train(load_config(RunConfig, None, args), log=messages.append)
+    assert f"warning: {metrics}: skipped 1 malformed line(s) (lines [2]); kept 2 good " \
+        "records" in messages
+    assert not [r for r in caplog.records if r.name.startswith("sparse_rl_jax")]
     aside = run_dir / "checkpoints.corrupt" / "2"
     skipped = [m for m in messages if m.startswith("warning: skipping checkpoint step 2")]
     assert len(skipped) == 1 and f"(moved to {aside}): checkpoint step 2 in " in skipped[0]

@@ -186,10 +186,26 @@ def test_resume_skips_malformed_lines_and_keeps_the_good_ones(tmp_path, middle, 
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1, "a": 1.0}\n' + middle + b'\n{"step": 2, "a": 2.0}\n'
                      b'{"step": 3, "a": 3.0}\n{"step": 4, "a"')
-    with MetricsWriter(tmp_path, resume_step=3, tensorboard=False) as writer:
+    messages = []
+    with MetricsWriter(tmp_path, resume_step=3, tensorboard=False,
+                       log=messages.append) as writer:
         writer.log(4, {"a": 4.0})
     assert read_metrics(path) == [{"step": s, "a": float(s)} for s in (1, 2, 3, 4)]
-    assert "skipped 1 malformed line(s) (lines [2])" in caplog.text
+    assert messages == [f"warning: {path}: skipped 1 malformed line(s) (lines [2]); kept 3 "
+                        "good records"]
+    assert not caplog.records
+
+
+def test_torn_line_warning_prints_like_the_cli_s_other_warnings(tmp_path, capsys, caplog):
+    """A line cut short mid-file (a killed write, then more records) is reported on resume
+    as one ``warning: ...`` line by default (print, as the trainer's other warnings), not in
+    Python logging's ``WARNING:sparse_rl_jax...`` format."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a\n'
+                                            '{"step": 2, "a": 2.0}\n')
+    MetricsWriter(tmp_path, resume_step=2, tensorboard=False).close()
+    out, err = capsys.readouterr()
+    assert out.startswith("warning: ") and "skipped 1 malformed line(s) (lines [2])" in out
+    assert "WARNING:sparse_rl_jax" not in out + err and not caplog.records
 
 
 def test_progress_plain_lines_when_not_a_tty():
