@@ -1,6 +1,6 @@
 """sparse_rl_jax: GRPO with KV-compressed rollouts and Sparse-RL corrections, in JAX.
 
-The functional API in one namespace::
+The functional API in one namespace (``docs/api.md`` lists it, from these docstrings)::
 
     rollout = sparse_rl_jax.generate(graphdef, params, ids, mask, key, sampling, compression)
     dense = sparse_rl_jax.score(graphdef, params, rollout.prompt, rollout.prompt_mask,
@@ -15,7 +15,10 @@ use)::
                                         sampling, reward_fn, compression), params, prompts,
                                         answers, key)   # out.rewards, out.logp_old, ...
 
-``sparse_rl_jax.trainer.train(cfg)`` runs the whole loop (``python run.py``).
+``sparse_rl_jax.update_step`` is one optimizer update on a ``Minibatch``;
+``sparse_rl_jax.train(cfg)`` runs the whole loop (``python run.py``, or the ``sparse-rl``
+console script). ``train`` is imported on first use: the trainer's imports (orbax, the
+plots, the metrics backends) take seconds that the rest of the package does not need.
 """
 
 import models.versions  # noqa: F401  (first: importing models checks the jax/flax pair)
@@ -25,14 +28,46 @@ from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.corrections import Corrections, compute_corrections
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
-from sparse_rl_jax.sampler import Rollout, generate, replay_record
+from sparse_rl_jax.optim import OptimConfig, make_optimizer
+from sparse_rl_jax.rewards import get_reward_fn, repeat_answers
+from sparse_rl_jax.run_config import RunConfig, TrainerConfig
+from sparse_rl_jax.sampler import Prefilled, Rollout, decode, generate, prefill, replay_record
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import ScoreOutput, response_logprobs, score
+from sparse_rl_jax.train_step import Minibatch, update_step
 
 __all__ = [
-    "AdvantageConfig", "compute_advantages", "CompressionConfig", "CorrectionConfig",
-    "Corrections", "GRPOLossConfig", "LossBatch",
-    "Rollout", "SamplingConfig", "ScoreOutput", "compute_corrections", "generate",
-    "grpo_loss", "group_advantages", "replay_record", "response_logprobs", "score",
-    "Collected", "RolloutPolicy", "collect_prompts",
+    # rollouts
+    "generate", "prefill", "decode", "Prefilled", "Rollout", "replay_record",
+    # rewards
+    "get_reward_fn", "repeat_answers",
+    # scoring and corrections
+    "score", "ScoreOutput", "response_logprobs", "compute_corrections", "Corrections",
+    # advantages and the loss
+    "group_advantages", "compute_advantages", "LossBatch", "grpo_loss",
+    # rollout, reward, scores and corrections in one call
+    "collect_prompts", "RolloutPolicy", "Collected",
+    # the update and the loop
+    "update_step", "Minibatch", "make_optimizer", "train",
+    # configs
+    "RunConfig", "SamplingConfig", "CompressionConfig", "CorrectionConfig", "GRPOLossConfig",
+    "AdvantageConfig", "OptimConfig", "TrainerConfig",
 ]
+
+_LAZY = {"train": "sparse_rl_jax.trainer"}
+
+
+def __getattr__(name: str):
+    """PEP 562: the names of :data:`_LAZY`, imported from their module on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, the lazy ones included."""
+    return sorted(set(globals()) | set(_LAZY))

@@ -21,10 +21,10 @@ sys.path.insert(0, str(ROOT))
 
 import jax.numpy as jnp  # noqa: E402
 
-import run  # noqa: E402
 from sparse_rl_jax.checkpoint import Checkpointer  # noqa: E402
+from sparse_rl_jax.cli import _drop_closed_loop_noise  # noqa: E402
 
-sys.unraisablehook = run._drop_closed_loop_noise  # as run.main does without --debug
+sys.unraisablehook = _drop_closed_loop_noise  # as the cli's main does without --debug
 
 
 def state(value: float) -> dict:
