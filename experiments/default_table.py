@@ -14,7 +14,6 @@ with RL seed 0. ``key=value`` overrides apply to every run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import json
 import os
@@ -30,10 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.config_io import load_config  # noqa: E402
-from sparse_rl_jax.evaluation import eval_set, evaluate  # noqa: E402
+from sparse_rl_jax.evaluation import evaluate_checkpoint  # noqa: E402
 from sparse_rl_jax.metrics_writer import read_metrics  # noqa: E402
-from sparse_rl_jax.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
-from sparse_rl_jax.rewards import get_reward_fn  # noqa: E402
+from sparse_rl_jax.policy import policy_path  # noqa: E402
 from sparse_rl_jax.run_config import RunConfig  # noqa: E402
 from sparse_rl_jax.trainer import train  # noqa: E402
 from sparse_rl_jax.warm_start import MARKER  # noqa: E402
@@ -45,13 +43,7 @@ COLUMNS = ("dense pass@1", "sparse pass@1", "dense avg@k", "sparse avg@k")
 
 def evaluate_policy(cfg: RunConfig, checkpoint: str) -> dict[str, float]:
     """Greedy pass@1 and avg@k, dense and under the run's compression, on the eval set."""
-    graphdef, params, tokenizer = load_policy(cfg, checkpoint, log=lambda _: None)
-    prompts, answers = eval_set(cfg, tokenizer.hf)
-    dense, sparse = evaluate(
-        graphdef, params, tokenizer, prompts, answers, get_reward_fn(cfg.data.reward),
-        resolve_sampling(cfg, tokenizer), cfg.compression, samples=cfg.eval.samples,
-        temperature=cfg.eval.temperature, batch_size=cfg.eval.batch_size, seed=cfg.trainer.seed,
-        add_special_tokens=cfg.data.add_special_tokens)
+    (dense, sparse), _ = evaluate_checkpoint(cfg, checkpoint, log=lambda _: None)
     return dict(zip(COLUMNS, (dense.pass_at_1, sparse.pass_at_1, dense.avg_at_k,
                               sparse.avg_at_k)))
 

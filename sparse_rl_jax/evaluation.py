@@ -179,9 +179,11 @@ def eval_set(cfg, tokenizer=None) -> tuple[list[str], list[str]]:
     return [x.prompt for x in items], [x.answer for x in items]
 
 
-def run_eval(cfg, checkpoint: str | None = None, log: Callable[[str], None] = print) -> str:
-    """``run.py eval``: loads the policy, evaluates dense and sparse, prints and saves the
-    table to ``<run_dir>/eval.txt`` (+ ``.json``); returns the table text."""
+def evaluate_checkpoint(cfg, checkpoint: str | None = None,
+                        log: Callable[[str], None] = print) -> tuple[list[EvalRow], int]:
+    """The eval table's rows for ``cfg``'s policy (``checkpoint``: an HF dir or a run dir;
+    None = ``cfg.run_dir``) on ``cfg``'s eval set, dense then under ``cfg.compression``, and
+    the number of prompts."""
     from sparse_rl_jax.rewards import get_reward_fn
 
     graphdef, params, tokenizer = load_policy(cfg, checkpoint, log)
@@ -192,8 +194,15 @@ def run_eval(cfg, checkpoint: str | None = None, log: Callable[[str], None] = pr
         temperature=cfg.eval.temperature, batch_size=cfg.eval.batch_size, seed=cfg.trainer.seed,
         add_special_tokens=cfg.data.add_special_tokens,
     )
+    return rows, len(prompts)
+
+
+def run_eval(cfg, checkpoint: str | None = None, log: Callable[[str], None] = print) -> str:
+    """``run.py eval``: loads the policy, evaluates dense and sparse, prints and saves the
+    table to ``<run_dir>/eval.txt`` (+ ``.json``); returns the table text."""
+    rows, num_prompts = evaluate_checkpoint(cfg, checkpoint, log)
     out = Path(checkpoint or cfg.run_dir)
     out = out if out.is_dir() else Path(cfg.run_dir)
     text = write_table(rows, out / "eval.txt")
-    log(f"{len(prompts)} prompts, checkpoint {checkpoint or cfg.run_dir}\n{text}")
+    log(f"{num_prompts} prompts, checkpoint {checkpoint or cfg.run_dir}\n{text}")
     return text

@@ -75,7 +75,7 @@ def warm_start_problems(warm: WarmStartConfig, task: TaskConfig | WalkTaskConfig
     problems = synthetic_dataset(base, first + warm.batch_size)[first + n_shuffled:]
     if n_shuffled:
         problems = synthetic_dataset(shuffled, first + n_shuffled)[first:] + problems
-    masked = [type(task).label_columns(p)[1:] if j < n_shuffled else []
+    masked = [task.label_columns(p)[1:] if j < n_shuffled else []
               for j, p in enumerate(problems)]
     return problems, masked
 
@@ -120,8 +120,8 @@ def build_default_model(
 
     # Pad to the task's longest problem so every step reuses one compiled program.
     full = task.max_prompt_tokens + task.max_response_tokens
-    check = HeldOutCheck(tokenizer, task, dataclasses.replace(
-        task, seed=task.seed + CHECK_SEED_OFFSET), warm.check_problems, width=full)
+    check = HeldOutCheck(tokenizer, dataclasses.replace(task, seed=task.seed + CHECK_SEED_OFFSET),
+                         warm.check_problems, width=full)
     start = time.monotonic()
     score: HeldOutScore | None = None
     for step in range(1, warm.steps + 1):

@@ -49,18 +49,18 @@ def _argmax_next(model, tokens_BxT, attention_BxT):
 
 
 class HeldOutCheck:
-    """A fixed held-out batch of ``task`` problems; calling it on a model scores the model.
+    """A fixed held-out batch of task problems; calling it on a model scores the model.
 
     Args:
       tokenizer: the task's ``models.Tokenizer`` (one token per character).
-      task: the task config whose ``lookup_columns`` marks the looked-up characters.
-      held_out: the distribution the problems are drawn from (``task`` with its own seed).
+      held_out: the task config the problems are drawn from (the training task with its own
+        seed); its ``lookup_columns`` marks the looked-up characters.
       size: number of problems (the first ``size`` of ``held_out``'s stream).
       width: pad every row to this many tokens (one compiled forward for the whole run).
     """
 
-    def __init__(self, tokenizer: models.Tokenizer, task: TaskConfig | WalkTaskConfig,
-                 held_out: TaskConfig | WalkTaskConfig, size: int, width: int):
+    def __init__(self, tokenizer: models.Tokenizer, held_out: TaskConfig | WalkTaskConfig,
+                 size: int, width: int):
         problems = synthetic_dataset(held_out, size)[:]
         tokens, attention, loss_mask = supervised_batch(tokenizer, problems,
                                                         tokenizer.eos_ids[0])
@@ -70,9 +70,8 @@ class HeldOutCheck:
         self.scored_BxT = np.pad(loss_mask, pad)[:, :-1] > 0
         self.lookup_BxT = np.zeros_like(self.scored_BxT)
         for i, problem in enumerate(problems):
-            start = len(tokenizer.hf(problem.prompt, add_special_tokens=False)["input_ids"])
-            for column in type(task).lookup_columns(problem):
-                self.lookup_BxT[i, start - 1 + column] = True
+            first = int(np.argmax(self.scored_BxT[i]))  # predicts the solution's first token
+            self.lookup_BxT[i, [first + c for c in held_out.lookup_columns(problem)]] = True
 
     def __call__(self, model) -> HeldOutScore:
         """Scores ``model`` (a ``models.Decoder``) on the held-out batch."""

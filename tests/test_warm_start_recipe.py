@@ -146,7 +146,7 @@ def test_held_out_check_against_a_string_oracle(tmp_path):
     task = TaskConfig(n_min=2, n_max=4)
     problems = synthetic_dataset(dataclasses.replace(task, seed=99), 6)[:]
     width = task.max_prompt_tokens + task.max_response_tokens
-    check = HeldOutCheck(tokenizer, task, dataclasses.replace(task, seed=99), 6, width)
+    check = HeldOutCheck(tokenizer, dataclasses.replace(task, seed=99), 6, width)
     vocab = tokenizer.vocab_size
     eos = tokenizer.eos_ids[0]
     # The oracle works on strings: the text each row should continue with, character by
