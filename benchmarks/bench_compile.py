@@ -31,7 +31,7 @@ def worker(layers: int) -> dict:
     from flax import nnx
 
     import models
-    from sparse_rl_jax.scoring import response_logprobs
+    from sparse_rl_jax.rollout.scoring import response_logprobs
 
     jax.config.update("jax_enable_compilation_cache", False)
     cfg = models.ModelConfig("qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,

@@ -24,8 +24,8 @@ from flax import nnx
 from jax import lax
 
 from models import Decoder, ModelConfig
-from sparse_rl_jax import kv_state
-from sparse_rl_jax.compression_config import CompressionConfig
+from sparse_rl_jax.kv import state as kv_state
+from sparse_rl_jax.kv.compression_config import CompressionConfig
 
 VARIANTS = [
     ("snapkv", dict(method="snapkv")),

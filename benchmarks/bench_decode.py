@@ -1,6 +1,6 @@
 """Decode throughput and KV memory of the rollout sampler: ``none`` vs ``rkv`` vs ``snapkv``
 vs ``sparrow``, against ``transformers`` greedy ``generate``, a bytes/FLOPs floor and (dense
-and ``sparrow``) the cost model ``sparse_rl_jax.sparrow_cost``.
+and ``sparrow``) the cost model ``sparse_rl_jax.kv.sparrow_cost``.
 
     python benchmarks/bench_decode.py [--lengths 256 1024 4096] [--batches 8 32]
         [--max-tokens 32768] [--hf-lengths 256] [--torch-threads 2 1] [--no-profile]
@@ -40,7 +40,7 @@ response) over the measured memory bandwidth, and FLOPs over the measured matmul
 the floor is the larger. ``--max-tokens`` skips cells with batch x length above it.
 ``sparrow`` (``--schedule START:K ...``, ``--page-size``, ``--dense-layers``) samples with the
 selection record and reports alpha's 5th percentile per 2000-token bin of response position
-(``sparse_rl_jax.acceptance``, exact, on the first ``--alpha-rows`` rows, at temperature 1
+(``sparse_rl_jax.rollout.acceptance``, exact, on the first ``--alpha-rows`` rows, at temperature 1
 when greedy), and its speed against ``none`` of the same cell.
 ``--layouts`` runs each method on each of these cache layouts it takes (``compression.layout``;
 a row is labelled ``method/layout`` unless the layout is the method's own) and prints them side
@@ -90,7 +90,7 @@ class Bench:
 
     def sampling(self, length: int, record: bool = False):
         """Greedy (or ``--temperature``) sampling of ``length`` tokens that never stops early."""
-        from sparse_rl_jax.sampling_config import SamplingConfig
+        from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 
         greedy = self.temperature == 0
         return SamplingConfig(max_new_tokens=length, greedy=greedy,
@@ -100,7 +100,7 @@ class Bench:
 
     def step_cost(self, batch: int, kv_tokens: float) -> tuple[float, float]:
         """(bytes, FLOPs) of one dense decode step with ``kv_tokens`` resident per row."""
-        from sparse_rl_jax.sparrow_cost import decode_step_cost
+        from sparse_rl_jax.kv.sparrow_cost import decode_step_cost
 
         cost = decode_step_cost(self.cfg, batch=batch, cached_len=kv_tokens,
                                 itemsize=self.itemsize)
@@ -109,7 +109,7 @@ class Bench:
 
     def predicted_step(self, batch: int, length: int, compression, machine: dict) -> float:
         """Cost-model seconds per decode step (mean over the rollout) on the measured machine."""
-        from sparse_rl_jax.sparrow_cost import Device, rollout_seconds
+        from sparse_rl_jax.kv.sparrow_cost import Device, rollout_seconds
 
         device = Device("measured", machine["bandwidth"], machine["matmul_flops"])
         sparse = compression.page_sparse
@@ -122,7 +122,7 @@ class Bench:
     def rollout(self, batch: int, length: int, compression, zero: bool = False):
         """``(DecodeLoop, prefill seconds, decode seconds)`` of one rollout through the public
         ``sampler.prefill`` and ``sampler.decode``; ``zero``: no decode iteration."""
-        from sparse_rl_jax import sampler
+        from sparse_rl_jax.rollout import sampler
 
         jax, jnp = self.jax, self.jnp
         sampling = self.sampling(length, record=compression.page_sparse)
@@ -147,7 +147,7 @@ class Bench:
         """One row per method of ``configs``: compile each rollout, then time them round-robin
         ``repeats`` times and keep each method's fastest (load drift on a shared machine then
         hits every method alike)."""
-        from sparse_rl_jax.compile_count import count_compiles
+        from benchmarks.compile_count import count_compiles
 
         compile_s, best = {}, {}
         for method, compression in configs.items():
@@ -197,8 +197,8 @@ class Bench:
 
     def alpha_p5(self, loop, rows: int, compression) -> list[float]:
         """5th percentile of Sparrow's acceptance per 2000-token bin, first ``rows`` rows."""
-        from sparse_rl_jax.acceptance import acceptance_percentile_per_bin, score_acceptance
-        from sparse_rl_jax.page_sparsity import PageRecord
+        from sparse_rl_jax.rollout.acceptance import acceptance_percentile_per_bin, score_acceptance
+        from sparse_rl_jax.kv.page_sparsity import PageRecord
 
         prompt = self.jnp.asarray(self.prompts[:rows])
         alpha = score_acceptance(
@@ -210,7 +210,7 @@ class Bench:
 
     def time_prefill(self, prompt, mask, key, sampling, compression) -> float:
         """Seconds of the (already compiled) prefill alone."""
-        from sparse_rl_jax import sampler
+        from sparse_rl_jax.rollout import sampler
 
         start = time.perf_counter()
         self.jax.block_until_ready(sampler.prefill(
@@ -270,7 +270,7 @@ def parse_args() -> argparse.Namespace:
 def compression_configs(args) -> dict:
     """``CompressionConfig`` of each ``--methods`` entry on each ``--layouts`` entry it takes,
     by label: the method's name on its own layout, ``method/layout`` on another."""
-    from sparse_rl_jax.compression_config import CompressionConfig
+    from sparse_rl_jax.kv.compression_config import CompressionConfig
 
     def config(method: str, layout: str | None) -> CompressionConfig:
         if method == "sparrow":

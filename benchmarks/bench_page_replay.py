@@ -51,8 +51,8 @@ def worker(length: int, repeats: int) -> dict:
     from flax import nnx
 
     import models
-    from sparse_rl_jax.page_sparsity import PageRecord
-    from sparse_rl_jax.scoring import score
+    from sparse_rl_jax.kv.page_sparsity import PageRecord
+    from sparse_rl_jax.rollout.scoring import score
 
     cfg = models.ModelConfig("qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
                              num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -1,5 +1,5 @@
 """One full RL step (rollout -> reward -> dense scoring -> corrections -> optimizer updates) on
-the CPU bench model through ``sparse_rl_jax.trainer.train``: update tokens/s, peak memory, and
+the CPU bench model through ``sparse_rl_jax.training.trainer.train``: update tokens/s, peak memory, and
 the share of the step spent in rollout / reward / scoring / update.
 
     python benchmarks/bench_rl_step.py [--methods rkv none] [--steps 3] [--prompts 8]
@@ -53,7 +53,7 @@ def build(path: Path) -> None:
     torch never enters the measured processes) plus the task tokenizer."""
     code = ("import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
             "import decode_setup; decode_setup.build_checkpoint(Path(sys.argv[3]), 1); "
-            "from sparse_rl_jax.task_tokenizer import build_task_tokenizer; "
+            "from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer; "
             "build_task_tokenizer(sys.argv[3])")
     subprocess.run([sys.executable, "-c", code, str(HERE), str(ROOT), str(path)], check=True,
                    capture_output=True)
@@ -65,14 +65,14 @@ def worker(args) -> None:
     import jax
 
     import models
-    from sparse_rl_jax.compression_config import CompressionConfig
-    from sparse_rl_jax.loss_config import GRPOLossConfig
-    from sparse_rl_jax.metrics_writer import read_metrics
-    from sparse_rl_jax.prompt_source import PromptSource
-    from sparse_rl_jax.run_config import ModelSection, RunConfig, TrainerConfig
-    from sparse_rl_jax.sampler import bucket_prompts
-    from sparse_rl_jax.sampling_config import SamplingConfig
-    from sparse_rl_jax import trainer
+    from sparse_rl_jax.kv.compression_config import CompressionConfig
+    from sparse_rl_jax.rl.loss_config import GRPOLossConfig
+    from sparse_rl_jax.records.metrics_writer import read_metrics
+    from sparse_rl_jax.tasks.prompt_source import PromptSource
+    from sparse_rl_jax.training.run_config import ModelSection, RunConfig, TrainerConfig
+    from sparse_rl_jax.rollout.sampler import bucket_prompts
+    from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+    from sparse_rl_jax.training import trainer
 
     with open("/proc/self/statm") as f:  # after the imports: the baseline of this process
         base_rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -119,8 +119,8 @@ def _grid_model_and_batch(args):
     from flax import nnx
 
     import models
-    from sparse_rl_jax.grpo_loss import LossBatch
-    from sparse_rl_jax.train_step import Minibatch
+    from sparse_rl_jax.rl.grpo_loss import LossBatch
+    from sparse_rl_jax.rl.update_step import Minibatch
 
     n, p, m = args.minibatch, 32, args.max_new_tokens
     heads = args.hidden // 64
@@ -152,9 +152,9 @@ def _grid_cell(graphdef, params, batch, micro: int) -> dict:
 
     import models
     from decode_setup import time_calls
-    from sparse_rl_jax.loss_config import GRPOLossConfig
-    from sparse_rl_jax.optim import OptimConfig, make_optimizer
-    from sparse_rl_jax.train_step import update_step
+    from sparse_rl_jax.rl.loss_config import GRPOLossConfig
+    from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
+    from sparse_rl_jax.rl.update_step import update_step
 
     optimizer = make_optimizer(OptimConfig(lr=1e-5))
     step = jax.jit(lambda pr, s, b: update_step(

@@ -82,10 +82,10 @@ def worker_ours(args) -> dict:
     from flax import nnx
 
     import models
-    from sparse_rl_jax.compression_config import CompressionConfig
-    from sparse_rl_jax.sampler import generate
-    from sparse_rl_jax.sampling_config import SamplingConfig
-    from sparse_rl_jax.scoring import score
+    from sparse_rl_jax.kv.compression_config import CompressionConfig
+    from sparse_rl_jax.rollout.sampler import generate
+    from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+    from sparse_rl_jax.rollout.scoring import score
     result = {"import": _since(start)}
     dtype = jnp.dtype(args.dtype)
     start = _clock()

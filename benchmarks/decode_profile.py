@@ -29,7 +29,7 @@ def trace(bench, batch: int, length: int, compression, room: int | None = None) 
     the filled pages)."""
     import gzip
 
-    from sparse_rl_jax import sampler
+    from sparse_rl_jax.rollout import sampler
 
     jax, jnp = bench.jax, bench.jnp
     sampling = bench.sampling(length)
@@ -69,7 +69,8 @@ def profile(bench, batch: int, length: int, configs: dict, method: str, repeats:
     whole-cache copies in each compiled loop; prefill; one compression alone; and a
     ``jax.profiler`` breakdown of the dense and ``method`` loops, and of the dense loop in
     a cache sized for ``room`` response tokens."""
-    from sparse_rl_jax import kv_state, sampler
+    from sparse_rl_jax.kv import state as kv_state
+    from sparse_rl_jax.rollout import sampler
 
     jax, jnp = bench.jax, bench.jnp
     sampling = bench.sampling(length)
@@ -142,7 +143,7 @@ def time_compression(state, compression) -> float:
     import jax
     import jax.numpy as jnp
 
-    from sparse_rl_jax import kv_state
+    from sparse_rl_jax.kv import state as kv_state
 
     full = state.replace(cache=state.cache.replace(
         pos=jnp.broadcast_to(jnp.arange(compression.capacity, dtype=jnp.int32),

@@ -118,7 +118,7 @@ def print_sparrow(rows) -> None:
     cells = [(dense.get((r["batch"], r["length"])), r) for r in rows if r["method"] == "sparrow"]
     if not cells:
         return
-    print("\nsparrow vs none (same run; model = sparse_rl_jax.sparrow_cost on the measured "
+    print("\nsparrow vs none (same run; model = sparse_rl_jax.kv.sparrow_cost on the measured "
           "bandwidth and FLOP/s)")
     print(f"  {'batch':>5}{'len':>6}{'dense ms':>10}{'sparrow ms':>12}{'speedup':>9}"
           f"{'model dense':>13}{'model sparrow':>15}{'model x':>9}  alpha p5 per 2000-token bin")

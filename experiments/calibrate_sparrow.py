@@ -3,7 +3,7 @@
 
 For each candidate k, sample the prompts with the constant schedule ``[[0, k]]`` (selection
 record on), replay it against the dense policy and take alpha's 5th percentile per bin of
-response position (``sparse_rl_jax.acceptance``). Per bin, the cheapest k is the smallest one
+response position (``sparse_rl_jax.rollout.acceptance``). Per bin, the cheapest k is the smallest one
 whose p5 reaches the threshold (the cost model's step time grows with k, so the smallest
 passing k is the cheapest); a bin no candidate passes gets the largest candidate and is
 reported. The schedule's bins start at the same offsets as the statistic's bins (as in
@@ -36,11 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
-from sparse_rl_jax.acceptance import acceptance_percentile_per_bin, score_acceptance  # noqa: E402
-from sparse_rl_jax.compression_config import CompressionConfig  # noqa: E402
-from sparse_rl_jax.sampler import generate, replay_record  # noqa: E402
-from sparse_rl_jax.sampling_config import SamplingConfig  # noqa: E402
-from sparse_rl_jax.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402
+from sparse_rl_jax.rollout.acceptance import acceptance_percentile_per_bin, score_acceptance  # noqa: E402
+from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
+from sparse_rl_jax.rollout.sampler import generate, replay_record  # noqa: E402
+from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
+from sparse_rl_jax.kv.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402
 
 
 def sparrow_config(schedule, page_size: int, dense_layers: tuple[int, ...]) -> CompressionConfig:

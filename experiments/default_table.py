@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
-from sparse_rl_jax.config_io import load_config  # noqa: E402
-from sparse_rl_jax.evaluation import evaluate_checkpoint  # noqa: E402
-from sparse_rl_jax.metrics_writer import read_metrics  # noqa: E402
-from sparse_rl_jax.policy import policy_path  # noqa: E402
-from sparse_rl_jax.run_config import RunConfig  # noqa: E402
-from sparse_rl_jax.trainer import train  # noqa: E402
-from sparse_rl_jax.warm_start import MARKER  # noqa: E402
+from sparse_rl_jax.core.config_io import load_config  # noqa: E402
+from sparse_rl_jax.training.evaluation import evaluate_checkpoint  # noqa: E402
+from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402
+from sparse_rl_jax.training.policy import policy_path  # noqa: E402
+from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
+from sparse_rl_jax.training.trainer import train  # noqa: E402
+from sparse_rl_jax.training.warm_start import MARKER  # noqa: E402
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers",
             "tokenizers")

@@ -22,19 +22,19 @@ plots, the metrics backends) take seconds that the rest of the package does not 
 """
 
 import models.versions  # noqa: F401  (first: importing models checks the jax/flax pair)
-from sparse_rl_jax.advantages import AdvantageConfig, compute_advantages, group_advantages
-from sparse_rl_jax.collect import Collected, RolloutPolicy, collect_prompts
-from sparse_rl_jax.compression_config import CompressionConfig
-from sparse_rl_jax.corrections import Corrections, compute_corrections
-from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
-from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
-from sparse_rl_jax.optim import OptimConfig, make_optimizer
-from sparse_rl_jax.rewards import get_reward_fn, repeat_answers
-from sparse_rl_jax.run_config import RunConfig, TrainerConfig
-from sparse_rl_jax.sampler import Prefilled, Rollout, decode, generate, prefill, replay_record
-from sparse_rl_jax.sampling_config import SamplingConfig
-from sparse_rl_jax.scoring import ScoreOutput, response_logprobs, score
-from sparse_rl_jax.train_step import Minibatch, update_step
+from sparse_rl_jax.rl.advantages import AdvantageConfig, compute_advantages, group_advantages
+from sparse_rl_jax.training.collect import Collected, RolloutPolicy, collect_prompts
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.rl.corrections import Corrections, compute_corrections
+from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
+from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
+from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
+from sparse_rl_jax.tasks.rewards import get_reward_fn, repeat_answers
+from sparse_rl_jax.training.run_config import RunConfig, TrainerConfig
+from sparse_rl_jax.rollout.sampler import Prefilled, Rollout, decode, generate, prefill, replay_record
+from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.rollout.scoring import ScoreOutput, response_logprobs, score
+from sparse_rl_jax.rl.update_step import Minibatch, update_step
 
 __all__ = [
     # rollouts
@@ -54,7 +54,7 @@ __all__ = [
     "AdvantageConfig", "OptimConfig", "TrainerConfig",
 ]
 
-_LAZY = {"train": "sparse_rl_jax.trainer"}
+_LAZY = {"train": "sparse_rl_jax.training.trainer"}
 
 
 def __getattr__(name: str):

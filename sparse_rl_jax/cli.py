@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # runs never need torch: transformers' "PyTorch was not found" advice is noise here
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from sparse_rl_jax.config_io import ConfigError, load_config, to_dict
-    from sparse_rl_jax.run_config import RunConfig
+    from sparse_rl_jax.core.config_io import ConfigError, load_config, to_dict
+    from sparse_rl_jax.training.run_config import RunConfig
 
     config_path = args.config
     if args.command == "eval" and config_path is None and args.checkpoint:
@@ -112,22 +112,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"a cluster launcher): {e}")
             err.__cause__ = e
             return _fail("error", err, args.debug)
-    from sparse_rl_jax.checkpoint import CheckpointError
-    from sparse_rl_jax.run_dir import RunDirError
-    from sparse_rl_jax.trainer import NonFiniteError
+    from sparse_rl_jax.records.checkpoint import CheckpointError
+    from sparse_rl_jax.records.run_dir import RunDirError
+    from sparse_rl_jax.training.trainer import NonFiniteError
 
     if args.command == "doctor":
-        from sparse_rl_jax.doctor import report
+        from sparse_rl_jax.training.doctor import report
 
         return 0 if report(cfg) else 1
     try:
         if args.command == "train":
-            from sparse_rl_jax.trainer import train
+            from sparse_rl_jax.training.trainer import train
 
             train(cfg, take_over=args.take_over)
             print(f"done: metrics, plots and checkpoints in {cfg.run_dir}")
         else:
-            from sparse_rl_jax.evaluation import run_eval
+            from sparse_rl_jax.training.evaluation import run_eval
 
             run_eval(cfg, args.checkpoint)
     except ConfigError as e:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_rl_jax.grpo_loss import LossBatch
+from sparse_rl_jax.rl.grpo_loss import LossBatch
 
 
 def np_loss(new, old, adv, mask, w, cfg, ref=None, valid=None, dense=None, kl_full=None,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_rl_jax.acceptance import acceptance_from_logits, acceptance_percentile_per_bin
+from sparse_rl_jax.rollout.acceptance import acceptance_from_logits, acceptance_percentile_per_bin
 
 
 def _softmax(x):
@@ -105,7 +105,7 @@ def test_percentile_per_bin_clips_alpha_to_the_unit_interval():
 
 
 def test_acceptance_metrics_report_p5_per_bin_and_bins_below_threshold():
-    from sparse_rl_jax.rollout_metrics import acceptance_metrics
+    from sparse_rl_jax.rl.rollout_metrics import acceptance_metrics
     rng = np.random.default_rng(2)
     alpha = rng.uniform(0.7, 1.0, size=(3, 4100))
     mask = np.ones_like(alpha)

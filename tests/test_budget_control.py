@@ -11,14 +11,14 @@ import jax
 import numpy as np
 import pytest
 
-from sparse_rl_jax import budget_control
-from sparse_rl_jax.compile_count import count_compiles
-from sparse_rl_jax.compression_config import CompressionConfig
-from sparse_rl_jax.config_io import ConfigError, load_config
-from sparse_rl_jax.metrics_writer import read_metrics
-from sparse_rl_jax.run_config import RunConfig
-from sparse_rl_jax.sampler import generate
-from sparse_rl_jax.sampling_config import SamplingConfig
+from sparse_rl_jax.training import budget_control
+from benchmarks.compile_count import count_compiles
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.core.config_io import ConfigError, load_config
+from sparse_rl_jax.records.metrics_writer import read_metrics
+from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.rollout.sampler import generate
+from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from tiny_hf import left_padded_batch
 from tiny_rl import tiny_task_policy
 
@@ -201,7 +201,7 @@ def _ks_and_p5(records):
 def test_training_moves_k_by_the_live_p5(tmp_path, threshold):
     """threshold 1: every bin with a sparse token is below it (k rises); threshold 0.01 with
     no margin: every bin with tokens has slack (k falls to adapt_min_k)."""
-    from sparse_rl_jax.trainer import train
+    from sparse_rl_jax.training.trainer import train
 
     path = tiny_task_policy(tmp_path / "policy")[0]
     train(_loop_config(path, tmp_path / "run", "trainer.steps=2",
@@ -218,7 +218,7 @@ def test_training_moves_k_by_the_live_p5(tmp_path, threshold):
 def test_resumed_training_continues_with_the_checkpointed_ks(tmp_path):
     """A run stopped after one step resumes with the ks its checkpoint saved (moved by step
     1's p5), not the schedule's own."""
-    from sparse_rl_jax.trainer import train
+    from sparse_rl_jax.training.trainer import train
 
     path = tiny_task_policy(tmp_path / "policy")[0]
     run_dir = tmp_path / "run"

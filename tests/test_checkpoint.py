@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from sparse_rl_jax.checkpoint import Checkpointer, CheckpointError
+from sparse_rl_jax.records.checkpoint import Checkpointer, CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,7 +151,7 @@ _KILLED_SAVE = textwrap.dedent(
     import sys, time
     import jax, jax.numpy as jnp
     from orbax.checkpoint._src.path import async_path
-    from sparse_rl_jax.checkpoint import Checkpointer
+    from sparse_rl_jax.records.checkpoint import Checkpointer
 
     ckpt = Checkpointer(sys.argv[1], keep=3)
     ckpt.save(1, {"w": jnp.full((256, 256), 1.0), "rng": jax.random.key(1)}, {"step": 1})
@@ -275,7 +275,7 @@ _SHARDED = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from sparse_rl_jax.checkpoint import Checkpointer
+    from sparse_rl_jax.records.checkpoint import Checkpointer
 
     assert jax.device_count() == 2
     mesh = jax.make_mesh((2,), ("data",))

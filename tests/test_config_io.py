@@ -3,8 +3,8 @@ chains, several config files and dotted overrides win, and nested sections merge
 
 from __future__ import annotations
 
-from sparse_rl_jax.config_io import load_config, save_config
-from sparse_rl_jax.run_config import DEFAULT_COMPRESSION, DEFAULT_SAMPLING, RunConfig
+from sparse_rl_jax.core.config_io import load_config, save_config
+from sparse_rl_jax.training.run_config import DEFAULT_COMPRESSION, DEFAULT_SAMPLING, RunConfig
 
 
 def _write(path, text: str):

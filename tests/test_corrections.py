@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from sparse_rl_jax.corrections import compute_corrections
-from sparse_rl_jax.loss_config import CORRECTION_KINDS, CORRECTION_LEVELS, CorrectionConfig
+from sparse_rl_jax.rl.corrections import compute_corrections
+from sparse_rl_jax.rl.loss_config import CORRECTION_KINDS, CORRECTION_LEVELS, CorrectionConfig
 
 # reference comparisons run eagerly (one XLA compilation per config would dominate the suite);
 # the hand-checked cases below go through jit

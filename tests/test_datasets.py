@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from sparse_rl_jax.datasets import (
+from sparse_rl_jax.tasks.datasets import (
     DatasetConfig,
     EpochShuffle,
     Example,
@@ -21,8 +21,8 @@ from sparse_rl_jax.datasets import (
     gather,
     load_jsonl,
 )
-from sparse_rl_jax.prompts import BOXED_INSTRUCTION, render_prompt
-from sparse_rl_jax.task_tokenizer import build_task_tokenizer
+from sparse_rl_jax.tasks.prompts import BOXED_INSTRUCTION, render_prompt
+from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -187,7 +187,7 @@ def test_skip_counts_malformed_records_and_logs(tmp_path, caplog):
     cfg = DatasetConfig(
         path=path, prompt_field="question", answer_format="gsm8k_hash", on_error="skip"
     )
-    with caplog.at_level(logging.WARNING, logger="sparse_rl_jax.datasets"):
+    with caplog.at_level(logging.WARNING, logger="sparse_rl_jax.tasks.datasets"):
         loaded = load_jsonl(cfg)
     assert [e.answer for e in loaded] == ["18", "3", "2,125"]
     assert [e.meta["line"] for e in loaded] == [1, 3, 7]
@@ -347,7 +347,7 @@ def test_boxed_in_solution_without_a_box_names_the_line(tmp_path):
 
 
 def test_list_answers_load_as_tuples_and_any_element_scores():
-    from sparse_rl_jax.rewards import get_reward_fn
+    from sparse_rl_jax.tasks.rewards import get_reward_fn
 
     cfg = DatasetConfig(
         path=str(FIXTURES / "list_answers.jsonl"), prompt_field="question",

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from fault_helpers import ROOT, run, run_args
-from sparse_rl_jax.checkpoint import CheckpointError, Checkpointer
-from sparse_rl_jax.checkpoint_errors import FAILURE_ECHOES, OrbaxErrorLog, save_error
-from sparse_rl_jax.config_io import load_config
-from sparse_rl_jax.metrics_writer import read_metrics
-from sparse_rl_jax.run_config import RunConfig
+from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.records.checkpoint_errors import FAILURE_ECHOES, OrbaxErrorLog, save_error
+from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.records.metrics_writer import read_metrics
+from sparse_rl_jax.training.run_config import RunConfig
 
 pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
 
@@ -105,7 +105,7 @@ def test_late_asyncio_reports_of_a_reported_save_failure_are_dropped(tmp_path, c
 def test_unawaited_write_coroutines_of_a_reported_save_failure_are_not_warned(tmp_path):
     """A failed save's aborted write coroutines, collected at interpreter exit, print
     "coroutine ... was never awaited" (2 stderr lines) unless a save failure was reported."""
-    script = ("import gc\nfrom sparse_rl_jax.checkpoint_errors import FAILURE_ECHOES\n"
+    script = ("import gc\nfrom sparse_rl_jax.records.checkpoint_errors import FAILURE_ECHOES\n"
               "if {report}: FAILURE_ECHOES.add('/ckpt')\n"
               "async def write_fragment(): pass\n"
               "pending = write_fragment()\ndel pending\ngc.collect()\n")
@@ -223,7 +223,7 @@ def test_trainer_resumes_past_a_corrupt_newest_checkpoint(tiny, tmp_path, caplog
     holds a line cut short: resuming it says which checkpoint and why, moves it to
     checkpoints.corrupt/ and continues from step 1; the skipped metrics line is one
     ``warning:`` message like the others (no Python logging record)."""
-    from sparse_rl_jax.trainer import train
+    from sparse_rl_jax.training.trainer import train
 
     _, model, data = tiny
     run_dir = tmp_path / "run"

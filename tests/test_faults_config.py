@@ -78,7 +78,7 @@ def test_embedded_default_ids_beyond_its_vocab_before_any_state(tmp_path, capsys
                                                                 field):
     """model.path null: the embedded default's vocabulary (its task tokenizer) is known
     before it is built, so no config.yaml, manifest or warm start is written."""
-    from sparse_rl_jax.preflight import default_task_tokenizer
+    from sparse_rl_jax.training.preflight import default_task_tokenizer
 
     vocab = default_task_tokenizer().vocab_size
     refused(capsys, ["train", override, "trainer.steps=1", f"run_dir={tmp_path / 'run'}"],

@@ -67,7 +67,7 @@ def test_prompt_longer_than_model_context(tiny, tmp_path, capsys):
 
 
 def test_data_skip_mode_counts_and_goes_on(tiny, tmp_path):
-    from sparse_rl_jax.datasets import DatasetConfig, load_jsonl
+    from sparse_rl_jax.tasks.datasets import DatasetConfig, load_jsonl
 
     data = tmp_path / "data.jsonl"
     data.write_bytes(DATA_FAULTS["non_utf8"][0] + DATA_FAULTS["malformed_line"][0])

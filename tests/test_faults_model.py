@@ -15,8 +15,8 @@ from safetensors.numpy import load_file, save_file
 
 import models
 from fault_helpers import refused, run_args
-from sparse_rl_jax.config_io import load_config
-from sparse_rl_jax.run_config import RunConfig
+from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.training.run_config import RunConfig
 from tiny_hf import make_tiny_hf
 
 pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
@@ -154,7 +154,7 @@ def test_remote_code_and_pickle_are_never_executed_or_read(tiny, tmp_path):
 
     (target / "pytorch_model.bin").write_bytes(pickle.dumps(Payload()))
     cfg = load_config(RunConfig, None, [f"model.path={target}"])
-    from sparse_rl_jax.preflight import load_checked_policy
+    from sparse_rl_jax.training.preflight import load_checked_policy
 
     tokenizer, loaded = load_checked_policy(str(target), cfg, models.make_mesh())
     assert loaded.config.vocab_size == 128 and tokenizer.vocab_size == 102

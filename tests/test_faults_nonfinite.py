@@ -14,12 +14,12 @@ import pytest
 
 import models
 from fault_helpers import run_args
-from sparse_rl_jax.checkpoint import Checkpointer
-from sparse_rl_jax.checkpoint_errors import OrbaxErrorLog
-from sparse_rl_jax.config_io import load_config
-from sparse_rl_jax.metrics_writer import read_metrics
-from sparse_rl_jax.run_config import RunConfig
-from sparse_rl_jax.trainer import NonFiniteError, NonFiniteGuard, train
+from sparse_rl_jax.records.checkpoint import Checkpointer
+from sparse_rl_jax.records.checkpoint_errors import OrbaxErrorLog
+from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.records.metrics_writer import read_metrics
+from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.training.trainer import NonFiniteError, NonFiniteGuard, train
 from tiny_hf import make_tiny_hf
 
 pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
@@ -34,10 +34,10 @@ def test_nonfinite_update_is_skipped(tmp_path, lr, advantage, skipped):
     """Params and optimizer state stay bit-identical when the update is skipped."""
     from flax import nnx
 
-    from sparse_rl_jax.grpo_loss import LossBatch
-    from sparse_rl_jax.loss_config import GRPOLossConfig
-    from sparse_rl_jax.optim import OptimConfig, make_optimizer
-    from sparse_rl_jax.train_step import Minibatch, update_step
+    from sparse_rl_jax.rl.grpo_loss import LossBatch
+    from sparse_rl_jax.rl.loss_config import GRPOLossConfig
+    from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
+    from sparse_rl_jax.rl.update_step import Minibatch, update_step
 
     model_dir = make_tiny_hf(tmp_path, "qwen2", tokenizer=False, num_hidden_layers=1,
                              hidden_size=32, intermediate_size=32)
@@ -90,9 +90,9 @@ def test_trainer_skips_nonfinite_steps_and_stops_naming_the_step(tiny, tmp_path)
             for r in records] == [(1, 1.0, 1), (2, 1.0, 2)]
     from flax import nnx
 
-    from sparse_rl_jax.optim import make_optimizer
-    from sparse_rl_jax.checkpoint_state import abstract_like
-    from sparse_rl_jax.train_step import init_optimizer
+    from sparse_rl_jax.rl.optim import make_optimizer
+    from sparse_rl_jax.records.checkpoint_state import abstract_like
+    from sparse_rl_jax.rl.update_step import init_optimizer
 
     initial = nnx.split(models.load_pretrained(model, dtype=jnp.float32))[1]
     opt_state, _ = init_optimizer(make_optimizer(cfg.optim), initial, models.make_mesh())

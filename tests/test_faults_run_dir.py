@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from fault_helpers import existing_run, refused, run, run_args, snapshot
-from sparse_rl_jax.config_io import load_config
-from sparse_rl_jax.run_config import RunConfig
-from sparse_rl_jax.run_dir import LOCK, RunDirError, check_resumable, open_run_dir
-from sparse_rl_jax.trainer import config_hash
+from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.records.run_dir import LOCK, RunDirError, check_resumable, open_run_dir
+from sparse_rl_jax.training.trainer import config_hash
 
 pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
 
@@ -117,7 +117,7 @@ def test_lock_of_another_host_needs_take_over(tiny, tmp_path, capsys, monkeypatc
     """A run that crashed on another host (or a directory moved here from one): refused with
     what to do, nothing changed; ``run.py train --take-over`` takes the lock and trains (the
     training loop is stubbed: the lock is what is tested)."""
-    from sparse_rl_jax import trainer
+    from sparse_rl_jax.training import trainer
 
     _, model, data = tiny
     run_dir = existing_run(tiny, tmp_path)

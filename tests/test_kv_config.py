@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparse_rl_jax.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_config import CompressionConfig
 
 
 @pytest.mark.parametrize(
@@ -70,8 +70,8 @@ def test_capacity_and_hashable():
 
 @pytest.mark.parametrize("method", ["none", "snapkv", "sparrow"])
 def test_layout_defaults_to_the_methods_own_and_hashes_the_same(method):
-    from sparse_rl_jax.run_config import RunConfig
-    from sparse_rl_jax.trainer import config_hash
+    from sparse_rl_jax.training.run_config import RunConfig
+    from sparse_rl_jax.training.trainer import config_hash
 
     implied = CompressionConfig(method=method)
     explicit = CompressionConfig(method=method, layout=implied.natural_layout)

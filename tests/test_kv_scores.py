@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_rl_jax.compression_config import CompressionConfig
-from sparse_rl_jax.kv_scores import redundancy, slot_scores
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.scores import redundancy, slot_scores
 
 # (batch, kv heads, group size, capacity, index, window, head dim)
 SHAPES = [

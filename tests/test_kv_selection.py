@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_rl_jax.kv_selection import select_slots
+from sparse_rl_jax.kv.selection import select_slots
 
 C = 24  # fixed capacity so the jitted selection compiles once per (budget, window, mode)
 

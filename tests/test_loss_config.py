@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparse_rl_jax.loss_config import LOG_RATIO_CLAMP, CorrectionConfig, GRPOLossConfig
+from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP, CorrectionConfig, GRPOLossConfig
 
 
 @pytest.mark.parametrize(

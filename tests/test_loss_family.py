@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from loss_reference import np_grad, np_loss, random_batch
-from sparse_rl_jax.grpo_loss import grpo_loss, loss_norm
-from sparse_rl_jax.loss_config import SEQ_DENOMINATORS, GRPOLossConfig
+from sparse_rl_jax.rl.grpo_loss import grpo_loss, loss_norm
+from sparse_rl_jax.rl.loss_config import SEQ_DENOMINATORS, GRPOLossConfig
 
 
 @pytest.mark.parametrize("kind", ["k3", "full"])

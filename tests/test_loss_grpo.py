@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loss_reference import np_grad, np_loss, random_batch
-from sparse_rl_jax.advantages import group_advantages
-from sparse_rl_jax.corrections import compute_corrections
-from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
-from sparse_rl_jax.loss_config import (
+from sparse_rl_jax.rl.advantages import group_advantages
+from sparse_rl_jax.rl.corrections import compute_corrections
+from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
+from sparse_rl_jax.rl.loss_config import (
     AGGREGATIONS,
     CORRECTION_KINDS,
     CORRECTION_LEVELS,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from sparse_rl_jax.metrics_writer import MetricsWriter, read_metrics, tb_tag
-from sparse_rl_jax.progress import COMPILING, TrainProgress
+from sparse_rl_jax.records.metrics_writer import MetricsWriter, read_metrics, tb_tag
+from sparse_rl_jax.records.progress import COMPILING, TrainProgress
 
 
 def _metrics(step: int) -> dict:
@@ -299,7 +299,7 @@ def _wandb_history(run_file: Path) -> tuple[list, dict[int, dict]]:
 
 def test_wandb_offline_logs_the_tensorboard_tags_and_the_config_once(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[wandb]')")
-    from sparse_rl_jax.metrics_writer import WandbRun
+    from sparse_rl_jax.records.metrics_writer import WandbRun
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -331,7 +331,7 @@ def test_wandb_offline_logs_the_tensorboard_tags_and_the_config_once(tmp_path, m
 
 
 def test_missing_wandb_is_a_config_error_naming_the_field(monkeypatch):
-    from sparse_rl_jax.metrics_writer import LoggingConfig
+    from sparse_rl_jax.records.metrics_writer import LoggingConfig
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(ValueError, match=r"LoggingConfig\.backends=.*pip install"):

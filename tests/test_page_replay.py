@@ -16,8 +16,8 @@ import pytest
 import models
 from models.attention import attention, page_visibility
 from models.page_sparse import PageReplay
-from sparse_rl_jax.page_sparsity import replay_from_page_record
-from sparse_rl_jax.scoring import sequence_positions
+from sparse_rl_jax.kv.page_sparsity import replay_from_page_record
+from sparse_rl_jax.rollout.scoring import sequence_positions
 from tiny_hf import left_padded_batch, make_tiny_hf
 
 PS = 4  # tokens per page

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from matplotlib import colors
 from matplotlib.image import imread
 
-from sparse_rl_jax.plots import DEFAULT_PLOT_KEYS, moving_average, plot_comparison, plot_metrics
+from sparse_rl_jax.records.plots import DEFAULT_PLOT_KEYS, moving_average, plot_comparison, plot_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -128,7 +128,7 @@ def test_moving_average_matches_loop(values, window):
 def test_single_run_plots_label_axes_units_raw_vs_smoothed_and_the_run(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from sparse_rl_jax.plots import YLABELS
+    from sparse_rl_jax.records.plots import YLABELS
 
     saved = []
     original = Figure.savefig

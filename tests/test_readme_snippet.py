@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparse_rl_jax.rewards import math_verify_score
+from sparse_rl_jax.tasks.rewards import math_verify_score
 from tiny_hf import make_tiny_hf
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparse_rl_jax.metrics_writer import read_metrics
+from sparse_rl_jax.records.metrics_writer import read_metrics
 from tiny_rl import TINY_WARM_START
 
 ROOT = Path(__file__).resolve().parents[1]

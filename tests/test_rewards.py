@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from math_verify.errors import TimeoutException
 
-from sparse_rl_jax import rewards
-from sparse_rl_jax.datasets import DatasetConfig, load_jsonl
-from sparse_rl_jax.rewards import (
+from sparse_rl_jax.tasks import rewards
+from sparse_rl_jax.tasks.datasets import DatasetConfig, load_jsonl
+from sparse_rl_jax.tasks.rewards import (
     MathVerifyReward,
     available_reward_fns,
     compute_rewards,
@@ -29,7 +29,7 @@ from sparse_rl_jax.rewards import (
     register_reward_fn,
     task_exact_reward,
 )
-from sparse_rl_jax.task import TaskConfig, problem_at
+from sparse_rl_jax.tasks.task import TaskConfig, problem_at
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

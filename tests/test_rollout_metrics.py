@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_rl_jax.rollout_metrics import kv_token_savings, repetition_flags, rollout_metrics
+from sparse_rl_jax.rl.rollout_metrics import kv_token_savings, repetition_flags, rollout_metrics
 
 N, T = 6, 24
 flags_jit = jax.jit(repetition_flags, static_argnames=("max_period", "repeats", "min_span"))

@@ -13,13 +13,13 @@ import torch
 from flax import nnx
 
 import models
-from sparse_rl_jax import kv_state
-from sparse_rl_jax.compression_config import CompressionConfig
-from sparse_rl_jax.compile_count import count_compiles
-from sparse_rl_jax.sampler import bucket_prompts, generate, replay_record
-from sparse_rl_jax.sampling_config import SamplingConfig
-from sparse_rl_jax.scoring import score
-from sparse_rl_jax.token_sampling import sample_tokens
+from sparse_rl_jax.kv import state as kv_state
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from benchmarks.compile_count import count_compiles
+from sparse_rl_jax.rollout.sampler import bucket_prompts, generate, replay_record
+from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.rollout.scoring import score
+from sparse_rl_jax.rollout.token_sampling import sample_tokens
 from tiny_hf import left_padded_batch, load_hf, make_tiny_hf
 
 EOS = 2

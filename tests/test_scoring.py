@@ -12,7 +12,7 @@ import torch
 from flax import nnx
 
 import models
-from sparse_rl_jax.scoring import score
+from sparse_rl_jax.rollout.scoring import score
 from tiny_hf import hf_logits, left_padded_batch, load_hf, make_tiny_hf
 
 PROMPT_LENGTHS, P, M = [9, 4, 1], 9, 7

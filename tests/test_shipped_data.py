@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from sparse_rl_jax.config_io import load_config
-from sparse_rl_jax.datasets import DatasetConfig, load_jsonl
-from sparse_rl_jax.run_config import RunConfig
-from sparse_rl_jax.task_tokenizer import build_task_tokenizer
+from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.tasks.datasets import DatasetConfig, load_jsonl
+from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (

@@ -15,16 +15,16 @@ from flax import nnx
 import models
 from models.attention import reference_attention
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
-from sparse_rl_jax.acceptance import score_acceptance
-from sparse_rl_jax.compile_count import count_compiles
-from sparse_rl_jax.compression_config import SPARROW_PRESETS, CompressionConfig
-from sparse_rl_jax import memory_plan
-from sparse_rl_jax.config_io import ConfigError, from_dict
-from sparse_rl_jax.kv_state import init_state
-from sparse_rl_jax.page_sparsity import PageRecord, schedule_budget
-from sparse_rl_jax.sampler import generate, replay_record
-from sparse_rl_jax.sampling_config import SamplingConfig
-from sparse_rl_jax.scoring import score
+from sparse_rl_jax.rollout.acceptance import score_acceptance
+from benchmarks.compile_count import count_compiles
+from sparse_rl_jax.kv.compression_config import SPARROW_PRESETS, CompressionConfig
+from sparse_rl_jax.training import memory_plan
+from sparse_rl_jax.core.config_io import ConfigError, from_dict
+from sparse_rl_jax.kv.state import init_state
+from sparse_rl_jax.kv.page_sparsity import PageRecord, schedule_budget
+from sparse_rl_jax.rollout.sampler import generate, replay_record
+from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.rollout.scoring import score
 from tiny_hf import left_padded_batch, make_tiny_hf
 
 

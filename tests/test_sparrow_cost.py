@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from models.config import ModelConfig
-from sparse_rl_jax.sparrow_cost import (DEVICES, Device, decode_step_cost, linear_params,
+from sparse_rl_jax.kv.sparrow_cost import (DEVICES, Device, decode_step_cost, linear_params,
                                         rollout_seconds)
 
 CFG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,

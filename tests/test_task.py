@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from sparse_rl_jax.task import (
+from sparse_rl_jax.tasks.task import (
     ALPHABET,
     LABELS,
     TaskConfig,
@@ -29,7 +29,7 @@ from sparse_rl_jax.task import (
     sample_problem,
     solution_length,
 )
-from sparse_rl_jax.task_tokenizer import build_task_tokenizer
+from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 
 CONFIGS = [
     TaskConfig(n_min=1, n_max=3, seed=0),
@@ -91,7 +91,7 @@ def test_generator_matches_across_processes():
     cfg = TaskConfig(n_min=3, n_max=30, seed=5, label_order="random")
     here = [problem_at(cfg, i).solution for i in range(10)]
     code = (
-        "import json; from sparse_rl_jax.task import TaskConfig, problem_at;"
+        "import json; from sparse_rl_jax.tasks.task import TaskConfig, problem_at;"
         "cfg = TaskConfig(n_min=3, n_max=30, seed=5, label_order='random');"
         "print(json.dumps([problem_at(cfg, i).solution for i in range(10)]))"
     )

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_rl_jax.config_io import load_config
-from sparse_rl_jax.prompt_source import PromptSource, eval_examples
-from sparse_rl_jax.rewards import task_exact_reward
-from sparse_rl_jax.run_config import DataSection, RunConfig
-from sparse_rl_jax.task import ALPHABET
-from sparse_rl_jax.walk_task import (WalkDataset, WalkTaskConfig, render_walk, sample_walk,
+from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.tasks.prompt_source import PromptSource, eval_examples
+from sparse_rl_jax.tasks.rewards import task_exact_reward
+from sparse_rl_jax.training.run_config import DataSection, RunConfig
+from sparse_rl_jax.tasks.task import ALPHABET
+from sparse_rl_jax.tasks.walk_task import (WalkDataset, WalkTaskConfig, render_walk, sample_walk,
                                      walk_at)
 
 CONFIGS = [

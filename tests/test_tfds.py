@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import tensorflow_datasets as tfds
 
-from sparse_rl_jax.datasets import DatasetConfig, load_jsonl
-from sparse_rl_jax.task import TaskConfig, TaskDataset
-from sparse_rl_jax.tfds_builder import (
+from sparse_rl_jax.tasks.datasets import DatasetConfig, load_jsonl
+from sparse_rl_jax.tasks.task import TaskConfig, TaskDataset
+from sparse_rl_jax.tasks.tfds_builder import (
     build_jsonl_tfds,
     build_task_tfds,
     dataset_dir,
@@ -94,8 +94,8 @@ def test_reads_back_without_tensorflow_in_a_fresh_process(tmp_path):
 def test_building_does_not_import_tensorflow(tmp_path):
     code = (
         "import sys\n"
-        "from sparse_rl_jax.task import TaskConfig\n"
-        "from sparse_rl_jax.tfds_builder import build_task_tfds, load_examples\n"
+        "from sparse_rl_jax.tasks.task import TaskConfig\n"
+        "from sparse_rl_jax.tasks.tfds_builder import build_task_tfds, load_examples\n"
         f"build_task_tfds('t', {{'train': (TaskConfig(), 3)}}, {str(tmp_path)!r})\n"
         f"assert len(load_examples('t', {str(tmp_path)!r})) == 3\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
@@ -152,10 +152,10 @@ def test_data_source_tfds_reads_the_jsonl_batches_through_tfds(tmp_path):
     """``data.source: tfds`` (written from ``data.jsonl`` once, then read through
     ``tfds.data_source``) gives the very batches ``data.source: jsonl`` gives; ``eval.tfds``
     the very eval set of ``eval.jsonl``."""
-    from sparse_rl_jax.config_io import ConfigError, load_config
-    from sparse_rl_jax.evaluation import eval_set
-    from sparse_rl_jax.prompt_source import PromptSource
-    from sparse_rl_jax.run_config import RunConfig
+    from sparse_rl_jax.core.config_io import ConfigError, load_config
+    from sparse_rl_jax.training.evaluation import eval_set
+    from sparse_rl_jax.tasks.prompt_source import PromptSource
+    from sparse_rl_jax.training.run_config import RunConfig
 
     jsonl = [f"data.jsonl.path={FIXTURES / 'gsm8k.jsonl'}", "data.jsonl.prompt_field=question",
              "data.jsonl.answer_format=gsm8k_hash", "data.jsonl.template=boxed"]

@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from sparse_rl_jax.config_io import ConfigError, load_config
-from sparse_rl_jax.metrics_writer import read_metrics
-from sparse_rl_jax.rewards import available_reward_fns, register_reward_fn
-from sparse_rl_jax.run_config import RunConfig, WarmStartConfig
-from sparse_rl_jax.task import TaskConfig
-from sparse_rl_jax.warm_start import build_default_model
+from sparse_rl_jax.core.config_io import ConfigError, load_config
+from sparse_rl_jax.records.metrics_writer import read_metrics
+from sparse_rl_jax.tasks.rewards import available_reward_fns, register_reward_fn
+from sparse_rl_jax.training.run_config import RunConfig, WarmStartConfig
+from sparse_rl_jax.tasks.task import TaskConfig
+from sparse_rl_jax.training.warm_start import build_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -228,7 +228,7 @@ def test_dapo_example_resumes_identically_and_logs_eval(run_env):
     """Dynamic sampling + overlong + eval during training; a run stopped after 1 step and
     restarted continues to the same metrics and weights (the data cursor is checkpointed:
     with dynamic sampling step s no longer reads prompt batch s)."""
-    from sparse_rl_jax.trainer import train
+    from sparse_rl_jax.training.trainer import train
 
     root, config, _ = run_env
     reference = root / "dapo_a"
@@ -313,7 +313,7 @@ def test_bad_config_names_the_field(override, field):
 
 
 def test_mesh_not_dividing_devices_fails_before_any_file_is_written(tmp_path):
-    from sparse_rl_jax.trainer import train
+    from sparse_rl_jax.training.trainer import train
 
     cfg = load_config(RunConfig, None, [f"run_dir={tmp_path / 'x'}", "mesh.fsdp=3"])
     with pytest.raises(ValueError, match="fsdp"):

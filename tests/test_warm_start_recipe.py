@@ -14,16 +14,16 @@ import pytest
 from flax import nnx
 
 import models
-from sparse_rl_jax.config_io import load_config
-from sparse_rl_jax.metrics_writer import read_metrics
-from sparse_rl_jax.run_config import RunConfig
-from sparse_rl_jax.task import LABELS, TaskConfig, num_items
-from sparse_rl_jax.task_tokenizer import build_task_tokenizer
-from sparse_rl_jax.trainer import train
-from sparse_rl_jax.walk_task import WalkTaskConfig, synthetic_dataset
-from sparse_rl_jax.warm_start import MARKER, build_default_model, warm_start_problems
-from sparse_rl_jax.warm_start_check import HeldOutCheck
-from sparse_rl_jax.warm_start_config import WarmStartConfig
+from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.records.metrics_writer import read_metrics
+from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.tasks.task import LABELS, TaskConfig, num_items
+from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
+from sparse_rl_jax.training.trainer import train
+from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, synthetic_dataset
+from sparse_rl_jax.training.warm_start import MARKER, build_default_model, warm_start_problems
+from sparse_rl_jax.training.warm_start_check import HeldOutCheck
+from sparse_rl_jax.training.warm_start_config import WarmStartConfig
 
 # The default recipe cut to 200 steps (curriculum 100) with one check at the end, on a smaller
 # task (4-5 labelled digits) so that it fits a unit test. The recipe before it (4 heads, no

@@ -11,11 +11,11 @@ import numpy as np
 from flax import nnx
 
 import models
-from sparse_rl_jax.config_io import load_config
-from sparse_rl_jax.policy import resolve_sampling
-from sparse_rl_jax.prompt_source import PromptSource
-from sparse_rl_jax.rl_step import StepContext
-from sparse_rl_jax.run_config import RunConfig
+from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.training.policy import resolve_sampling
+from sparse_rl_jax.tasks.prompt_source import PromptSource
+from sparse_rl_jax.training.rl_step import StepContext
+from sparse_rl_jax.training.run_config import RunConfig
 from tiny_hf import make_tiny_hf
 
 PROMPTS, G, MAX_NEW = 4, 2, 12

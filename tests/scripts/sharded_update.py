@@ -23,11 +23,11 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import models  # noqa: E402
-from sparse_rl_jax.corrections import compute_corrections  # noqa: E402
-from sparse_rl_jax.grpo_loss import LossBatch  # noqa: E402
-from sparse_rl_jax.loss_config import CorrectionConfig  # noqa: E402
-from sparse_rl_jax.rl_step import batch_sharding  # noqa: E402
-from sparse_rl_jax.train_step import Minibatch  # noqa: E402
+from sparse_rl_jax.rl.corrections import compute_corrections  # noqa: E402
+from sparse_rl_jax.rl.grpo_loss import LossBatch  # noqa: E402
+from sparse_rl_jax.rl.loss_config import CorrectionConfig  # noqa: E402
+from sparse_rl_jax.training.rl_step import batch_sharding  # noqa: E402
+from sparse_rl_jax.rl.update_step import Minibatch  # noqa: E402
 from update_problem import sharded_update, update_problem  # noqa: E402  (this script's folder)
 
 config, arrays = update_problem()

@@ -34,10 +34,10 @@ def sharded_update(config, batch, mesh):
     import jax.numpy as jnp
     from flax import nnx
 
-    from sparse_rl_jax.loss_config import GRPOLossConfig
-    from sparse_rl_jax.optim import OptimConfig, make_optimizer
-    from sparse_rl_jax.rl_step import batch_sharding
-    from sparse_rl_jax.train_step import init_optimizer, jit_update_step
+    from sparse_rl_jax.rl.loss_config import GRPOLossConfig
+    from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
+    from sparse_rl_jax.training.rl_step import batch_sharding
+    from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
 
     def build():
         return models.Decoder(config, dtype=jnp.float32, param_dtype=jnp.float32,

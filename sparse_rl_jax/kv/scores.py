@@ -1,0 +1,173 @@
+"""Per-slot eviction scores Z for one layer of a KV cache (SnapKV, R-KV, StreamingLLM).
+
+Geometry shared by every function (one layer):
+  queries ``[B, Hq, w, D]``: the queries of the ``w`` newest written slots, oldest -> newest.
+  keys ``[B, Hkv, C, D]`` (after RoPE), pos ``[B, Hkv, C]`` int32 (``-1`` = empty/padding).
+  index ``[]`` int32: the next write slot; the observation window is the slots
+  ``[index - w, index)`` (``index >= w``), slots ``>= index`` are empty.
+Empty slots take part in nothing (no softmax, mean or similarity sees them) and score
+``-inf``. Window slots also score ``-inf``: selection keeps them unconditionally. Every score
+is float32 and finite on valid non-window slots, so ranking never sees NaN.
+
+Array names carry their shape (``probs_BxKxWxC``): B rows, K = Hkv KV heads, G query heads per
+KV head, W window queries, C cache slots, D head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models.attention import masked_softmax
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.core.masked_math import masked_mean
+
+_SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency score
+
+
+def _slot_masks(pos: jax.Array, index: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
+    """``(valid [B, Hkv, C], non_window [C])``: the slot holds a token / the slot is older
+    than the window."""
+    slot = jnp.arange(pos.shape[-1])
+    valid = (pos >= 0) & (slot < index)
+    return valid, slot < index - window
+
+
+def _window_positions(pos: jax.Array, index: jax.Array, window: int) -> jax.Array:
+    """Positions ``[B, Hkv, w]`` of the window slots ``[index - w, index)``."""
+    return lax.dynamic_slice_in_dim(pos, index - window, window, axis=-1)
+
+
+def _pool_slots(x: jax.Array, kind: str, kernel: int) -> jax.Array:
+    """Stride-1 'same' pooling of non-negative ``x [..., C]`` along slots, zero padding counted.
+
+    ``max`` equals PyTorch ``max_pool1d(padding=kernel // 2)`` on non-negative data (every
+    window contains its own centre); ``avg`` equals ``avg_pool1d`` with
+    ``count_include_pad=True``.
+    """
+    if kernel == 1:
+        return x
+    dims = (1,) * (x.ndim - 1) + (kernel,)
+    pad = ((0, 0),) * (x.ndim - 1) + ((kernel // 2, kernel // 2),)
+    if kind == "max":
+        return lax.reduce_window(x, 0.0, lax.max, dims, (1,) * x.ndim, pad)
+    return lax.reduce_window(x, 0.0, lax.add, dims, (1,) * x.ndim, pad) / kernel
+
+
+def _reduce_group(x: jax.Array, kind: str, axis: int) -> jax.Array:
+    """Reduce over the query heads of a KV group (``max`` or ``mean``)."""
+    return jnp.max(x, axis=axis) if kind == "max" else jnp.mean(x, axis=axis)
+
+
+def _group_logits(queries: jax.Array, keys: jax.Array) -> jax.Array:
+    """Scaled logits ``[B, Hkv, G, w, C]`` (float32) of the window queries of each KV group."""
+    b, hq, w, d = queries.shape
+    hkv = keys.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    q_BxKxGxWxD = queries.astype(jnp.float32).reshape(b, hkv, hq // hkv, w, d)
+    k_BxKxCxD = keys.astype(jnp.float32)
+    return jnp.einsum("bkgwd,bkcd->bkgwc", q_BxKxGxWxD, k_BxKxCxD) / jnp.sqrt(jnp.float32(d))
+
+
+def importance(
+    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+) -> jax.Array:
+    """Attention importance ``I [B, Hkv, C]`` of the non-window slots (0 on the others).
+
+    ``cfg.importance == "sparse_rl"`` (official Sparse-RL / R-KV): logits pooled over the
+    group's query heads (``cfg.gqa_pool``), softmax over the valid non-window keys, mean over
+    the valid window queries, then pooled along slots (``cfg.pool``, ``cfg.pool_kernel``).
+    ``"kvpress_snapkv"`` (kvpress ``SnapKVPress``): per query head, softmax over every key the
+    query may see (causal inside the window), sliced to the non-window slots without
+    renormalising, mean over the window queries, pooled along slots, then reduced over the
+    group's query heads.
+    """
+    w = queries.shape[2]
+    valid_BxKxC, non_window = _slot_masks(pos, index, w)
+    qpos_BxKxW = _window_positions(pos, index, w)
+    q_ok_BxKxWx1 = (qpos_BxKxW >= 0)[..., None]
+    logits_BxKxGxWxC = _group_logits(queries, keys)
+    kept_BxKxC = valid_BxKxC & non_window
+    if cfg.importance == "sparse_rl":
+        logits_BxKxWxC = _reduce_group(logits_BxKxGxWxC, cfg.gqa_pool, axis=2)
+        probs_BxKxWxC = masked_softmax(logits_BxKxWxC, kept_BxKxC[:, :, None, :])
+        scores_BxKxC = masked_mean(probs_BxKxWxC, q_ok_BxKxWx1, axis=2)
+        return _pool_slots(scores_BxKxC, cfg.pool, cfg.pool_kernel)
+    causal_BxKxWxC = pos[:, :, None, :] <= qpos_BxKxW[..., None]
+    visible_BxKxWxC = valid_BxKxC[:, :, None, :] & causal_BxKxWxC
+    probs_BxKxGxWxC = masked_softmax(logits_BxKxGxWxC, visible_BxKxWxC[:, :, None])
+    probs_BxKxGxWxC = jnp.where(kept_BxKxC[:, :, None, None, :], probs_BxKxGxWxC, 0.0)
+    scores_BxKxGxC = masked_mean(probs_BxKxGxWxC, q_ok_BxKxWx1[:, :, None], axis=3)
+    return _reduce_group(_pool_slots(scores_BxKxGxC, cfg.pool, cfg.pool_kernel), cfg.gqa_pool,
+                         axis=2)
+
+
+def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: float) -> jax.Array:
+    """R-KV redundancy ``R [B, Hkv, C]`` over the valid slots (0 on empty ones).
+
+    Cosine similarity ``S`` of the valid keys (``k / (|k| + 1e-8)``), diagonal zeroed; in each
+    row ``i`` the newest ``j`` with ``S_ij > threshold`` is zeroed (the newest near-duplicate
+    survives; nothing is zeroed when no such ``j``); ``R = softmax_j(mean_i S_ij)``.
+
+    The column sums use ``sum_i S_ij = (sum_i k_i) . k_j`` minus the diagonal and the zeroed
+    entries, so the ``[C, C]`` similarity is only read by the duplicate search (CPU: ~6x faster
+    than masking and reducing ``S``; gathers/scatters into ``[C, C]`` are slow on XLA:CPU).
+    """
+    c = keys.shape[2]
+    valid_BxKxC, _ = _slot_masks(pos, index, 0)
+    k_BxKxCxD = keys.astype(jnp.float32)
+    norm_BxKxCx1 = jnp.linalg.norm(k_BxKxCxD, axis=-1, keepdims=True) + 1e-8
+    k_BxKxCxD = jnp.where(valid_BxKxC[..., None], k_BxKxCxD / norm_BxKxCx1, 0.0)
+    sim_BxKxCxC = jnp.einsum("bkid,bkjd->bkij", k_BxKxCxD, k_BxKxCxD)
+    slot = jnp.arange(c)
+    dup_BxKxCxC = ((sim_BxKxCxC > threshold) & valid_BxKxC[..., None, :]
+                   & (slot[:, None] != slot[None, :]))
+    # float slot ids (exact below 2**24): XLA:CPU vectorises a float max, not an int one
+    newest_BxKxC = jnp.max(jnp.where(dup_BxKxCxC, slot.astype(jnp.float32), -1.0),
+                           axis=-1).astype(jnp.int32)
+    partner_BxKxCxD = jnp.take_along_axis(k_BxKxCxD, jnp.maximum(newest_BxKxC, 0)[..., None],
+                                          axis=-2)
+    # S[i, newest_i] (0 when row i has no near-duplicate)
+    zeroed_BxKxC = jnp.where(newest_BxKxC >= 0,
+                             jnp.sum(k_BxKxCxD * partner_BxKxCxD, axis=-1), 0.0)
+    # per column j: the sum of the S[i, j] zeroed in rows i (a fused compare-reduce, no scatter)
+    removed_BxKxC = jnp.sum(jnp.where(newest_BxKxC[..., :, None] == slot,
+                                      zeroed_BxKxC[..., :, None], 0.0), axis=-2)
+    k_sum_BxKxD = jnp.sum(k_BxKxCxD, axis=2)
+    col_sum_BxKxC = (jnp.einsum("bkd,bkjd->bkj", k_sum_BxKxD, k_BxKxCxD)
+                     - jnp.sum(k_BxKxCxD * k_BxKxCxD, axis=-1))
+    count = jnp.maximum(jnp.sum(valid_BxKxC, axis=-1, keepdims=True), 1).astype(jnp.float32)
+    return masked_softmax((col_sum_BxKxC - removed_BxKxC) / count, valid_BxKxC)
+
+
+def streaming_scores(pos: jax.Array, index: jax.Array, num_sinks: int) -> jax.Array:
+    """StreamingLLM ``[B, Hkv, C]``: the first ``num_sinks`` valid slots of each row score
+    above everything, the rest their position (newer = higher); empty slots ``-inf``."""
+    valid, _ = _slot_masks(pos, index, 0)
+    rank = jnp.cumsum(valid, axis=-1) - 1
+    score = jnp.where(rank < num_sinks, _SINK_SCORE, pos.astype(jnp.float32))
+    return jnp.where(valid, score, -jnp.inf)
+
+
+def slot_scores(
+    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+) -> jax.Array:
+    """The eviction score ``Z [B, Hkv, C]`` float32 of ``cfg.method`` for one layer.
+
+    ``snapkv``: ``Z = I``; ``rkv``: ``Z = lambda * I - (1 - lambda) * R``; ``streaming``:
+    sinks + recency. Finite on valid non-window slots, ``-inf`` on window and empty slots.
+    ``none`` has no score (it never evicts).
+    """
+    if cfg.method == "none":
+        raise ValueError("CompressionConfig.method='none' never evicts and has no slot scores")
+    valid, non_window = _slot_masks(pos, index, queries.shape[2])
+    if cfg.method == "streaming":
+        z = streaming_scores(pos, index, cfg.num_sinks)
+    else:
+        z = importance(cfg, queries, keys, pos, index)
+        if cfg.method == "rkv":
+            r = redundancy(keys, pos, index, cfg.redundancy_threshold)
+            z = cfg.rkv_lambda * z - (1.0 - cfg.rkv_lambda) * r
+    return jnp.where(valid & non_window, z, -jnp.inf)

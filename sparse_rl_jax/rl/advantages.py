@@ -1,0 +1,167 @@
+"""Per-sequence advantages from outcome rewards: GRPO, Dr.GRPO, RLOO and REINFORCE++.
+
+The rollout batch is laid out as ``N / group_size`` consecutive groups of ``group_size``
+samples of the same prompt. Every estimator returns one advantage per sequence, which the loss
+broadcasts to the sequence's tokens.
+
+REINFORCE++ (verl ``reinforce_plus_plus``, OpenRLHF ``reinforce``) is defined per token: the
+discounted return of each token, whitened over the batch's valid tokens. With an outcome
+reward (given at the last token) and gamma = 1, every token of sequence ``i`` has return
+``R_i``, so the per-token advantage is one value per sequence; whitening over *tokens* then
+means sequence ``i`` weighs ``L_i`` (its number of response tokens) in the batch mean and
+variance. That is what :func:`compute_advantages` does, so its per-sequence output broadcast to
+the tokens equals the per-token definition exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from models.shapes import check_shape
+from sparse_rl_jax.core.config_checks import check, check_choice, check_number
+
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+SCALES = ("group", "batch", "none")
+# The scale each estimator uses when ``scale`` is left unset.
+DEFAULT_SCALE = {"grpo": "group", "rloo": "none", "reinforce_pp": "batch",
+                 "reinforce_pp_baseline": "batch"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """Which advantage estimator the RL step uses (the ``advantage`` section of a run).
+
+    Attributes:
+      estimator: ``grpo`` (``R - mean_G``, verl/TRL ``grpo``), ``rloo`` (leave-one-out
+        baseline ``R_i - mean_{j != i} R_j = n/(n-1) (R_i - mean_G)``, verl ``rloo``),
+        ``reinforce_pp`` (returns whitened over the batch's valid tokens, verl
+        ``reinforce_plus_plus``), ``reinforce_pp_baseline`` (group mean subtracted first,
+        then whitened; verl ``reinforce_plus_plus_baseline``).
+      scale: what the centred reward is divided by. ``group``: the group's reward std (ddof
+        1); ``batch``: the batch's reward std (ddof 1; TRL ``scale_rewards="batch"``);
+        ``none``: nothing (Dr.GRPO is ``estimator: grpo, scale: none``; TRL
+        ``scale_rewards="none"``). For ``reinforce_pp*`` only ``batch`` (token-weighted
+        whitening, mean shifted too) is defined. None (default) picks the estimator's own:
+        grpo -> group, rloo -> none, reinforce_pp* -> batch.
+      eps: added to the std in every denominator, ``/ (std + eps)`` (verl/slime 1e-6; TRL uses
+        1e-4; verl's whitening uses ``rsqrt(var + 1e-8)``, a negligible difference).
+    """
+
+    estimator: str = "grpo"
+    scale: str | None = None
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        check_choice(self, "estimator", ESTIMATORS)
+        check_choice(self, "scale", SCALES, optional=True)
+        if self.scale is None:
+            object.__setattr__(self, "scale", DEFAULT_SCALE[self.estimator])
+        check(not self.estimator.startswith("reinforce_pp") or self.scale == "batch", self,
+              "scale", f"is not defined for estimator={self.estimator!r}: REINFORCE++ whitens "
+                       "over the batch's tokens (scale 'batch' or unset)")
+        check_number(self, "eps", gt=0)
+
+
+def _check_inputs(rewards: jax.Array, group_size: int) -> int:
+    check_shape("rewards", rewards, N=None)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    n = rewards.shape[0]
+    if n % group_size != 0:
+        raise ValueError(
+            f"rewards length {n} is not a multiple of group_size {group_size} "
+            "(expected N/G consecutive groups of G samples)"
+        )
+    return n
+
+
+def _group_centered(rewards: jax.Array, group_size: int) -> jax.Array:
+    """``R - mean_G R`` as ``[N / G, G]``; exactly 0 for an all-equal group."""
+    groups = rewards.reshape(-1, group_size)
+    # Shift by each group's first reward first: a float mean of equal values can be off by an
+    # ulp, which a tiny std would then blow up; after the shift the mean is exactly 0.
+    groups = groups - groups[:, :1]
+    return groups - jnp.mean(groups, axis=1, keepdims=True)
+
+
+def group_advantages(rewards: jax.Array, group_size: int, eps: float = 1e-6) -> jax.Array:
+    """GRPO: ``A_i = (R_i - mean_G R) / (std_G R + eps)``; rewards ``[N]`` -> ``[N]`` float32.
+
+    ``std_G`` is the *unbiased* sample standard deviation (ddof=1), as ``torch.Tensor.std`` in
+    the official slime / verl GRPO code. A group whose rewards are all equal gets advantage
+    exactly 0 (numerator 0, denominator eps), never NaN. Groups of one get 0 (with a warning).
+    """
+    return compute_advantages(rewards, group_size, AdvantageConfig(eps=eps))
+
+
+def _weighted_centre(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x - mu, sigma)``: mean and unbiased std of ``x`` `[N]` weighted by ``weight`` `[N]`
+    (how many tokens or sequences each value stands for); ``x - mu`` is exactly 0 when every
+    weighted value is equal."""
+    x = x - x[jnp.argmax(weight > 0)]  # shift by a weighted value first: exact zeros
+    total = jnp.sum(weight)
+    centred = x - jnp.sum(weight * x) / jnp.maximum(total, 1.0)
+    var = jnp.sum(weight * centred**2) / jnp.maximum(total - 1.0, 1.0)
+    return centred, jnp.sqrt(var)
+
+
+def compute_advantages(
+    rewards: jax.Array,
+    group_size: int,
+    cfg: AdvantageConfig = AdvantageConfig(),
+    response_mask: jax.Array | None = None,
+    valid: jax.Array | None = None,
+) -> jax.Array:
+    """Per-sequence advantages ``[N]`` (float32) of ``cfg.estimator`` / ``cfg.scale``.
+
+    Args:
+      rewards: ``[N]`` outcome rewards, ``N / group_size`` consecutive groups.
+      group_size: samples per prompt (static). Groups of one have no baseline: every
+        estimator that uses a group gives them 0, with a warning.
+      cfg: the estimator (static).
+      response_mask: ``[N, T]`` response tokens; needed by ``reinforce_pp*``, whose
+        whitening weighs each sequence by its token count (see the module docstring).
+      valid: ``[N]`` bool, False for rows that are only padding (dynamic sampling): they get
+        0 and stay out of every batch statistic. Padding must come in whole groups.
+
+    Returns:
+      ``grpo``: ``c_i / s``; ``rloo``: ``n/(n-1) c_i / s``; with ``c_i = R_i - mean_G R`` and
+      ``s`` the group std, the batch reward std, or 1 (``scale``). ``reinforce_pp``:
+      token-weighted whitening of ``R``; ``reinforce_pp_baseline``: of ``c``. An all-equal
+      group gives exactly 0 under ``grpo`` / ``rloo``; under ``reinforce_pp*`` the batch
+      whitening shifts by the batch mean, so only an all-equal *batch* gives exactly 0.
+    """
+    rewards = jnp.asarray(rewards)
+    n = _check_inputs(rewards, group_size)
+    rewards = rewards.astype(jnp.float32)
+    valid = jnp.ones((n,), jnp.bool_) if valid is None else jnp.asarray(valid, jnp.bool_)
+    check_shape("valid", valid, N=n)
+    uses_group = cfg.estimator != "reinforce_pp"
+    if uses_group and group_size == 1:
+        warnings.warn(f"advantage.estimator={cfg.estimator!r} with groups of one sample: no "
+                      "baseline exists, every advantage is 0", stacklevel=2)
+        return jnp.zeros((n,), jnp.float32)
+
+    if cfg.estimator.startswith("reinforce_pp"):
+        if response_mask is None:
+            raise ValueError(f"advantage.estimator={cfg.estimator!r} needs response_mask "
+                             f"[{n}, T] (whitening over valid tokens)")
+        check_shape("response_mask", response_mask, N=n, T=None)
+        x = rewards if cfg.estimator == "reinforce_pp" else _group_centered(
+            rewards, group_size).reshape(n)
+        lengths = jnp.sum(jnp.asarray(response_mask) != 0, axis=1).astype(jnp.float32)
+        centred, std = _weighted_centre(x, jnp.where(valid, lengths, 0.0))
+        return jnp.where(valid, centred / (std + cfg.eps), 0.0)
+
+    centered = _group_centered(rewards, group_size)
+    out = centered * (group_size / (group_size - 1)) if cfg.estimator == "rloo" else centered
+    if cfg.scale == "group":
+        std = jnp.sqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / (group_size - 1))
+        out = out / (std + cfg.eps)
+    elif cfg.scale == "batch":
+        out = out / (_weighted_centre(rewards, valid.astype(jnp.float32))[1] + cfg.eps)
+    return jnp.where(valid, out.reshape(n), 0.0)

@@ -1,0 +1,58 @@
+"""Configuration of rollout sampling: decoding rule, lengths and group size."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sparse_rl_jax.core.config_checks import (check, check_bool, check_int, check_number,
+                                         is_int)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn during a rollout.
+
+    Attributes:
+      max_new_tokens: response length limit ``M`` (static: sets the decode buffer shapes).
+      temperature: softmax temperature (> 0); training rollouts use 1.0.
+      top_p: nucleus mass in (0, 1]; 1.0 disables it.
+      top_k: keep the k most likely tokens; 0 disables it.
+      greedy: take the argmax (temperature/top-p/top-k then only affect nothing but the
+        recorded log-prob, which is always under the temperature-scaled distribution).
+      num_samples: samples per prompt (the GRPO group size); the prompt is prefilled once.
+      eos_ids: token ids that end a response (the EOS token is part of the response).
+      pad_id: id written after a response ended.
+      prompt_bucket: prompt lengths are left-padded up to a multiple of this, so calls with
+        similar prompt lengths reuse one compiled program.
+      record_evictions: keep the eviction record (``Rollout.eviction_record``, int32
+        ``[L, N, Hkv, P + M]``; ``Rollout.page_record`` for ``sparrow``) that lets ``score``
+        replay the sparse context exactly. Off, the record is an empty ``[L, N, Hkv, 0]``
+        array, which saves its memory (about 2 GB for a 28-layer, 4-KV-head model at
+        1024 x 4.7k tokens). None (the default) means "as needed": a run resolves it from
+        what reads the record (``policy.resolve_sampling``: the ``shadow_mask`` learner, or
+        ``sparrow``'s acceptance metric); the sampler alone, which cannot know, treats None
+        as off. Pass True to replay a rollout yourself.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    num_samples: int = 1
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    prompt_bucket: int = 32
+    record_evictions: bool | None = None
+
+    def __post_init__(self):
+        check_int(self, "max_new_tokens", 1)
+        check_number(self, "temperature", gt=0, rule="must be > 0 (use greedy=True for argmax)")
+        check_number(self, "top_p", gt=0, le=1)
+        check_int(self, "top_k", 0, "must be an int >= 0 (0 disables it)")
+        check_int(self, "num_samples", 1)
+        check_int(self, "pad_id", 0)
+        check_int(self, "prompt_bucket", 1)
+        check_bool(self, "record_evictions", optional=True)
+        check(isinstance(self.eos_ids, tuple) and all(is_int(i) and i >= 0 for i in self.eos_ids),
+              self, "eos_ids", "must be a tuple of non-negative ints")

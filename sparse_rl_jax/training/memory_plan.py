@@ -1,0 +1,316 @@
+"""Device memory planned before compiling: bytes of a rollout, a score or an update call.
+
+The estimates are analytic: exact for the resident buffers (weights, KV cache of the slot or
+paged layout, query ring, eviction or page-selection record, sparrow's page keys, optimizer
+state) and an upper-leaning model of the transients (one layer's activations under the layer scan, one
+attention block, one LM-head chunk, the residuals the update keeps for its backward). Every
+estimate is affine in the batch, which gives the largest batch that fits a limit. The limit
+is the device's ``bytes_limit`` from ``memory_stats()`` where JAX reports one (GPU, TPU),
+else a configured number of bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from models.decoder import REMAT_POLICIES
+from models.page_sparse import selected_slots
+from models.paged_cache import default_chunk_pages
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.page_sparsity import num_pages
+
+KINDS = ("rollout", "score", "update")
+_ONE_BLOCK_PAIRS = 2**20  # mirrors models.attention: T * S up to this is one block
+_BLOCK = 512
+_F32 = 4
+
+
+class MemoryPlanError(ValueError):
+    """A request whose estimated bytes exceed the device memory limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated peak bytes of one call.
+
+    Attributes:
+      kind: ``rollout``, ``score`` or ``update``.
+      batch: sequences ``N`` of the call.
+      parts: name -> bytes of each term (``weights``, ``kv_cache``, ``activations``, ...).
+    """
+
+    kind: str
+    batch: int
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        """The sum of the parts, in bytes."""
+        return sum(self.parts.values())
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters of a ``models.Decoder`` with this config."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    attn = h * q + 2 * h * kv + q * h
+    attn += (q + 2 * kv) * cfg.attention_bias + h * cfg.o_proj_bias + 2 * d * cfg.qk_norm
+    mlp = 3 * h * f + (2 * f + h) * cfg.mlp_bias
+    per_layer = attn + mlp + 2 * h
+    head = 0 if cfg.tie_word_embeddings else h * cfg.vocab_size
+    return cfg.vocab_size * h + cfg.num_layers * per_layer + h + head
+
+
+def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, dtype, *,
+                   paged: bool = False) -> int:
+    """Bytes of a ``models.KVCache``: keys + values in ``dtype`` and int32 slot positions
+    per layer and KV head; ``paged``: of a ``models.PagedKVCache``, whose positions are one
+    ``[rows, slots]`` array."""
+    kv = 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim
+    positions = rows * slots * (1 if paged else cfg.num_layers * cfg.num_kv_heads)
+    return kv * np.dtype(dtype).itemsize + 4 * positions
+
+
+def _attention_block(cfg: ModelConfig, rows: int, t: int, s: int) -> int:
+    """fp32 logits + probabilities of one blockwise-attention block (``models.attention``)."""
+    pairs = t * s if t * s <= _ONE_BLOCK_PAIRS else min(_BLOCK, t) * min(_BLOCK, s)
+    return 2 * rows * cfg.num_heads * pairs * _F32
+
+
+def _layer_activations(cfg: ModelConfig, rows: int, t: int, itemsize: int) -> int:
+    """One layer's forward transients: hidden states, q/k/v/out projections, SwiGLU."""
+    width = 4 * cfg.hidden_size + 2 * cfg.num_heads * cfg.head_dim
+    width += 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+    return rows * t * width * itemsize
+
+
+def _lm_head_chunk(cfg: ModelConfig, rows: int, chunk: int) -> int:
+    """fp32 logits, log-softmax and probabilities of one LM-head chunk."""
+    return 3 * rows * chunk * cfg.vocab_size * _F32
+
+
+def _check_args(kind: str, remat: str, **sizes) -> None:
+    """ValueError naming the first bad argument of :func:`estimate` (``batch`` may be 0)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: must be one of {KINDS}, got {kind!r}")
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {remat!r}")
+    for name, value in sizes.items():
+        smallest = 0 if name == "batch" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
+            raise ValueError(f"{name}: must be an int >= {smallest}, got {value!r}")
+
+
+def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
+                   compression: CompressionConfig | None, dtype, num_samples: int,
+                   record_evictions: bool) -> dict[str, int]:
+    """The parts of a rollout's peak (:func:`estimate` ``kind="rollout"``), in bytes."""
+    itemsize = np.dtype(dtype).itemsize
+    total_len = prompt_len + new_tokens
+    compression = compression or CompressionConfig(method="none")
+    slots = compression.cache_capacity(total_len)
+    paged = compression.cache_layout == "paged"
+    # the attention block of a decode step: every slot, or one chunk of the paged loop
+    read = min(slots, default_chunk_pages() * compression.page_size) if paged else slots
+    prompts = -(-batch // num_samples)
+    kv, heads = cfg.num_kv_heads, cfg.num_heads
+    ring = (cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
+            if compression.compresses else 0)  # the cache's query ring: evicting methods only
+    evicting = record_evictions and not compression.page_sparse
+    record = cfg.num_layers * batch * kv * total_len * 4 if evicting else 0
+    similarity = 2 * batch * kv * slots * slots * _F32 if compression.compresses else 0
+    pages = num_pages(total_len, compression.page_size) if compression.page_sparse else 0
+    # sparrow: page-mean keys beside the cache, and the pages each decode step attended to
+    selected = selected_slots(compression.max_pages_k, pages) if pages else 0
+    page_record = (cfg.num_layers * batch * kv * new_tokens * selected * 4
+                   if record_evictions and pages else 0)
+    return {
+        "weights": param_count(cfg) * itemsize,
+        "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype, paged=paged),
+        "page_keys": cfg.num_layers * (batch + prompts) * kv * pages * cfg.head_dim * itemsize,
+        "query_ring": ring,
+        "eviction_record": record,
+        "page_record": page_record,
+        "prefill": _layer_activations(cfg, prompts, prompt_len, itemsize)
+        + _attention_block(cfg, prompts, prompt_len, read),
+        "decode_step": 2 * batch * cfg.vocab_size * _F32
+        + _attention_block(cfg, batch, 1, read) + batch * new_tokens * 8,
+        "compression": similarity,
+    }
+
+
+def _scoring_parts(cfg: ModelConfig, batch: int, total_len: int, chunk: int,
+                   itemsize: int, replay: CompressionConfig | None = None) -> dict[str, int]:
+    """The parts of a teacher-forced forward's peak (``kind="score"``), in bytes; ``replay``:
+    the ``sparrow`` config whose page-selection record the forward replays."""
+    return {
+        "weights": param_count(cfg) * itemsize,
+        "activations": _layer_activations(cfg, batch, total_len, itemsize)
+        + _attention_block(cfg, batch, total_len, total_len),
+        "lm_head_chunk": _lm_head_chunk(cfg, batch, chunk),
+        "hidden": batch * total_len * cfg.hidden_size * itemsize,
+        "page_replay": _page_replay(cfg, batch, total_len, replay),
+    }
+
+
+def _page_replay(cfg: ModelConfig, batch: int, total_len: int,
+                 replay: CompressionConfig | None) -> int:
+    """Bytes of a page-selection replay (``scoring`` with ``page_record``): the selection of
+    every query ``[L, N, Hkv, S, K]`` int32 and, for one query block, the page flags and
+    visibility rows ``[N, Hkv, bq, ceil(S / page_size) + S]`` bool plus the flags' scatter
+    indices ``[N, Hkv, bq, K, 4]`` int32 (``models.attention.page_visibility``)."""
+    if replay is None or not replay.page_sparse:
+        return 0
+    pages = num_pages(total_len, replay.page_size)
+    selected = selected_slots(replay.max_pages_k, pages)
+    rows = total_len if total_len * total_len <= _ONE_BLOCK_PAIRS else min(_BLOCK, total_len)
+    return (cfg.num_layers * batch * cfg.num_kv_heads * total_len * selected * 4
+            + batch * cfg.num_kv_heads * rows * (pages + total_len + selected * 16))
+
+
+def _residual_width(cfg: ModelConfig, remat: str, total_len: int, itemsize: int) -> int:
+    """Elements per token and layer that the backward pass finds saved under ``remat``."""
+    if remat == "full":
+        return cfg.hidden_size
+    if remat == "dots_saveable":
+        width = 3 * cfg.hidden_size + cfg.num_heads * cfg.head_dim
+        width += 2 * cfg.num_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size
+        return width + cfg.num_heads * total_len * _F32 // itemsize  # attention scores
+    width = 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim
+    return width + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+
+
+def _with_backward(parts: dict[str, int], cfg: ModelConfig, batch: int, total_len: int,
+                   chunk: int, itemsize: int, remat: str) -> dict[str, int]:
+    """The forward's ``parts`` grown to an update's (``kind="update"``): saved residuals, one
+    layer's backward, a second LM-head chunk, gradients and the AdamW state."""
+    residual_width = _residual_width(cfg, remat, total_len, itemsize)
+    parts = dict(parts)
+    parts["residuals"] = cfg.num_layers * batch * total_len * residual_width * itemsize
+    parts["activations"] *= 2  # one layer's backward next to its recomputed forward
+    parts["lm_head_chunk"] += _lm_head_chunk(cfg, batch, chunk)
+    parts["grads"] = parts["weights"]
+    parts["optimizer"] = 2 * param_count(cfg) * _F32
+    return parts
+
+
+def estimate(
+    kind: str,
+    cfg: ModelConfig,
+    *,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    compression: CompressionConfig | None = None,
+    dtype=np.float32,
+    num_samples: int = 1,
+    logp_chunk: int = 128,
+    record_evictions: bool = True,
+    remat: str = "none",
+) -> MemoryEstimate:
+    """Estimated peak bytes of one call of ``kind`` over ``batch`` sequences.
+
+    Args:
+      kind: ``rollout`` (``sampler.generate``), ``score`` (``scoring.score``) or ``update``
+        (value and gradient of the log-probs plus AdamW state).
+      cfg: the model's architecture.
+      batch: sequences ``N`` (for a rollout, prompts x ``num_samples``).
+      prompt_len, new_tokens: ``P`` (bucketed prompt width) and ``M`` (max new tokens).
+      compression: the rollout's KV policy (``None`` = dense); for score/update, a
+        ``sparrow`` config with ``record_evictions`` counts the replay of its page record.
+      dtype: parameter / compute / KV dtype.
+      num_samples: samples per prompt (a rollout prefills ``N / num_samples`` prompts).
+      logp_chunk: response columns per LM-head chunk (score/update).
+      record_evictions: the rollout keeps its record: the ``[L, N, Hkv, P + M]`` eviction
+        record, or for ``sparrow`` the ``[L, N, Hkv, M, K]`` selected pages.
+      remat: the update's ``model.remat`` policy: what each layer keeps for its backward
+        (``none``: its activations; ``full``: its input only; ``dots_saveable``: its matmul
+        outputs, the attention scores included).
+    """
+    _check_args(kind, remat, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                num_samples=num_samples, logp_chunk=logp_chunk)
+    itemsize = np.dtype(dtype).itemsize
+    if kind == "rollout":
+        parts = _rollout_parts(cfg, batch, prompt_len, new_tokens, compression, dtype,
+                               num_samples, record_evictions)
+    else:
+        parts = _scoring_parts(cfg, batch, prompt_len + new_tokens,
+                               min(logp_chunk, new_tokens), itemsize,
+                               compression if record_evictions else None)
+        if kind == "update":
+            parts = _with_backward(parts, cfg, batch, prompt_len + new_tokens,
+                                   min(logp_chunk, new_tokens), itemsize, remat)
+    return MemoryEstimate(kind, batch, parts)
+
+
+def device_memory_limit(device: jax.Device | None = None) -> int | None:
+    """``bytes_limit`` from the device's ``memory_stats()``, or None where JAX reports none
+    (XLA:CPU)."""
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def largest_batch(kind: str, cfg: ModelConfig, limit: int, *, step: int = 1, **kw) -> int:
+    """The largest batch (a multiple of ``step``) whose :func:`estimate` fits ``limit`` bytes;
+    0 if none. ``kw`` are :func:`estimate`'s other arguments."""
+    fixed = estimate(kind, cfg, batch=0, **kw).total
+    per_row = estimate(kind, cfg, batch=step, **kw).total - fixed
+    if fixed > limit:
+        return 0
+    return (limit - fixed) // per_row * step
+
+
+def check_fits(kind: str, cfg: ModelConfig, *, batch: int, limit: int | None = None,
+               step: int = 1, **kw) -> MemoryEstimate:
+    """:func:`estimate`, raising :class:`MemoryPlanError` (the estimate, the limit and the
+    largest batch that fits) when it exceeds ``limit`` bytes (default: the device's limit;
+    no check when neither is known). Call it before compiling the request."""
+    est = estimate(kind, cfg, batch=batch, **kw)
+    limit = device_memory_limit() if limit is None else limit
+    if limit is not None and est.total > limit:
+        fits = largest_batch(kind, cfg, limit, step=step, **kw)
+        largest = (f"the largest batch that fits is {fits}" if fits else
+                   "no batch fits (the fixed part alone exceeds it)")
+        detail = ", ".join(f"{name} {size / 2**30:.2f}" for name, size in est.parts.items())
+        raise MemoryPlanError(
+            f"{kind} of batch {batch} x {kw.get('prompt_len')}+{kw.get('new_tokens')} tokens "
+            f"needs an estimated {est.total / 2**30:.2f} GiB ({detail} GiB), over the memory "
+            f"limit of {limit / 2**30:.2f} GiB; {largest}")
+    return est
+
+
+def micro_batch_size(cfg: ModelConfig, minibatch: int, *, limit: int | None = None,
+                     step: int = 1, **kw) -> int:
+    """The micro-batch an update of ``minibatch`` sequences runs with when
+    ``trainer.micro_batch_size`` is 0: the whole minibatch when its :func:`estimate` fits
+    ``limit`` bytes (default: the device's; always where none is known), else the largest
+    divisor of ``minibatch`` (a multiple of ``step``, the batch devices) whose estimate, plus
+    the float32 gradient accumulator, fits. ``kw``: :func:`estimate`'s other arguments.
+
+    Raises:
+      MemoryPlanError: naming the estimate of the smallest micro-batch and the largest
+        micro-batch that fits, when no divisor fits.
+    """
+    limit = device_memory_limit() if limit is None else limit
+    if limit is None or estimate("update", cfg, batch=minibatch, **kw).total <= limit:
+        return minibatch
+    accumulator = param_count(cfg) * _F32
+    fits = largest_batch("update", cfg, limit - accumulator, **kw)
+    divisors = [d for d in range(step, min(fits, minibatch) + 1, step) if minibatch % d == 0]
+    if divisors:
+        return divisors[-1]
+    smallest = estimate("update", cfg, batch=step, **kw).total + accumulator
+    raise MemoryPlanError(
+        f"update of micro-batch {step} x {kw.get('prompt_len')}+{kw.get('new_tokens')} tokens "
+        f"needs an estimated {smallest / 2**30:.2f} GiB (with the float32 gradient "
+        f"accumulator), over the memory limit of {limit / 2**30:.2f} GiB; the largest "
+        f"micro-batch that fits is {fits} (none dividing trainer.minibatch_size={minibatch} "
+        "in multiples of the batch devices): lower the sequence lengths or use remat")

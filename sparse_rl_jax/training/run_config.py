@@ -1,0 +1,336 @@
+"""The whole experiment as one frozen config tree (what ``run.py`` reads from YAML).
+
+Every section is a frozen dataclass validated on construction; :class:`RunConfig` adds the
+checks that span sections (group size, minibatch divisibility), so a bad config fails before
+any model is loaded or any file is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from models.decoder import REMAT_POLICIES
+from models.partitioning import mesh_size_error
+from sparse_rl_jax.rl.advantages import AdvantageConfig
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.core.config_checks import (check, check_bool, check_choice, check_int, check_number,
+                                         check_text, reject)
+from sparse_rl_jax.tasks.datasets import DatasetConfig, TfdsConfig
+from sparse_rl_jax.rl.lora_config import LoraConfig
+from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
+from sparse_rl_jax.records.metrics_writer import LoggingConfig
+from sparse_rl_jax.rl.optim import OptimConfig
+from sparse_rl_jax.rl.overlong import OverlongConfig
+from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.tasks.task import TaskConfig
+from sparse_rl_jax.tasks.walk_task import WalkTaskConfig
+from sparse_rl_jax.training.warm_start_config import WarmStartConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which policy to train.
+
+    Attributes:
+      path: a local HF checkpoint directory (config.json, safetensors, tokenizer). None
+        builds the embedded default: a tiny Qwen2-shaped model warm-started on the shipped
+        task (see ``warm_start``) and cached in the run directory.
+      dtype: parameter and compute dtype (``float32`` or ``bfloat16``).
+      remat: activation rematerialisation of the layer scan in the update's backward pass:
+        ``none``, ``full`` (keep each layer's input only) or ``dots_saveable`` (keep matmul
+        outputs); see ``models.decoder.REMAT_POLICIES``. Same values, less memory, more time.
+      lora: train low-rank adapters instead of the weights (:class:`LoraConfig`); None
+        (the default) trains every weight.
+    """
+
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots_saveable"] = "none"
+    lora: LoraConfig | None = None
+
+    def __post_init__(self):
+        check_choice(self, "dtype", ("float32", "bfloat16"))
+        check_choice(self, "remat", REMAT_POLICIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Where prompts and answers come from, and how responses are rewarded.
+
+    Attributes:
+      source: ``task`` (the shipped synthetic task), ``walk`` (the long-trace walk task,
+        ``walk_task``), ``jsonl`` (a file in a real format) or ``tfds`` (a dataset of
+        ``tfds_builder``, read through ``tfds.data_source``).
+      task: the shipped task's distribution (``source: task``).
+      walk: the walk task's distribution (``source: walk``; its defaults when unset).
+      control_missed_increment: positive control (``source: walk`` only; 0 = off): this
+        fraction of every rollout's sequences is rewritten as if a bad eviction had happened,
+        without any eviction (``anomaly_control``).
+      jsonl: the file and its field names / template (``source: jsonl``; with ``source:
+        tfds``, the file the TFDS dataset is written from, reused while unchanged).
+      tfds: the TFDS dataset's name, data_dir and split (``source: tfds``).
+      reward: a registered reward function (``task_exact``, ``math_verify``, ``final_number``, or your own).
+      shuffle_seed: seed of the deterministic, resumable prompt order.
+      add_special_tokens: let the tokenizer add BOS etc. when encoding prompts (off for
+        prompts already in chat format).
+      dynamic_sampling: DAPO's dynamic sampling (verl ``algorithm.filter_groups``): drop
+        groups whose (task) rewards are all equal, and groups left with fewer than 2
+        sequences in the loss (correction rejection, ``overlong.mask_truncated``); roll out
+        further batches of ``trainer.prompts_per_step`` prompts until the update batch holds
+        ``prompts_per_step`` groups or ``max_collect_rounds`` rounds were used.
+      max_collect_rounds: rollout rounds per RL step at most under dynamic sampling (verl
+        ``max_num_gen_batches``); an update batch still short then is padded with groups
+        masked out of the loss.
+    """
+
+    source: Literal["task", "walk", "jsonl", "tfds"] = "task"
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    walk: WalkTaskConfig | None = None
+    jsonl: DatasetConfig | None = None
+    tfds: TfdsConfig | None = None
+    reward: str = "task_exact"
+    shuffle_seed: int = 0
+    add_special_tokens: bool = False
+    dynamic_sampling: bool = False
+    max_collect_rounds: int = 4
+    control_missed_increment: float = 0.0
+
+    def __post_init__(self):
+        check_int(self, "max_collect_rounds", 1)
+        check_choice(self, "source", ("task", "walk", "jsonl", "tfds"))
+        check_number(self, "control_missed_increment", ge=0, le=1)
+        check(self.control_missed_increment == 0 or self.source == "walk", self,
+              "control_missed_increment", f"needs source 'walk' (got {self.source!r})",
+              self.control_missed_increment)
+        check(self.source != "jsonl" or self.jsonl is not None, self, "jsonl",
+              "must be set (path, fields) when source is 'jsonl'")
+        check(self.source != "tfds" or self.tfds is not None, self, "tfds",
+              "must be set (name, data_dir) when source is 'tfds'")
+        check_int(self, "shuffle_seed", 0)
+        check_text(self, "reward", "must name a registered reward fn")
+
+    @property
+    def synthetic(self) -> TaskConfig | WalkTaskConfig:
+        """The synthetic task the run draws from (``source: walk``: ``walk``, else ``task``;
+        also the default eval set and the warm start's training data)."""
+        if self.source == "walk":
+            return self.walk or WalkTaskConfig()
+        return self.task
+
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes over the axes (data, fsdp, tensor); one may be -1 (the rest)."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def __post_init__(self):
+        bad = mesh_size_error(dataclasses.asdict(self))
+        if bad:
+            reject(self, *bad)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """The RL loop.
+
+    Attributes:
+      steps: RL steps (one rollout each).
+      prompts_per_step: prompts per rollout; ``x sampling.num_samples`` sequences.
+      minibatch_size: sequences per optimizer update (the global batch); it must divide the
+        rollout's sequences, giving ``N / minibatch_size`` updates per rollout.
+      micro_batch_size: sequences per forward/backward inside one update (gradient
+        accumulation; the update equals the unsplit one); it must divide ``minibatch_size``.
+        0 = the whole minibatch, lowered to the largest divisor that fits where the device
+        reports a memory limit (``memory_plan.micro_batch_size``).
+      seed: seed of every random choice of the run (rollouts, minibatch order).
+      score_batch: sequences per scoring call (bounds scoring memory); 0 = the minibatch size,
+        lowered to what fits where the device reports a memory limit (``memory_plan``).
+      logp_chunk: response columns per LM-head chunk when computing log-probs.
+      checkpoint_every: save every this many RL steps (and at the end).
+      keep_checkpoints: how many checkpoints to keep.
+      export_final: write the final policy as an HF checkpoint to ``run_dir/final``.
+      plots: write PNG plots of the metrics to ``run_dir/plots`` at the end.
+      max_nonfinite_steps: an RL step whose loss or gradient is not finite skips that update
+        (params and optimizer state unchanged; counted in ``skipped_nonfinite_steps``); this
+        many such steps in a row stop the run with an error naming the step.
+      low_r_grad_share: also log, per update, how much of the gradient comes from the
+        sequences holding a token with ``r_t < 1e-4`` (those a Sparse-RL veto drops), in any
+        correction kind without dropping them: ``low_r_grad_norm_ratio`` and
+        ``low_r_grad_share`` (``train_step.low_r_grad_metrics``). Costs a second backward.
+    """
+
+    steps: int = 100
+    prompts_per_step: int = 128
+    minibatch_size: int = 256
+    micro_batch_size: int = 0
+    seed: int = 0
+    score_batch: int = 0
+    logp_chunk: int = 128
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    export_final: bool = True
+    plots: bool = True
+    max_nonfinite_steps: int = 3
+    low_r_grad_share: bool = False
+
+    def __post_init__(self):
+        for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",
+                      "checkpoint_every", "keep_checkpoints", "max_nonfinite_steps"):
+            check_int(self, field, 1)
+        check_int(self, "seed", 0)
+        check_int(self, "score_batch", 0, "must be an int >= 0 (0 = planned)")
+        rule = (f"must be 0 (planned) or an int dividing minibatch_size={self.minibatch_size}")
+        check_int(self, "micro_batch_size", 0, rule)
+        check(self.micro_batch_size == 0 or self.minibatch_size % self.micro_batch_size == 0,
+              self, "micro_batch_size", rule)
+        for field in ("export_final", "plots", "low_r_grad_share"):
+            check_bool(self, field)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation of a policy under dense and under sparse (training-compression) inference.
+
+    Attributes:
+      num_prompts: prompts evaluated (the first of the eval set).
+      samples: samples per prompt (avg@k); pass@1 uses greedy decoding.
+      temperature: sampling temperature for avg@k.
+      task_seed: seed of the held-out task problems (differs from training's).
+      jsonl: evaluate on this file instead of the shipped task.
+      tfds: evaluate on this TFDS dataset (``tfds_builder``) instead; written from ``jsonl``
+        first when both are set.
+      batch_size: prompts per generation call.
+      every_steps: during training, greedy pass@1 and avg@k (dense, and sparse when the
+        run compresses) on this eval set every this many RL steps, logged under ``eval/``;
+        0 (default) = never.
+      before_train: also evaluate once before the first RL step (logged at step 0).
+    """
+
+    num_prompts: int = 64
+    samples: int = 4
+    temperature: float = 1.0
+    task_seed: int = 12345
+    jsonl: DatasetConfig | None = None
+    tfds: TfdsConfig | None = None
+    batch_size: int = 64
+    every_steps: int = 0
+    before_train: bool = False
+
+    def __post_init__(self):
+        for field in ("num_prompts", "samples", "batch_size"):
+            check_int(self, field, 1)
+        check_int(self, "every_steps", 0, "must be an int >= 0 (0 = never)")
+        check_number(self, "temperature", gt=0)
+        check_int(self, "task_seed", 0)
+
+
+# The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
+# own defaults (the official Sparse-RL settings); configs/ holds the paper setups.
+# Runs record evictions only when the learner replays the sparse context (shadow_mask):
+# record_evictions None = auto (memory).
+DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucket=16,
+                                  record_evictions=None)
+DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=32, buffer=8, window=4)
+DEFAULT_LOSS = GRPOLossConfig()
+DEFAULT_OPTIM = OptimConfig(lr=5e-5, weight_decay=0.0)
+DEFAULT_TRAINER = TrainerConfig(steps=100, prompts_per_step=32, minibatch_size=128,
+                                checkpoint_every=10, logp_chunk=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One experiment: model, data, rollout, corrections, loss, optimizer, loop, mesh, eval.
+
+    ``RunConfig()`` is the embedded default (a tiny model on the shipped task that trains on
+    a CPU in minutes); a YAML file overrides any subset of sections and keys.
+    """
+
+    run_dir: str = "runs/default"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    sampling: SamplingConfig = DEFAULT_SAMPLING
+    compression: CompressionConfig = DEFAULT_COMPRESSION
+    correction: CorrectionConfig = dataclasses.field(default_factory=CorrectionConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+    loss: GRPOLossConfig = DEFAULT_LOSS
+    optim: OptimConfig = DEFAULT_OPTIM
+    trainer: TrainerConfig = DEFAULT_TRAINER
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        check_text(self, "run_dir", "must be a directory path (empty would train into the "
+                                    "current directory)")
+        sampling, trainer, correction = self.sampling, self.trainer, self.correction
+        check(sampling.num_samples >= 2, self, "sampling.num_samples", "must be >= 2 (the GRPO "
+              "group: advantages compare samples of one prompt)", sampling.num_samples)
+        check(not (correction.kind == "shadow_mask" and self.compression.method == "sparrow"),
+              self, "correction.kind", "is not supported with compression.method sparrow: "
+              "shadow_mask replays an eviction record; sparrow keeps a page-selection record the "
+              "update step does not replay yet: use sparse_rl, tis, mis or none with sparrow",
+              correction.kind)
+        check(not (self.compression.adapt_k and sampling.record_evictions is False), self,
+              "sampling.record_evictions", "cannot be false with compression.adapt_k (the "
+              "closed loop reads alpha from the page record); leave it unset (auto) or true",
+              sampling.record_evictions)
+        check(self.overlong.buffer_len < sampling.max_new_tokens, self, "overlong.buffer_len",
+              f"must be < sampling.max_new_tokens={sampling.max_new_tokens}",
+              self.overlong.buffer_len)
+        sequences = self.sequences_per_step
+        check(sequences % trainer.minibatch_size == 0, self, "trainer.minibatch_size",
+              f"must divide the rollout's {sequences} sequences (trainer.prompts_per_step x "
+              "sampling.num_samples)", trainer.minibatch_size)
+        check(sequences % (trainer.score_batch or trainer.minibatch_size) == 0, self,
+              "trainer.score_batch", f"must divide the rollout's {sequences} sequences",
+              trainer.score_batch)
+        self._check_shadow_mask()
+        check(not (self.data.control_missed_increment and correction.kind == "shadow_mask"),
+              self, "data.control_missed_increment", "cannot be used with correction.kind="
+              "shadow_mask (the injected rows have no eviction record to replay)",
+              self.data.control_missed_increment)
+        synthetic = self.data.source in ("task", "walk")
+        if synthetic and self.model.path is None and self.compression.compresses:
+            self._check_task_fits()
+
+    def _check_shadow_mask(self) -> None:
+        """The eviction record and the distillation term exist only under shadow_mask."""
+        shadow = self.correction.kind == "shadow_mask"
+        check(self.sampling.record_evictions is not False or not shadow, self,
+              "sampling.record_evictions", "cannot be false with correction.kind=shadow_mask "
+              "(the learner replays the eviction record); leave it unset (auto) or true",
+              self.sampling.record_evictions)
+        check(shadow or self.loss.distill_coef == 0, self, "loss.distill_coef",
+              f"needs correction.kind=shadow_mask (got {self.correction.kind!r}): the "
+              "distillation term compares the replayed sparse policy with the dense one",
+              self.loss.distill_coef)
+        check(shadow or self.loss.distill_kind == "k3", self, "loss.distill_kind",
+              f"needs correction.kind=shadow_mask (got {self.correction.kind!r})",
+              self.loss.distill_kind)
+
+    def _check_task_fits(self) -> None:
+        """The default model's tokenizer has one token per character: the shipped task's
+        lengths are known, so the cache and the response limit must hold them."""
+        task, compression, sampling = self.data.synthetic, self.compression, self.sampling
+        knob = (f"data.task.n_max={task.n_max}" if self.data.source == "task" else
+                f"data.walk.distractors_max={task.distractors_max}")
+        check(compression.capacity >= task.max_prompt_tokens, self, "compression.budget",
+              f"+ buffer ({compression.capacity}) must hold the task's longest prompt "
+              f"({task.max_prompt_tokens} tokens, {knob})",
+              compression.budget)
+        needed = task.max_response_tokens
+        check(sampling.max_new_tokens >= needed, self, "sampling.max_new_tokens",
+              f"must fit the task's longest solution + EOS ({needed} tokens)",
+              sampling.max_new_tokens)
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Sequences in one rollout: prompts per step x samples per prompt."""
+        return self.trainer.prompts_per_step * self.sampling.num_samples

@@ -1,0 +1,323 @@
+"""The RL training loop: load the policy, run RL steps, log, checkpoint, resume, export.
+
+``train(cfg)`` is what ``python run.py train`` calls. A run directory holds the resolved
+config, a manifest (config hash, code version, last good step), ``metrics.jsonl`` +
+TensorBoard events, orbax checkpoints, plots and (at the end) the policy exported as an HF
+checkpoint. Starting ``train`` on a directory that has checkpoints resumes from the newest
+one that restores; since every step is a pure function of ``(seed, step)``, a resumed run
+continues exactly as an uninterrupted one would have.
+
+Everything that can be checked is checked before the run directory is written: inputs, mesh,
+reward, the policy and tokenizer (with an explicit ``model.path``), every prompt's length,
+and whether an existing directory holds this run (manifest) and is free (lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Callable
+
+import jax
+from flax import nnx
+
+import models
+from sparse_rl_jax.training.budget_control import BudgetLoop
+from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.records.checkpoint_state import (BASE_KEY, base_record, check_base, restore_target,
+                                            restored_params, train_state)
+from sparse_rl_jax.core.config_io import save_config, to_dict
+from sparse_rl_jax.training.evaluation import eval_metrics
+from sparse_rl_jax.rl.kl_reference import kl_reference
+from sparse_rl_jax.records.metrics_writer import MetricsWriter, WandbRun, read_metrics
+from sparse_rl_jax.rl.optim import make_optimizer
+from sparse_rl_jax.records.plots import plot_metrics
+from sparse_rl_jax.training.policy import export_policy, make_run_mesh, policy_path, resolve_sampling
+from sparse_rl_jax.training.preflight import (check_sampling_ids, checked_eval_set,
+                                     checked_prompt_source, default_task_tokenizer,
+                                     load_checked_policy)
+from sparse_rl_jax.records.progress import TrainProgress
+from sparse_rl_jax.tasks.rewards import get_reward_fn
+from sparse_rl_jax.training.rl_step import StepContext, batch_sharding, rl_step
+from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.records.run_dir import check_resumable, open_run_dir
+from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
+from sparse_rl_jax.training.warm_start import tiny_model_config
+
+
+class NonFiniteError(RuntimeError):
+    """Too many RL steps in a row had a non-finite loss, gradient or updated params."""
+
+
+@dataclasses.dataclass
+class NonFiniteGuard:
+    """Counts RL steps whose update was skipped for a non-finite loss, gradient or updated
+    params (``train_step.update_step``).
+
+    Attributes:
+      limit: this many such steps in a row raise :class:`NonFiniteError`.
+      skipped: such steps so far (the ``skipped_nonfinite_steps`` metric; checkpointed).
+      in_a_row: the current streak.
+    """
+
+    limit: int
+    skipped: int = 0
+    in_a_row: int = 0
+
+    def record(self, step: int, nonfinite: bool) -> None:
+        """Counts RL step ``step`` (1-based); raises NonFiniteError naming it at the limit."""
+        self.in_a_row = self.in_a_row + 1 if nonfinite else 0
+        self.skipped += bool(nonfinite)
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(
+                f"step {step}: the loss, gradients or updated params were not finite in "
+                f"{self.in_a_row} RL steps in a row (steps {step - self.in_a_row + 1}..{step}; "
+                f"trainer.max_nonfinite_steps={self.limit}); those updates were skipped and no "
+                "checkpoint holds them. Lower optim.lr or check the data and model")
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Fails (naming the field) if a file the run reads is missing, before anything is written."""
+    if (cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file()
+            and models.find_gguf(cfg.model.path) is None):
+        raise FileNotFoundError(
+            f"model.path={cfg.model.path!r} is not an HF checkpoint directory (no config.json) "
+            "nor a GGUF file; nothing is downloaded: point it at a local copy")
+    for field, dataset in (("data.jsonl", cfg.data.jsonl), ("eval.jsonl", cfg.eval.jsonl)):
+        if dataset is not None and not Path(dataset.path).is_file():
+            raise FileNotFoundError(f"{field}.path={dataset.path!r} does not exist")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of what determines the run (model, data, method, optimizer, seeds, batch shape),
+    which a resumed run must share with the run it continues. Where the run lives
+    (``run_dir``), how long it runs, checkpointing, plots, eval, logging and what changes
+    only memory or speed (``model.remat``, ``trainer.micro_batch_size``,
+    ``compression.layout``) are left out, so a moved or
+    copied run directory resumes and a finished run can be extended."""
+    relevant = {k: v for k, v in to_dict(cfg).items()
+                if k not in ("run_dir", "trainer", "eval", "logging")}
+    relevant["model"] = {k: v for k, v in relevant["model"].items() if k != "remat"}
+    # compression.layout changes only speed and memory (every layout a method takes runs the
+    # same policy), so it is left out: runs of older configs (no field, or method none's
+    # former own layout dense) still resume
+    relevant["compression"] = {k: v for k, v in relevant["compression"].items()
+                               if k != "layout"}
+    relevant["trainer"] = {k: getattr(cfg.trainer, k)
+                           for k in ("seed", "prompts_per_step", "minibatch_size")}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def wandb_run(cfg: RunConfig) -> WandbRun:
+    """The run's W&B run: ``logging.wandb_project``, an id from the run directory and the
+    config hash (a resumed run continues it), the resolved config."""
+    key = f"{Path(cfg.run_dir).resolve()}:{config_hash(cfg)}"
+    return WandbRun(cfg.logging.wandb_project, hashlib.sha256(key.encode()).hexdigest()[:16],
+                    to_dict(cfg))
+
+
+def _checkpoint_hash(ckpt_dir: Path) -> str | None:
+    """The config hash stored with the newest readable checkpoint (None without any)."""
+    if not ckpt_dir.is_dir():
+        return None
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+        for step in reversed(ckpt.all_steps()):
+            try:
+                return ckpt.read_meta(step).get("config_hash")
+            except CheckpointError:
+                continue
+    return None
+
+
+def _in_training_eval(cfg: RunConfig, ctx: StepContext,
+                      eval_data: tuple[list[str], list[str]] | None
+                      ) -> Callable[..., dict] | None:
+    """``params -> eval/ metrics`` on ``eval_data`` (``preflight.checked_eval_set``: the
+    eval set, read and checked before the run directory was written), or None when ``eval``
+    asks for no evaluation during training."""
+    if eval_data is None:
+        return None
+    prompts, answers = eval_data
+
+    def evaluate_now(params) -> dict:
+        return eval_metrics(ctx.graphdef, params, ctx.tokenizer, prompts, answers,
+                            ctx.reward_fn, ctx.sampling, cfg.compression,
+                            batch_size=cfg.eval.batch_size, samples=cfg.eval.samples,
+                            temperature=cfg.eval.temperature,
+                            add_special_tokens=cfg.data.add_special_tokens)
+
+    return evaluate_now
+
+
+def _prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
+    """``(tokenizer, model, prompt source, eval set)`` with everything checked; the default
+    model is built (in the run directory, so after :func:`_preflight_default`) when
+    ``model.path`` is None."""
+    tokenizer, model = load_checked_policy(policy_path(cfg, log), cfg, mesh)
+    context = model.config.max_position_embeddings
+    return (tokenizer, model, checked_prompt_source(cfg, tokenizer, context),
+            checked_eval_set(cfg, tokenizer, context))
+
+
+def _preflight_default(cfg: RunConfig) -> None:
+    """Checks ``sampling.eos_ids`` / ``pad_id``, the data, the eval set and every prompt
+    against the default model's tokenizer, vocabulary and context before the default model is
+    built (``model.path`` None)."""
+    tokenizer = default_task_tokenizer()
+    model_cfg = tiny_model_config(cfg.warm_start, tokenizer.vocab_size, tokenizer.eos_ids[0],
+                                  tokenizer.pad_id)
+    check_sampling_ids(cfg, model_cfg.vocab_size)
+    checked_prompt_source(cfg, tokenizer, model_cfg.max_position_embeddings)
+    checked_eval_set(cfg, tokenizer, model_cfg.max_position_embeddings)
+
+
+def train(cfg: RunConfig, log: Callable[[str], None] = print,
+          on_step: Callable[[int, dict], None] | None = None, take_over: bool = False) -> dict:
+    """Trains ``cfg``'s policy with GRPO on sparse rollouts; returns the last step's metrics.
+
+    ``on_step(step, metrics)``, when given, is called after each step is logged (1-based
+    ``step``; ``metrics`` as written to ``metrics.jsonl``), e.g. to record memory or stop
+    criteria in an experiment without patching the loop. ``take_over`` takes over a run
+    directory whose lock a run on another host left (``run.py train --take-over``; whether
+    that run is alive cannot be told from here, so it is refused by default).
+
+    Resumes from the newest checkpoint in ``cfg.run_dir/checkpoints`` that restores (its
+    manifest's config hash must match), otherwise starts fresh. Nothing in the run directory
+    is written before every input is checked, the directory is known to hold this run (or
+    none) and this process holds its lock.
+
+    Raises:
+      ConfigError, ValueError, FileNotFoundError: bad config, model, tokenizer or data.
+      RunDirError: unusable run directory, another live run on it (or, without
+        ``take_over``, a run on another host), or a different config.
+      CheckpointError: no checkpoint restores, or a save failed (e.g. disk full).
+      NonFiniteError: ``trainer.max_nonfinite_steps`` non-finite steps in a row.
+    """
+    run_dir = Path(cfg.run_dir)
+    check_inputs(cfg)  # missing files and mesh errors surface before anything is written
+    mesh = make_run_mesh(cfg)
+    reward_fn = get_reward_fn(cfg.data.reward)
+    chash = config_hash(cfg)
+    lead = jax.process_index() == 0
+    manifest = check_resumable(run_dir, chash, lambda: _checkpoint_hash(run_dir / "checkpoints"),
+                               take_over)
+    prepared = _prepare(cfg, mesh, log) if cfg.model.path is not None else None
+    if prepared is None:
+        _preflight_default(cfg)
+    owner = open_run_dir(run_dir, chash, manifest, take_over) if lead else None
+    try:
+        if lead:
+            owner.write_manifest(manifest.get("last_good_step") if manifest else None)
+            save_config(cfg, run_dir / "config.yaml")
+        return _train(cfg, prepared or _prepare(cfg, mesh, log), mesh, reward_fn, owner, log,
+                      on_step)
+    finally:
+        if owner is not None:
+            owner.close()
+
+
+def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log, base=None):
+    """``(params, opt_state, start step, data position, NonFiniteGuard)`` from the newest
+    checkpoint of ``ckpt`` that restores (corrupt newer ones are set aside), or the initial
+    ones at step 0 when there is none. ``base``: a LoRA run's ``base_record``, which the
+    checkpoint's must match (``checkpoint_state.check_base``)."""
+    guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+    if ckpt.latest_step() is None:
+        return params, opt_state, 0, 0, guard
+    state, meta = ckpt.restore_newest_good(restore_target(params, opt_state), log)
+    start = meta["step"]
+    if base is not None:
+        check_base(meta, base, f"checkpoint step {start} in {ckpt.directory}")
+    guard.skipped = meta.get("skipped_nonfinite_steps", 0)
+    recorded = owner.manifest.get("last_good_step") if owner and owner.manifest else None
+    if recorded is not None and recorded > start:
+        log(f"warning: the manifest records step {recorded} as saved; resuming from {start}")
+    log(f"resumed from step {start} in {cfg.run_dir}")
+    return (restored_params(state, params), state["opt_state"], start,
+            meta.get("data_position", start), guard)
+
+
+def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
+    """The loop of :func:`train` once the run directory is owned (``owner``: the lead
+    process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
+    run_dir = Path(cfg.run_dir)
+    tokenizer, model, source, eval_data = prepared
+    model.remat = cfg.model.remat
+    graphdef, params = nnx.split(model)
+    del model
+    reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
+    optimizer = make_optimizer(cfg.optim)
+    opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
+    update = jit_update_step(
+        graphdef, loss_cfg=cfg.loss, optimizer=optimizer,
+        param_shardings=jax.tree.map(lambda x: x.sharding, params), opt_shardings=opt_shardings,
+        batch_sharding=batch_sharding(mesh), chunk_size=cfg.trainer.logp_chunk,
+        low_r_share=cfg.trainer.low_r_grad_share, temperature=cfg.sampling.temperature,
+    )
+    ctx = StepContext(
+        cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
+        tokenizer=tokenizer, source=source, reward_fn=reward_fn, update=update, mesh=mesh,
+        reference=reference,
+    )
+
+    chash = config_hash(cfg)
+    with ExitStack() as closing:  # closed on error too (orbax threads, log filters, files)
+        ckpt = closing.enter_context(Checkpointer(
+            run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
+            save_every=cfg.trainer.checkpoint_every))
+        base = base_record(policy_path(cfg, lambda _: None)) if cfg.model.lora else None
+        params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
+                                                             log, base)
+        resumed = start and cfg.compression.adapt_k
+        budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
+        writer = closing.enter_context(MetricsWriter(
+            run_dir, resume_step=start if start else None,
+            tensorboard="tensorboard" in cfg.logging.backends,
+            wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None, log=log))
+        evaluate_now = _in_training_eval(cfg, ctx, eval_data)
+        if evaluate_now is not None and cfg.eval.before_train and start == 0:
+            writer.log(0, evaluate_now(params))
+        metrics: dict = {}
+        pending = None  # the step of the last save started, until it is known to be committed
+        with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
+            for step in range(start, cfg.trainer.steps):
+                ckpt.check()  # a save that has already failed stops the run before another step
+                params, opt_state, metrics = rl_step(budget.context(ctx), params, opt_state, step,
+                                                     position)
+                budget.observe(metrics)  # sparrow's closed loop (adapt_k): log k, move it by p5
+                position += int(metrics["collect_rounds"])
+                done = step + 1
+                if evaluate_now is not None and cfg.eval.every_steps and (
+                        done % cfg.eval.every_steps == 0):
+                    metrics.update(evaluate_now(params))
+                nonfinite = metrics.get("nonfinite_update", 0) > 0
+                metrics["skipped_nonfinite_steps"] = guard.skipped + nonfinite
+                ckpt.wait()  # nothing after a failed save is recorded: it stops the run here
+                if owner is not None and pending is not None:
+                    owner.write_manifest(pending)
+                pending = None
+                writer.log(done, metrics)
+                progress.update(done, metrics)
+                if on_step is not None:
+                    on_step(done, metrics)
+                guard.record(done, nonfinite)
+                if ckpt.save(done, train_state(params, opt_state),
+                             {"step": done, "config_hash": chash, "data_position": position,
+                              "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped,
+                              **budget.meta(), **({BASE_KEY: base} if base else {})},
+                             force=done == cfg.trainer.steps):
+                    pending = done
+        ckpt.wait()  # the last save is committed before the manifest names it
+        if owner is not None and pending is not None:
+            owner.write_manifest(pending)
+    if cfg.trainer.plots:
+        records = read_metrics(run_dir / "metrics.jsonl")
+        plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10),
+                     title=str(run_dir))
+    if cfg.trainer.export_final:
+        export = export_policy(graphdef, params, tokenizer, run_dir / "final")
+        log(f"final policy exported to {export}")
+    return metrics
