@@ -2,7 +2,7 @@
 """Teaches a walk policy local attention: supervised training with stale-key dropout.
 
 The tiny model trained on full contexts spreads its attention over the whole stale walk
-trace, so score-based eviction ruins it (README, "The walk task"). This script trains (or
+trace, so score-based eviction ruins it (docs/tasks.md, "The walk task"). This script trains (or
 fine-tunes) a walk policy on the same teacher-forced solutions, but every row of every batch
 sees a random subset of its past (``models.ExpiryRecord``, the same key-expiry view that
 replays an eviction record): per layer, KV head and key,

@@ -1,8 +1,8 @@
 """Shared pieces of the fault tests (tests/test_faults_*.py, issues 17 and 21): a tiny model
 and data file, the ``run.py train`` arguments for them, and the one-error-line assertion.
 
-Cases call ``run.py``'s ``main`` in-process on a tiny random HF model; the README's
-reliability section lists each case with its outcome.
+Cases call ``run.py``'s ``main`` in-process on a tiny random HF model; docs/reliability.md
+lists each case with its outcome.
 """
 
 from __future__ import annotations

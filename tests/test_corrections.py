@@ -15,7 +15,7 @@ corrections_jit = jax.jit(compute_corrections, static_argnames="cfg")
 
 
 def np_corrections(old, sparse, mask, cfg):
-    """Reference written from the method's description (README), one sequence at a time."""
+    """Reference written from the method's description (docs/method.md), one sequence at a time."""
     b, t = old.shape
     c = cfg.log_ratio_clamp
     weights = np.zeros((b, t))

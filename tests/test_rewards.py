@@ -239,9 +239,9 @@ def test_repeat_answers_keeps_tuples_whole():
 
 
 def test_math_verify_accepts_one_plus_an_equation_gold():
-    """The upstream parse artifact the README warns about: with an equation gold ``x=3``,
+    """The upstream parse artifact docs/tasks.md warns about: with an equation gold ``x=3``,
     ``1+(x=3)`` verifies (math-verify compares the right-hand sides). If this starts failing,
-    math-verify fixed it: update the README note."""
+    math-verify fixed it: update the note in docs/tasks.md."""
     assert math_verify_score("\\boxed{1+(x=3)}", "x=3") == 1.0
     assert math_verify_score("\\boxed{1+(3)}", "3") == 0.0
 

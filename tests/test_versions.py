@@ -1,4 +1,4 @@
-"""The jax/flax pairs the README and pyproject state, checked before flax is imported."""
+"""The jax/flax pairs docs/gpus_tpus.md and pyproject state, checked before flax is imported."""
 
 from __future__ import annotations
 

@@ -1,0 +1,67 @@
+"""The package layout: stages import one way, ``models`` knows nothing of RL, and every
+module stays short enough to read in one sitting."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "sparse_rl_jax"
+
+# stage -> the stages it may import (besides itself and ``models``)
+ALLOWED = {
+    "core": set(),
+    "kv": {"core"},
+    "tasks": {"core"},
+    "rollout": {"core", "kv"},
+    "rl": {"core", "kv", "rollout"},
+    "records": {"core"},
+    "training": {"core", "kv", "tasks", "rollout", "rl", "records"},
+}
+MAX_LINES = 400
+
+
+def imported(path: Path) -> set[str]:
+    """Dotted names of every module ``path`` imports (at any depth of the file)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return out
+
+
+def test_the_stages_are_the_packages():
+    found = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert found == set(ALLOWED)
+    assert not [p.name for p in PACKAGE.glob("*.py") if p.name not in {"__init__.py", "cli.py"}]
+
+
+@pytest.mark.parametrize("stage", sorted(ALLOWED))
+def test_stages_import_one_way(stage):
+    wrong = []
+    for path in sorted((PACKAGE / stage).glob("*.py")):
+        for name in imported(path):
+            parts = name.split(".")
+            if parts[0] == "sparse_rl_jax" and len(parts) > 1 and parts[1] in ALLOWED \
+                    and parts[1] != stage and parts[1] not in ALLOWED[stage]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+            if parts[0] == "sparse_rl_jax" and len(parts) > 1 and parts[1] == "cli":
+                wrong.append(f"{path.relative_to(ROOT)} imports the command line")
+    assert not wrong
+
+
+def test_models_never_import_the_rl_library():
+    wrong = [f"{p.relative_to(ROOT)} imports {name}" for p in sorted((ROOT / "models").glob("*.py"))
+             for name in imported(p) if name.split(".")[0] == "sparse_rl_jax"]
+    assert not wrong
+
+
+def test_no_module_is_longer_than_one_sitting():
+    long = [f"{p.relative_to(ROOT)}: {n} lines"
+            for p in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "models").glob("*.py")])
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
