@@ -12,7 +12,8 @@ from models.cache import KVCache, init_cache
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from models.decoder import Decoder, DecoderOutput
 from models.gguf import checkpoint_dir, convert_gguf, find_gguf, smollm2_gguf
-from models.loading import hf_name, load_pretrained, read_config, save_adapter, save_pretrained
+from models.export import save_adapter, save_pretrained
+from models.loading import hf_name, load_pretrained, read_config
 from models.kv_view import Causal, ExpiryRecord, KVView, MaskRecord
 from models.lora import LORA_TARGETS, add_lora, has_lora, merge_lora, split_trainable
 from models.page_sparse import PageReplay, PageSparseCache

@@ -223,7 +223,7 @@ class Decoder(nnx.Module):
         cfg = self.config
         check_shape("tokens", tokens, dtype=int, B=None, T=None)
         b, t = tokens.shape
-        positions = _resolve_positions(tokens, positions, attention_mask, kv)
+        positions = resolve_positions(tokens, positions, attention_mask, kv)
         view = Causal() if kv is None else kv
         view.check(cfg, b, t, attention_backend)
         view = view.begin_forward(positions)
@@ -259,7 +259,7 @@ class Decoder(nnx.Module):
         return jnp.einsum("...h,hv->...v", hidden, kernel, preferred_element_type=jnp.float32)
 
 
-def _resolve_positions(tokens, positions, attention_mask, kv) -> jax.Array:
+def resolve_positions(tokens, positions, attention_mask, kv) -> jax.Array:
     """``[B, T]`` int32 positions with ``-1`` on padding."""
     if positions is None:
         if attention_mask is not None:

@@ -21,19 +21,18 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
-from safetensors.numpy import save_file
 
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from models.decoder import Decoder
 from models.gguf import checkpoint_dir
 from models.json_file import read_json
-from models.lora import ATTENTION_TARGETS, adapted, merge_lora
+from models.weight_magnitude import MAX_ABS_WEIGHT, copy_max_abs
 from models.partitioning import is_layer_stacked, make_mesh, param_shardings, path_str
 
 log = logging.getLogger(__name__)
 
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-_INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def hf_name(path: str) -> tuple[str, bool]:
@@ -102,7 +101,7 @@ def _complete(hf_config: dict) -> bool:
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of the HF checkpoint directory ``path`` (from its index when
     sharded); ValueError / FileNotFoundError naming a broken index or a missing file."""
-    index = path / _INDEX_FILE
+    index = path / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -124,23 +123,6 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 _NP_DTYPES = {"F16": np.float16, "BF16": jnp.bfloat16, "F32": np.float32, "F64": np.float64}
-_MAGNITUDE_BITS = {2: np.uint16(0x7FFF), 4: np.uint32(0x7FFFFFFF),
-                   8: np.uint64(0x7FFFFFFFFFFFFFFF)}
-"""Every bit but the sign, per float width (BF16 / F16, F32, F64). With the sign cleared,
-the bit patterns of IEEE floats order like their magnitudes, +inf above every finite value
-and NaN above +inf, so one integer max gives the largest |value| and finiteness at once."""
-
-MAX_ABS_WEIGHT = 1e4
-"""Largest |w| a checkpoint tensor may hold (:func:`load_pretrained` refuses more). Trained
-LLM weights stay far below: projections and embeddings are O(0.01..1), and the outliers
-(norm gains, attention biases) reach the tens to hundreds. A flipped top exponent bit, which
-safetensors (no checksums) cannot detect, makes a weight like 0.02 into ~1e36 (F32 / BF16),
-and one such value overflows the activations and turns every rollout NaN. The bound leaves
-well over an order of magnitude of headroom above real checkpoints and is still some thirty
-orders below what such a flip produces. (An F16 checkpoint's flips stay below its 65504
-maximum, so only those above the bound are caught there.)"""
-
-
 def _open_safetensors(file: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as a read-only view into its memory map (no data
     read yet): ``name -> array`` (float dtypes) or ``name -> (dtype string, shape)`` (others,
@@ -200,28 +182,6 @@ def _check_tensors(state: Any, tensors: dict[str, Any]) -> None:
         log.info("ignoring %d unexpected checkpoint tensors: %s", len(extra), ", ".join(extra))
 
 
-def _copy_max_abs(src: np.ndarray, out: np.ndarray | None = None,
-                  chunk_bytes: int = 1 << 18) -> float:
-    """Copy ``src`` into ``out`` (casting) if given, and return the largest |value| of the
-    copy (else of ``src``), ``inf`` when any value is NaN or inf, a cache-sized chunk of rows
-    at a time: the max reads the sign-cleared bits (:data:`_MAGNITUDE_BITS`) of a chunk just
-    written, so it costs no extra pass over memory."""
-    dst = src if out is None else out
-    mask = _MAGNITUDE_BITS[dst.dtype.itemsize]
-    rows = max(1, chunk_bytes // max(1, dst[:1].nbytes))
-    peak = mask.dtype.type(0)
-    for start in range(0, dst.shape[0], rows):
-        part = slice(start, start + rows)
-        if out is not None:
-            with np.errstate(over="ignore"):  # an overflow becomes inf, reported as such
-                np.copyto(out[part], src[part], casting="unsafe")
-        bits = np.ascontiguousarray(dst[part]).view(mask.dtype)
-        if bits.size:
-            peak = max(peak, np.bitwise_and(bits, mask).max())
-    value = float(np.array(peak).view(dst.dtype))
-    return math.inf if math.isnan(value) else value
-
-
 def _abstract_decoder(config: ModelConfig, dtype) -> Decoder:
     """A :class:`Decoder` to trace under ``nnx.eval_shape`` (shapes only). Its draw counter is
     a host integer: a traced counter makes every draw stage an update whose bookkeeping
@@ -277,7 +237,7 @@ def load_pretrained(path: str | Path, dtype=jnp.bfloat16, mesh: Mesh | None = No
         fresh = out is not None or part.dtype != dtype
         if out is None and fresh:
             out = np.empty(part.shape, dtype)
-        peaks[name] = max(peaks[name], _copy_max_abs(part, out))
+        peaks[name] = max(peaks[name], copy_max_abs(part, out))
         return (out, True) if fresh else (part, False)  # a view: the device copy is the one
 
     def place(key_path, leaf, sharding):
@@ -328,101 +288,3 @@ def _check_magnitudes(path: Path, state, peaks: dict[str, float],
         raise ValueError(f"checkpoint {path}: tensor(s) {', '.join(large)} exceed the "
                          f"plausible weight magnitude {MAX_ABS_WEIGHT:g} (a corrupted file, "
                          f"e.g. a flipped exponent bit)")
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    """The full value of ``x`` on this host (gathered across processes if needed)."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def save_pretrained(model: Decoder, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write ``config.json`` + safetensors that ``transformers`` (and vLLM) load.
-
-    A model with LoRA adapters is written merged (:func:`models.lora.merge_lora`); see
-    :func:`save_adapter` for the adapters alone. Tensors are gathered one shard file at a
-    time (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger
-    than ``max_shard_bytes``).
-    On multi-host runs every process must call this; process 0 writes.
-    """
-    import transformers
-
-    model = merge_lora(model)
-    cfg = model.config
-    tensors = []  # (hf name, transpose, param, layer index of a stacked param or None)
-    for key_path, param in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
-        param_path = path_str(key_path)
-        for i, (name, transpose, _) in enumerate(hf_tensors(param_path, param.shape)):
-            tensors.append((name, transpose, param, i if is_layer_stacked(param_path) else None))
-    shards, size = [[]], 0
-    for name, transpose, param, layer in tensors:
-        nbytes = param.size * param.dtype.itemsize // (1 if layer is None else param.shape[0])
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, transpose, param, layer))
-        size += nbytes
-    writer = jax.process_index() == 0
-    path = Path(path)
-    if writer:
-        path.mkdir(parents=True, exist_ok=True)
-        hf_kwargs = cfg.to_hf_dict()
-        hf_config = transformers.AutoConfig.for_model(hf_kwargs.pop("model_type"), **hf_kwargs)
-        hf_config.dtype = jnp.dtype(tensors[0][2].dtype).name
-        hf_config.save_pretrained(path)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        filename = ("model.safetensors" if len(shards) == 1
-                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        arrays, gathered = {}, (None, None)
-        for name, transpose, param, layer in shard:
-            if gathered[0] is not param:  # a stacked param's layers are consecutive
-                gathered = (param, _to_host(param))
-            host = gathered[1] if layer is None else gathered[1][layer]
-            arrays[name] = np.ascontiguousarray(host.T if transpose else host)
-            weight_map[name] = filename
-        if writer:
-            save_file(arrays, path / filename, metadata={"format": "pt"})
-    if writer and len(shards) > 1:
-        total = sum(math.prod(p.shape) * p.dtype.itemsize
-                    for p in {id(t[2]): t[2] for t in tensors}.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / _INDEX_FILE).write_text(json.dumps(index, indent=2))
-
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-def save_adapter(model: Decoder, path: str | Path) -> None:
-    """Write ``model``'s LoRA adapters alone as a PEFT adapter directory.
-
-    ``adapter_model.safetensors`` holds, for layer ``i`` and projection ``p``,
-    ``base_model.model.model.layers.{i}.{self_attn|mlp}.{p}.lora_A.weight`` ``[r, in]`` and
-    ``...lora_B.weight`` ``[out, r]`` (``lora_a`` / ``lora_b`` transposed);
-    ``adapter_config.json`` holds ``peft_type: LORA``, ``r``, ``lora_alpha`` and
-    ``target_modules``, so ``peft.PeftModel.from_pretrained(base, path)`` applies them to the
-    base checkpoint. ValueError if the model has no adapters. Process 0 writes.
-    """
-    arrays, targets, rank, alpha, dropout = {}, [], None, None, 0.0
-    for name, linear in adapted(model):
-        block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
-        a, b = _to_host(linear.lora.lora_a[...]), _to_host(linear.lora.lora_b[...])
-        for i in range(a.shape[0]):
-            prefix = f"base_model.model.model.layers.{i}.{block}.{name}"
-            arrays[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
-            arrays[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
-        targets.append(name)
-        rank, alpha, dropout = linear.lora.rank, linear.lora.alpha, linear.lora.dropout
-    if not targets:
-        raise ValueError("save_adapter: the model has no LoRA adapters")
-    if jax.process_index() != 0:
-        return
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(arrays, path / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "target_modules": targets, "lora_dropout": dropout, "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": None}
-    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))

@@ -188,7 +188,7 @@ def test_copy_max_abs_agrees_with_numpy_on_every_dtype(src_dtype, out_dtype):
     """The loader's bit-level largest |value| (chunked, fused with the copy; inf for NaN/inf)
     against numpy on the copy, for each float width, across chunk boundaries (3-row chunks),
     with a negative peak so the sign bit must be ignored."""
-    from models.loading import _copy_max_abs
+    from models.weight_magnitude import copy_max_abs
 
     rng = np.random.default_rng(0)
     for bad in (None, np.nan, np.inf, -np.inf, 1e300, -3e4):
@@ -197,7 +197,7 @@ def test_copy_max_abs_agrees_with_numpy_on_every_dtype(src_dtype, out_dtype):
             src[7, 3] = np.asarray(bad).astype(src_dtype)  # 1e300: inf in every narrower type
         out = None if out_dtype is None else np.empty(src.shape, out_dtype)
         row_bytes = 7 * np.dtype(out_dtype or src_dtype).itemsize
-        peak = _copy_max_abs(src, out, chunk_bytes=3 * row_bytes)
+        peak = copy_max_abs(src, out, chunk_bytes=3 * row_bytes)
         copy = (src if out is None else out).astype(np.float64)
         if out is not None:
             np.testing.assert_array_equal(copy, src.astype(out_dtype).astype(np.float64))

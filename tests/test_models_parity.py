@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import models
-from models.decoder import _resolve_positions
+from models.decoder import resolve_positions
 from tiny_hf import (LLAMA3_ROPE, hf_logits, left_padded_batch, load_hf, make_tiny_hf,
                      positions_from_mask)
 
@@ -64,14 +64,14 @@ def test_logits_match_transformers(tmp_path, case):
 
 def test_default_positions():
     tokens, mask = left_padded_batch(np.random.default_rng(1), [6, 3], 6)
-    from_mask = _resolve_positions(tokens, None, mask, None)
+    from_mask = resolve_positions(tokens, None, mask, None)
     np.testing.assert_array_equal(np.asarray(from_mask), positions_from_mask(mask))
-    masked = _resolve_positions(tokens, np.full((2, 6), 5), mask, None)
+    masked = resolve_positions(tokens, np.full((2, 6), 5), mask, None)
     np.testing.assert_array_equal(np.asarray(masked), np.where(mask == 1, 5, -1))
-    arange = _resolve_positions(tokens, None, None, None)
+    arange = resolve_positions(tokens, None, None, None)
     np.testing.assert_array_equal(np.asarray(arange), np.tile(np.arange(6), (2, 1)))
     with pytest.raises(ValueError, match=r"positions: expected \[B, T\] = \[2, 6\], got \[2, 5\]"):
-        _resolve_positions(tokens, np.zeros((2, 5), np.int32), None, None)
+        resolve_positions(tokens, np.zeros((2, 5), np.int32), None, None)
 
 
 def test_bf16_default_is_close_to_fp32(tmp_path):
