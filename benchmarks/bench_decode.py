@@ -70,33 +70,60 @@ ROOT = Path(__file__).resolve().parents[1]
 class Bench:
     """The loaded model and what every cell needs."""
 
-    def __init__(self, path: Path, temperature: float):
+    def __init__(self, model, prompts: np.ndarray, temperature: float):
+        """``model``: a ``models.Decoder``; ``prompts``: int ``[rows, setup.PROMPT_LEN]``."""
         import jax
         import jax.numpy as jnp
         from flax import nnx
 
-        import models
-
         self.jax, self.jnp = jax, jnp
-        model = models.load_pretrained(path, dtype=jnp.dtype(setup.DTYPE))
         self.cfg = model.config
         self.graphdef, self.params = nnx.split(model)
-        self.prompts = np.load(path / "prompts.npy")
+        self.prompts = prompts
         self.temperature = temperature
+        self.engine = None  # SamplingConfig.engine when set (issue 34's continuous engine)
         leaves = jax.tree.leaves(self.params)
         self.param_bytes = sum(x.nbytes for x in leaves)
         self.num_params = sum(x.size for x in leaves)
         self.itemsize = jnp.dtype(setup.DTYPE).itemsize
 
+    @classmethod
+    def load(cls, path: Path, temperature: float) -> "Bench":
+        """The checkpoint and prompts ``decode_setup.build_checkpoint`` wrote to ``path``."""
+        import jax.numpy as jnp
+
+        import models
+
+        return cls(models.load_pretrained(path, dtype=jnp.dtype(setup.DTYPE)),
+                   np.load(path / "prompts.npy"), temperature)
+
+    @classmethod
+    def random(cls, rows: int, temperature: float) -> "Bench":
+        """The configured shape with random weights built in JAX (no ``transformers``, no
+        checkpoint) and ``rows`` random prompts, as ``build_checkpoint`` draws them."""
+        import jax.numpy as jnp
+        from flax import nnx
+
+        import models
+
+        dtype = jnp.dtype(setup.DTYPE)
+        model = models.Decoder(setup.model_config(), dtype=dtype, param_dtype=dtype,
+                               rngs=nnx.Rngs(0))
+        prompts = np.random.default_rng(0).integers(
+            3, setup.CONFIG["vocab_size"], (rows, setup.PROMPT_LEN)).astype(np.int32)
+        return cls(model, prompts, temperature)
+
     def sampling(self, length: int, record: bool = False):
-        """Greedy (or ``--temperature``) sampling of ``length`` tokens that never stops early."""
+        """Greedy (or ``--temperature``) sampling of ``length`` tokens that never stops early,
+        on ``self.engine`` when set."""
         from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 
         greedy = self.temperature == 0
+        engine = {} if self.engine is None else {"engine": self.engine}
         return SamplingConfig(max_new_tokens=length, greedy=greedy,
                               temperature=1.0 if greedy else self.temperature,
                               eos_ids=(self.cfg.vocab_size,), pad_id=0, record_evictions=record,
-                              prompt_bucket=setup.PROMPT_LEN)
+                              prompt_bucket=setup.PROMPT_LEN, **engine)
 
     def step_cost(self, batch: int, kv_tokens: float) -> tuple[float, float]:
         """(bytes, FLOPs) of one dense decode step with ``kv_tokens`` resident per row."""
@@ -220,8 +247,8 @@ class Bench:
         return time.perf_counter() - start
 
 
-def parse_args() -> argparse.Namespace:
-    """The command line (see the module docstring)."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring); ``argv`` defaults to ``sys.argv[1:]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32])
@@ -264,7 +291,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", choices=["build", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def compression_configs(args) -> dict:
@@ -292,6 +319,43 @@ def compression_configs(args) -> dict:
     return configs
 
 
+def run_grid(args, bench: Bench, machine: dict, log=print) -> tuple[list[dict], list]:
+    """The rows of every (batch, length) cell of ``args`` and the cells ``--max-tokens``
+    skipped; ``log`` gets a progress line per row."""
+    configs = compression_configs(args)
+    rows, skipped = [], []
+    start = time.perf_counter()
+    for batch in args.batches:
+        for length in args.lengths:
+            if args.max_tokens and batch * length > args.max_tokens:
+                skipped.append((batch, length))
+                continue
+            for row in bench.run_cells(batch, length, configs, args.repeats, args.alpha_rows):
+                if row["base"] in ("none", "sparrow"):
+                    row["pred_step_s"] = bench.predicted_step(
+                        batch, length, configs[row["method"]], machine)
+                rows.append(row)
+                log(f"  [{time.perf_counter() - start:6.0f}s] {row['method']:>10} "
+                    f"b{batch:<3} n{length:<5} {row['tok_s']:8.1f} tok/s  "
+                    f"compile {row['compile_s']:.1f}s")
+    return rows, skipped
+
+
+def transformers_rows(args, tmp: str, rows: list[dict]) -> list[dict]:
+    """``transformers`` generate at each ``--hf-batches`` x ``--hf-lengths`` cell on the
+    checkpoint in ``tmp`` (a child process); each result gets ``agree``, the mean number of
+    leading greedy tokens equal to the ``none`` row of the same cell, where ``rows`` has one."""
+    hf = setup.run_child("torch", tmp, args, __file__)
+    for r in hf:
+        ours = next((x for x in rows if x["method"] == "none" and x["batch"] == r["batch"]
+                     and x["length"] == r["length"]), None)
+        if ours is not None:
+            theirs = np.load(Path(tmp) / f"hf_{r['threads']}_{r['batch']}_{r['length']}.npy")
+            same = np.cumprod(ours["response"] == theirs, axis=1).sum(axis=1)
+            r["agree"] = float(np.mean(same))
+    return hf
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
@@ -308,33 +372,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         setup.run_child("build", tmp, args, __file__)
-        bench = Bench(Path(tmp), args.temperature)
+        bench = Bench.load(Path(tmp), args.temperature)
         machine = setup.measure_machine()
         configs = compression_configs(args)
-        rows, skipped = [], []
-        for batch in [] if args.profile_only else args.batches:
-            for length in args.lengths:
-                if args.max_tokens and batch * length > args.max_tokens:
-                    skipped.append((batch, length))
-                    continue
-                for row in bench.run_cells(batch, length, configs, args.repeats,
-                                           args.alpha_rows):
-                    if row["base"] in ("none", "sparrow"):
-                        row["pred_step_s"] = bench.predicted_step(
-                            batch, length, configs[row["method"]], machine)
-                    rows.append(row)
-                    print(f"  [{time.perf_counter() - wall:6.0f}s] {row['method']:>10} "
-                          f"b{batch:<3} n{length:<5} {row['tok_s']:8.1f} tok/s  "
-                          f"compile {row['compile_s']:.1f}s", file=sys.stderr, flush=True)
-        hf = (setup.run_child("torch", tmp, args, __file__)
+        rows, skipped = ([], []) if args.profile_only else run_grid(
+            args, bench, machine, log=lambda line: print(line, file=sys.stderr, flush=True))
+        hf = (transformers_rows(args, tmp, rows)
               if args.hf_lengths and not args.profile_only else [])
-        for r in hf:
-            ours = next((x for x in rows if x["method"] == "none" and x["batch"] == r["batch"]
-                         and x["length"] == r["length"]), None)
-            if ours is not None:
-                theirs = np.load(Path(tmp) / f"hf_{r['threads']}_{r['batch']}_{r['length']}.npy")
-                same = np.cumprod(ours["response"] == theirs, axis=1).sum(axis=1)
-                r["agree"] = float(np.mean(same))
         profile = None
         method = next((m for m in ("rkv", "snapkv") if m in configs), None)
         if not args.no_profile and method and "none" in configs:

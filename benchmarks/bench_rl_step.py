@@ -110,10 +110,22 @@ def worker(args) -> None:
     Path(args.out, f"result_{args.method}.json").write_text(json.dumps(result))
 
 
-def _grid_model_and_batch(args):
-    """``(model, minibatch)`` of ``--update-grid``: a Qwen2-shaped decoder of
-    ``--layers`` x ``--hidden`` (random fp32 weights, optional LoRA) and ``--minibatch``
-    random sequences of 32 prompt + ``--max-new-tokens`` response tokens."""
+def grid_config(layers: int, hidden: int):
+    """``models.ModelConfig`` of ``--update-grid``: Qwen2-shaped, ``layers`` x ``hidden``,
+    head_dim 64, vocab 8192."""
+    import models
+
+    heads = hidden // 64
+    return models.ModelConfig(model_type="qwen2", vocab_size=8192, hidden_size=hidden,
+                              intermediate_size=4 * hidden, num_layers=layers, num_heads=heads,
+                              num_kv_heads=max(1, heads // 2), head_dim=64, attention_bias=True)
+
+
+def update_model_and_batch(config, n: int, prompt_len: int, new_tokens: int, *,
+                           dtype="float32", lora_rank: int = 0):
+    """``(model, minibatch)`` of one update: a ``config`` decoder (random ``dtype`` weights,
+    rank-``lora_rank`` adapters on every projection when > 0) and ``n`` random sequences of
+    ``prompt_len`` prompt + ``new_tokens`` response tokens."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -122,29 +134,24 @@ def _grid_model_and_batch(args):
     from sparse_rl_jax.rl.grpo_loss import LossBatch
     from sparse_rl_jax.rl.update_step import Minibatch
 
-    n, p, m = args.minibatch, 32, args.max_new_tokens
-    heads = args.hidden // 64
-    config = models.ModelConfig(model_type="qwen2", vocab_size=8192, hidden_size=args.hidden,
-                                intermediate_size=4 * args.hidden, num_layers=args.layers,
-                                num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=64,
-                                attention_bias=True)
-    model = models.Decoder(config, dtype=jnp.float32, param_dtype=jnp.float32,
+    p, m, vocab = prompt_len, new_tokens, config.vocab_size
+    model = models.Decoder(config, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype),
                            rngs=nnx.Rngs(0))
-    if args.lora_rank:
-        models.add_lora(model, args.lora_rank, 2.0 * args.lora_rank, models.LORA_TARGETS,
+    if lora_rank:
+        models.add_lora(model, lora_rank, 2.0 * lora_rank, models.LORA_TARGETS,
                         rngs=nnx.Rngs(1))
     rng = np.random.default_rng(0)
     mask = jnp.ones((n, m), jnp.int32)
     batch = Minibatch(
-        jnp.asarray(rng.integers(1, 8192, (n, p)), jnp.int32), jnp.ones((n, p), jnp.int32),
-        jnp.asarray(rng.integers(1, 8192, (n, m)), jnp.int32),
+        jnp.asarray(rng.integers(1, vocab, (n, p)), jnp.int32), jnp.ones((n, p), jnp.int32),
+        jnp.asarray(rng.integers(1, vocab, (n, m)), jnp.int32),
         LossBatch(logp_old_dense=jnp.full((n, m), -9.0), loss_mask=mask, token_mask=mask,
                   advantages=jnp.asarray(rng.normal(size=n), jnp.float32),
                   is_weights=jnp.ones((n, m)), seq_mask=jnp.ones((n,), bool)))
     return model, batch
 
 
-def _grid_cell(graphdef, params, batch, micro: int) -> dict:
+def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64) -> dict:
     """Compile and time one update (``micro`` rows per micro-batch, 0 = all): its compile
     seconds, median step seconds of 3 after a warm-up, and XLA's temp / peak MiB (None
     where the backend reports no memory analysis)."""
@@ -158,7 +165,7 @@ def _grid_cell(graphdef, params, batch, micro: int) -> dict:
 
     optimizer = make_optimizer(OptimConfig(lr=1e-5))
     step = jax.jit(lambda pr, s, b: update_step(
-        graphdef, pr, s, b, loss_cfg=GRPOLossConfig(), optimizer=optimizer, chunk_size=64,
+        graphdef, pr, s, b, loss_cfg=GRPOLossConfig(), optimizer=optimizer, chunk_size=chunk_size,
         micro_batch_size=micro or None))
     opt_state = optimizer.init(models.split_trainable(params)[0])
     start = time.perf_counter()
@@ -205,13 +212,14 @@ def update_grid(args) -> None:
     import jax
     from flax import nnx
 
-    model, batch = _grid_model_and_batch(args)
+    model, batch = update_model_and_batch(grid_config(args.layers, args.hidden), args.minibatch,
+                                          32, args.max_new_tokens, lora_rank=args.lora_rank)
     rows = []
     for remat in args.remat:
         model.remat = remat
         graphdef, params = nnx.split(model)
         for micro in args.micro:
-            cell = _grid_cell(graphdef, params, batch, micro)
+            cell = update_cell(graphdef, params, batch, micro)
             rows.append(dict(remat=remat, micro=micro or args.minibatch, **cell))
     params_m = sum(x.size for x in jax.tree.leaves(nnx.state(model))) / 1e6
     _print_grid(args, rows, params_m)

@@ -16,6 +16,11 @@ import numpy as np
 
 
 SHAPES = {
+    "tiny": dict(  # ~0.1M parameters: smoke runs (benchmarks/gpu_suite.py --cpu-scaled)
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    ),
     "cpu-bench": dict(  # ~38.9M parameters (tied 32k vocab embedding + 8 layers)
         vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
@@ -38,6 +43,18 @@ def configure(args) -> None:
     """Select the model shape, prompt length and dtype of this run."""
     global CONFIG, PROMPT_LEN, DTYPE
     CONFIG, PROMPT_LEN, DTYPE = SHAPES[args.shape], args.prompt_len, args.dtype
+
+
+def model_config():
+    """``models.ModelConfig`` of the configured shape (what ``build_checkpoint``'s Qwen2
+    checkpoint loads as: ``transformers``' Qwen2 defaults for the fields ``SHAPES`` leaves out),
+    without ``transformers``."""
+    import types
+
+    import models
+
+    defaults = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=10000.0)
+    return models.ModelConfig.from_hf(types.SimpleNamespace(**{**defaults, **CONFIG}))
 
 
 def save_random_model(path: Path, family: str, config: dict, name: str, shape: tuple,
