@@ -311,7 +311,7 @@ def rl_configs(ctx: Context):
     rkv = ["compression.method=rkv", "compression.budget=48", "compression.buffer=8",
            "compression.window=4"]
     return {arm: load_config(RunConfig, None, [f"run_dir={ctx.tmp / arm}", *tiny, *extra])
-            for arm, extra in (("dense", []), ("rkv", rkv))}
+            for arm, extra in (("dense", ["compression.method=none"]), ("rkv", rkv))}
 
 
 def tiny_task_model(path: Path) -> Path:

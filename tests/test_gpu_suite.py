@@ -59,3 +59,4 @@ def test_cpu_scaled_suite_writes_every_cell(tmp_path, group):
     rl = cells["rl_pair"]["rows"]
     assert {r["arm"] for r in rl} == {"dense", "rkv"}
     assert all(0 <= r["kv_saved"] <= 1 and 0 <= r["reward"] <= 1 for r in rl)
+    assert all(r["kv_saved"] == 0 for r in rl if r["arm"] == "dense")  # a dense cache saves none
