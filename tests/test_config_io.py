@@ -3,7 +3,9 @@ chains, several config files and dotted overrides win, and nested sections merge
 
 from __future__ import annotations
 
-from sparse_rl_jax.core.config_io import load_config, save_config
+import dataclasses
+
+from sparse_rl_jax.core.config_io import from_dict, load_config, save_config
 from sparse_rl_jax.training.run_config import DEFAULT_COMPRESSION, DEFAULT_SAMPLING, RunConfig
 
 
@@ -59,3 +61,34 @@ def test_saved_config_loads_back_equal(tmp_path):
                                         "data.task.n_max=6", "logging.backends=[jsonl]"])
     save_config(cfg, tmp_path / "config.yaml")
     assert load_config(RunConfig, tmp_path / "config.yaml") == cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class _Derived:
+    """A section with a field derived from another when left None."""
+
+    kind: str = "a"
+    flag: bool | None = None
+
+    def __post_init__(self):
+        if self.flag is None:
+            object.__setattr__(self, "flag", self.kind == "a")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parent:
+    derived: _Derived = dataclasses.field(default_factory=_Derived)
+    pinned: _Derived = dataclasses.field(default_factory=lambda: _Derived(flag=True, kind="b"))
+
+
+def test_a_partial_section_derives_its_derived_fields_anew():
+    """Overriding one key of a section re-derives the fields its defaults derived (here
+    ``flag`` from ``kind``), and keeps the ones the parent's default set on purpose."""
+    built = from_dict(_Parent, {"derived": {"kind": "b"}, "pinned": {"kind": "a"}})
+    assert built.derived == _Derived(kind="b")  # flag derived from kind b: False
+    assert built.derived.flag is False
+    assert built.pinned.flag is True  # pinned explicitly by the parent, not re-derived
+    # the real case: correction.kind=tis gets tis's normalize (off), rs_upper follows is_upper
+    cfg = load_config(RunConfig, None, ["correction.kind=tis", "correction.is_upper=1.2"])
+    assert cfg.correction.normalize is False and cfg.correction.rs_upper == 1.2
+    assert load_config(RunConfig, None, []).correction.normalize is True

@@ -135,7 +135,7 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         if name in defaults and isinstance(value, dict):
             # A partial section overrides only the keys it names; the rest keep the
             # parent's default for that section (not the section class's own defaults).
-            value = _merge(to_dict(defaults[name]), value)
+            value = _merge(_partial_base(defaults[name]), value)
         kwargs[name] = _coerce(value, types_[name], f"{prefix}.{name}" if prefix else name)
     try:
         return cls(**kwargs)
@@ -158,6 +158,29 @@ def _section_defaults(cls) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):
             out[f.name] = value
     return out
+
+
+def _partial_base(default: Any) -> dict[str, Any]:
+    """The dict a partial section is merged onto: ``to_dict(default)``, except that a field
+    declared ``None`` by default whose value ``default`` derived in ``__post_init__`` (the
+    value it gets again when set back to None) is None again, so it is derived anew from
+    the merged fields (``correction.kind=tis`` gets tis's ``normalize``, not the default
+    kind's). A value the parent set on purpose (one the section would not derive) stays."""
+    base = {}
+    for f in dataclasses.fields(default):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            base[f.name] = _partial_base(value)
+            continue
+        base[f.name] = to_dict(value)
+        if f.default is None and value is not None:
+            try:
+                derived = getattr(dataclasses.replace(default, **{f.name: None}), f.name)
+            except (TypeError, ValueError):
+                continue
+            if derived == value:
+                base[f.name] = None
+    return base
 
 
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
