@@ -30,7 +30,7 @@ from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.page_sparsity import PageRecord, schedule_budget
 from sparse_rl_jax.sampling_config import SamplingConfig
-from sparse_rl_jax.token_sampling import sample_tokens
+from sparse_rl_jax.token_sampling import row_keys, sample_rows
 
 
 class Rollout(NamedTuple):
@@ -105,7 +105,7 @@ class DecodeLoop(NamedTuple):
     kv_peak: jax.Array  # [N] int32
     forwards: jax.Array  # [N] int32 forwards while active
     compressions: jax.Array  # []
-    key: jax.Array
+    keys: jax.Array  # [N] row keys (token_sampling.row_keys)
     page_record: jax.Array  # [L, N, Hkv, M, K] (sparrow + record) or [L, N, Hkv, 0, 0]
 
 
@@ -183,7 +183,8 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
       graphdef, params: ``nnx.split(model)`` of a ``models.Decoder``.
       prompt: ``[B, P]`` int32 left-padded prompt tokens (already bucketed, see
         :func:`bucket_prompts`); prompt_mask: ``[B, P]`` int32, 1 on real tokens.
-      key: PRNG key of token 0.
+      key: the rollout's PRNG key; token 0 of row ``i`` is drawn with
+        ``fold_in(fold_in(key, i), 0)`` (:func:`token_sampling.sample_rows`).
       sampling, compression: as :func:`generate` (static).
       max_len: ``P + sampling.max_new_tokens``, the positions the cache must hold (static).
 
@@ -224,7 +225,8 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
         cache=state.cache.repeat_rows(n),
         evicted_at=fan_out(state.evicted_at, 1),
     )
-    tokens, logp = sample_tokens(key, fan_out(logits, 0), sampling)
+    tokens, logp = sample_rows(row_keys(key, jnp.arange(b * n)), 0, fan_out(logits, 0),
+                               sampling)
     return Prefilled(state=state, first=tokens, first_logp=logp, resident=fan_out(resident, 0),
                      lengths=fan_out(prompt_mask.sum(axis=1), 0), compressions=compressed)
 
@@ -245,8 +247,7 @@ def _step(model, c: DecodeLoop, *, lengths, sampling: SamplingConfig,
         page_record = jax.lax.dynamic_update_slice(
             page_record, chosen[:, :, :, None], (0, 0, 0, c.step - 1, 0))
     resident = _resident(state)
-    key, sub = jax.random.split(c.key)
-    token, logp = sample_tokens(sub, model.unembed(out.hidden[:, 0]), sampling)
+    token, logp = sample_rows(c.keys, c.step, model.unembed(out.hidden[:, 0]), sampling)
     token = jnp.where(active, token, sampling.pad_id)
     logp = jnp.where(active, logp, 0.0)
     return c._replace(
@@ -259,7 +260,6 @@ def _step(model, c: DecodeLoop, *, lengths, sampling: SamplingConfig,
         kv_sum=c.kv_sum + jnp.where(active, resident, 0),
         kv_peak=jnp.where(active, jnp.maximum(c.kv_peak, resident), c.kv_peak),
         forwards=c.forwards + active,
-        key=key,
         page_record=page_record,
     )
 
@@ -275,7 +275,8 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
     Args:
       graphdef, params: ``nnx.split(model)``.
       prefilled: :func:`prefill`'s result (``N`` rows).
-      key: PRNG key of tokens ``1 .. M-1``.
+      key: the rollout's PRNG key (the one :func:`prefill` got): token ``t`` of row ``i`` is
+        drawn with ``fold_in(fold_in(key, i), t)``.
       sampling, compression: the same configs :func:`prefill` got.
       budget_ks: ``sparrow``: optional ``[len(budget_schedule)]`` int32 k per schedule bin
         (traced: changing it does not recompile; each at most ``compression.max_pages_k``),
@@ -304,7 +305,7 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
         kv_peak=prefilled.resident,
         forwards=jnp.ones((n,), jnp.int32),
         compressions=prefilled.compressions,
-        key=key,
+        keys=row_keys(key, jnp.arange(n)),
         page_record=jnp.full(record_shape, -1, jnp.int32),
     )
     step = functools.partial(_step, model, lengths=lengths, sampling=sampling,
@@ -361,7 +362,9 @@ def generate(
       graphdef, params: ``nnx.split(model)`` of a ``models.Decoder``.
       prompt: ``[B, P]`` int left-padded prompt tokens (host or device array).
       prompt_mask: ``[B, P]`` 1 on real tokens.
-      key: PRNG key (the only source of randomness: same key, same rollout).
+      key: PRNG key (the only source of randomness: same key, same rollout). Token ``t`` of
+        row ``i`` is drawn with ``fold_in(fold_in(key, i), t)``, so a row's tokens do not
+        depend on the other rows of the call.
       sampling: decoding rule, lengths, group size, EOS ids.
       compression: KV budget and eviction method (``none`` = dense cache).
       budget_ks: ``sparrow`` only: k per ``budget_schedule`` bin in place of the schedule's
@@ -374,12 +377,11 @@ def generate(
     ks = _checked_budget_ks(budget_ks, compression)
     prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     max_len = prompt.shape[1] + sampling.max_new_tokens
-    k_prefill, k_decode = jax.random.split(key)
     prefilled = prefill(
-        graphdef, params, jnp.asarray(prompt), jnp.asarray(prompt_mask), k_prefill,
+        graphdef, params, jnp.asarray(prompt), jnp.asarray(prompt_mask), key,
         sampling=sampling, compression=compression, max_len=max_len,
     )
-    loop = decode(graphdef, params, prefilled, k_decode, sampling=sampling,
+    loop = decode(graphdef, params, prefilled, key, sampling=sampling,
                   compression=compression, budget_ks=ks)
     n = sampling.num_samples
     steps = jnp.arange(sampling.max_new_tokens)
