@@ -32,7 +32,8 @@ from sparse_rl_jax import engine_state, kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.page_sparsity import schedule_budget
 from sparse_rl_jax.rollout import Rollout, finish_rollout
-from sparse_rl_jax.sampler import _is_eos, bucket_prompts, checked_budget_ks, prefill_rows
+from sparse_rl_jax.sampler import (_is_eos, bucket_prompts, checked_budget_ks, generate,
+                                   prefill_rows)
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.token_sampling import row_keys, sample_rows
 
@@ -259,6 +260,16 @@ def decode_chunk(graphdef, params, slots: Slots, out: Outputs, key, budget_ks=No
     return slots, _flush_records(slots, out)
 
 
+def _placed_like(tree, params):
+    """``tree`` replicated on the mesh of ``params`` (so the engine's state has the placement
+    its jitted functions return, and their second call does not recompile)."""
+    sharding = jax.tree.leaves(params)[0].sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return tree
+    return jax.device_put(tree, jax.sharding.NamedSharding(sharding.mesh,
+                                                           jax.sharding.PartitionSpec()))
+
+
 def insert_batch(sampling: SamplingConfig, slots: int) -> int:
     """Rows prefilled per :func:`insert` call: a quarter of the slots (at least 1)."""
     del sampling
@@ -291,7 +302,7 @@ def generate_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
     s = sampling.slots or n
     batch, max_len = insert_batch(sampling, s), prompt.shape[1] + m
     static = dict(sampling=sampling, compression=compression, max_len=max_len)
-    slots, out = init_engine(graphdef, params, slots=s, rows=n, **static)
+    slots, out = _placed_like(init_engine(graphdef, params, slots=s, rows=n, **static), params)
     device_prompt, device_mask = jnp.asarray(prompt), jnp.asarray(prompt_mask)
     device_caps = jnp.asarray(caps, jnp.int32)
     queued, live = 0, np.zeros((s,), bool)
@@ -315,3 +326,13 @@ def generate_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
         kv_peak=out.kv_peak, forwards=out.forwards,
         num_compressions=jnp.max(out.compressions), eviction_record=out.evicted_at,
         page_record=out.page_record)
+
+
+def generate_rollout(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
+                     prompt_mask: np.ndarray, key: jax.Array, sampling: SamplingConfig,
+                     compression: CompressionConfig,
+                     budget_ks: Sequence[int] | None = None) -> Rollout:
+    """The rollout of ``sampling.engine``: ``static`` (``sampler.generate``) or
+    ``continuous`` (:func:`generate_continuous`); same arguments, same :class:`Rollout`."""
+    sample = generate_continuous if sampling.engine == "continuous" else generate
+    return sample(graphdef, params, prompt, prompt_mask, key, sampling, compression, budget_ks)
