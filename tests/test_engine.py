@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import models
+from sparse_rl_jax.collect import collect_prompts
 from sparse_rl_jax.compile_count import count_compiles
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.engine import generate_continuous, generate_rollout
@@ -21,6 +22,7 @@ from sparse_rl_jax.sampler import generate, replay_record
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.scoring import score, sequence_positions
 from tiny_hf import left_padded_batch, make_tiny_hf
+from tiny_rl import step_context, tiny_task_policy
 
 EOS = 2
 METHODS = {
@@ -185,3 +187,21 @@ def test_generate_rollout_dispatches_on_the_engine_switch(tiny):
                                        compression)
         assert (compiles["jit(decode_chunk)"] > 0) == (engine == "continuous")
         assert rollout.response.shape == (6, 10)
+
+
+def test_collect_prompts_samples_through_the_engine_switch(tmp_path_factory):
+    """``collect_prompts`` (the trainer's and evaluation's rollout path) with
+    ``sampling.engine: continuous`` runs the engine and returns the static rollout."""
+    policy = tiny_task_policy(tmp_path_factory.mktemp("engine_collect"), dtype=jnp.float32)
+    rollout_policy, params = step_context(policy).policy, policy[3]
+    prompts, answers, key = ["12+3=", "4+45=", "7+7="], ["15", "49", "14"], jax.random.key(1)
+    outs = {}
+    for engine in ("static", "continuous"):
+        sampling = dataclasses.replace(rollout_policy.sampling, engine=engine, slots=2, chunk=3)
+        with count_compiles() as compiles:
+            outs[engine] = collect_prompts(rollout_policy, params, prompts, answers, key,
+                                           sampling=sampling, score=False)
+        assert (compiles["jit(decode_chunk)"] == 1) == (engine == "continuous")
+    np.testing.assert_array_equal(outs["continuous"].rollout.response,
+                                  outs["static"].rollout.response)
+    np.testing.assert_array_equal(outs["continuous"].rewards, outs["static"].rewards)
