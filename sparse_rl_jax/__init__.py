@@ -26,6 +26,7 @@ from sparse_rl_jax.advantages import AdvantageConfig, compute_advantages, group_
 from sparse_rl_jax.collect import Collected, RolloutPolicy, collect_prompts
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.corrections import Corrections, compute_corrections
+from sparse_rl_jax.engine import generate_continuous, generate_rollout
 from sparse_rl_jax.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.optim import OptimConfig, make_optimizer
@@ -39,6 +40,7 @@ from sparse_rl_jax.train_step import Minibatch, update_step
 __all__ = [
     # rollouts
     "generate", "prefill", "decode", "Prefilled", "Rollout", "replay_record",
+    "generate_continuous", "generate_rollout",
     # rewards
     "get_reward_fn", "repeat_answers",
     # scoring and corrections
