@@ -225,8 +225,9 @@ def _step(model, slots: Slots, out: Outputs, key, *, sampling: SamplingConfig,
                    donate_argnums=(2, 3))
 def decode_chunk(graphdef, params, slots: Slots, out: Outputs, key, budget_ks=None, *,
                  sampling: SamplingConfig, compression: CompressionConfig, max_len: int
-                 ) -> tuple[Slots, Outputs]:
-    """Decode every live slot for up to ``sampling.chunk`` steps (fewer once none is live).
+                 ) -> tuple[Slots, Outputs, jax.Array]:
+    """Decode every live slot for up to ``sampling.chunk`` steps (fewer once none is live);
+    returns ``(slots, out, steps [])``, ``steps`` the decode forwards it ran.
 
     As the static decode loop: steps run until some row's cache is full, then the full rows
     are compressed (``engine_state.compress_full_rows``; one compression call per fill, not
@@ -255,9 +256,9 @@ def decode_chunk(graphdef, params, slots: Slots, out: Outputs, key, budget_ks=No
         out = out._replace(compressions=out.compressions.at[rows].add(1, mode="drop"))
         return slots._replace(kv=kv), out, i
 
-    slots, out, _ = jax.lax.while_loop(running, fill_then_compress,
-                                       (slots, out, jnp.zeros((), jnp.int32)))
-    return slots, _flush_records(slots, out)
+    slots, out, steps = jax.lax.while_loop(running, fill_then_compress,
+                                           (slots, out, jnp.zeros((), jnp.int32)))
+    return slots, _flush_records(slots, out), steps
 
 
 def _placed_like(tree, params):
@@ -292,6 +293,16 @@ def generate_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
     Returns:
       A :class:`rollout.Rollout` with ``N = B * num_samples`` rows, prompt-major.
     """
+    return run_continuous(graphdef, params, prompt, prompt_mask, key, sampling, compression,
+                          budget_ks, row_caps=row_caps)[0]
+
+
+def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
+                   prompt_mask: np.ndarray, key: jax.Array, sampling: SamplingConfig,
+                   compression: CompressionConfig, budget_ks: Sequence[int] | None = None, *,
+                   row_caps: np.ndarray | None = None) -> tuple[Rollout, int, int]:
+    """:func:`generate_continuous` and its schedule: ``(rollout, slots, decode_steps)``, the
+    decode steps summed over chunks (``slots * decode_steps`` slot-steps were computed)."""
     ks = checked_budget_ks(budget_ks, compression)
     prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     n, m = prompt.shape[0] * sampling.num_samples, sampling.max_new_tokens
@@ -305,7 +316,7 @@ def generate_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
     slots, out = _placed_like(init_engine(graphdef, params, slots=s, rows=n, **static), params)
     device_prompt, device_mask = jnp.asarray(prompt), jnp.asarray(prompt_mask)
     device_caps = jnp.asarray(caps, jnp.int32)
-    queued, live = 0, np.zeros((s,), bool)
+    queued, live, decode_steps = 0, np.zeros((s,), bool), 0
     while True:
         free = np.flatnonzero(~live)
         while queued < n and free.size:
@@ -316,16 +327,17 @@ def generate_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
             slots, out = insert(graphdef, params, slots, out, device_prompt, device_mask,
                                 device_caps, key, rows, targets, **static)
             queued, free = queued + take, free[take:]
-        slots, out = decode_chunk(graphdef, params, slots, out, key, ks, **static)
-        live = np.asarray(slots.live)
+        slots, out, steps = decode_chunk(graphdef, params, slots, out, key, ks, **static)
+        live, decode_steps = np.asarray(slots.live), decode_steps + int(steps)
         if queued == n and not live.any():
             break
-    return finish_rollout(
+    rollout = finish_rollout(
         prompt, prompt_mask, sampling.num_samples, response=out.response, logp=out.logp,
         finished=out.finished, response_len=out.length, kv_sum=out.kv_sum,
         kv_peak=out.kv_peak, forwards=out.forwards,
         num_compressions=jnp.max(out.compressions), eviction_record=out.evicted_at,
         page_record=out.page_record)
+    return rollout, s, decode_steps
 
 
 def generate_rollout(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
