@@ -1,6 +1,6 @@
 """Static vs continuous rollouts on long-tail response lengths, at equal KV memory.
 
-    python benchmarks/bench_engine.py [--rows 48] [--slots 16] [--max-new 96] [--chunk 8]
+    python benchmarks/bench_engine.py [--rows 128] [--slots 16] [--max-new 96] [--chunk 8]
         [--methods none rkv]
 
 ``N`` rows (``--rows``; 4 samples per prompt, 32-token prompts) get per-row response caps
@@ -72,7 +72,7 @@ def run_static(graphdef, params, prompt, mask, key, sampling, compression, slots
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=48)
+    parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--max-new", type=int, default=96)
     parser.add_argument("--chunk", type=int, default=8)
