@@ -271,9 +271,8 @@ def _placed_like(tree, params):
                                                            jax.sharding.PartitionSpec()))
 
 
-def insert_batch(sampling: SamplingConfig, slots: int) -> int:
+def insert_batch(slots: int) -> int:
     """Rows prefilled per :func:`insert` call: a quarter of the slots (at least 1)."""
-    del sampling
     return -(-slots // 4)
 
 
@@ -311,7 +310,7 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
         raise ValueError(f"row_caps: expected {n} ints in [1, max_new_tokens={m}], got "
                          f"shape {caps.shape} dtype {caps.dtype}")
     s = sampling.slots or n
-    batch, max_len = insert_batch(sampling, s), prompt.shape[1] + m
+    batch, max_len = insert_batch(s), prompt.shape[1] + m
     static = dict(sampling=sampling, compression=compression, max_len=max_len)
     slots, out = _placed_like(init_engine(graphdef, params, slots=s, rows=n, **static), params)
     device_prompt, device_mask = jnp.asarray(prompt), jnp.asarray(prompt_mask)
