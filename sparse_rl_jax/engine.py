@@ -31,7 +31,7 @@ from flax import nnx
 from sparse_rl_jax import engine_state, kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.page_sparsity import schedule_budget
-from sparse_rl_jax.rollout import Rollout, finish_rollout
+from sparse_rl_jax.rollout_result import Rollout, finish_rollout
 from sparse_rl_jax.sampler import (_is_eos, bucket_prompts, checked_budget_ks, generate,
                                    prefill_rows)
 from sparse_rl_jax.sampling_config import SamplingConfig

@@ -29,7 +29,7 @@ from models.shapes import check_shape
 from sparse_rl_jax import kv_state
 from sparse_rl_jax.compression_config import CompressionConfig
 from sparse_rl_jax.page_sparsity import PageRecord, schedule_budget
-from sparse_rl_jax.rollout import Rollout, finish_rollout
+from sparse_rl_jax.rollout_result import Rollout, finish_rollout
 from sparse_rl_jax.sampling_config import SamplingConfig
 from sparse_rl_jax.token_sampling import row_keys, sample_rows
 
