@@ -28,8 +28,9 @@ from models.shapes import check_shape
 
 
 class WriteIndexCache:
-    """Shared parts of the rollout caches whose rows all write at one index (``k
-    [L, B, Hkv, C, D]``, ``index []``): :class:`KVCache`, ``models.paged_cache.PagedKVCache``."""
+    """Shared parts of the rollout caches with a write index (``k [L, B, Hkv, C, D]``;
+    ``index []`` shared by all rows, or ``[B]`` one per row, as a continuous-batching engine's
+    slots at different progress need): :class:`KVCache`, ``models.paged_cache.PagedKVCache``."""
 
     @property
     def capacity(self) -> int:
@@ -46,9 +47,10 @@ class WriteIndexCache:
         known (not under jit), no room for ``t`` more tokens."""
         if backend == "fused":
             raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
-        if not isinstance(self.index, jax.core.Tracer) and int(self.index) + t > self.capacity:
-            raise ValueError(f"cache: writing {t} tokens at index {int(self.index)} exceeds "
-                             f"capacity {self.capacity}")
+        if not isinstance(self.index, jax.core.Tracer) and int(jnp.max(self.index)) + t > (
+                self.capacity):
+            raise ValueError(f"cache: writing {t} tokens at index {int(jnp.max(self.index))} "
+                             f"exceeds capacity {self.capacity}")
 
     def end_forward(self, t: int):
         """Advance the write index past the forward's ``t`` tokens."""
@@ -64,7 +66,8 @@ class KVCache(WriteIndexCache):
       v: ``[L, B, Hkv, C, D]`` values.
       pos: ``[L, B, Hkv, C]`` int32 original token position of each slot, ``-1`` = empty.
       index: ``[]`` int32, the next slot to write; shared by all rows (left padding makes
-        rows of different prompt lengths line up, padding slots carry ``pos == -1``).
+        rows of different prompt lengths line up, padding slots carry ``pos == -1``); or
+        ``[B]``, one per row (writes past the capacity are dropped).
       queries: ``[L, B, Hq, W, D]`` the last ``W`` queries of every layer (after qk-norm and
         RoPE), oldest -> newest, aligned with the newest written slots; or None (no ring).
     """
@@ -91,21 +94,40 @@ class KVCache(WriteIndexCache):
         """Write the forward's positions ``[B, T]`` at slots ``[index, index + T)`` of every
         layer and KV head: one update of ``pos`` per forward, not one per layer."""
         n_layers, b, hkv, _ = self.pos.shape
-        block = jnp.broadcast_to(positions.astype(jnp.int32)[None, :, None, :],
+        positions = positions.astype(jnp.int32)
+        if self.index.ndim:  # per-row index: [B, T] positions at [B, T] slots
+            rows, slots = self._row_slots(positions.shape[1])
+            return self.replace(pos=self.pos.at[:, rows, :, slots].set(
+                positions[..., None, None], mode="drop"))
+        block = jnp.broadcast_to(positions[None, :, None, :],
                                  (n_layers, b, hkv, positions.shape[1]))
         return self.replace(pos=jax.lax.dynamic_update_slice(self.pos, block,
                                                              (0, 0, 0, self.index)))
+
+    def _row_slots(self, t: int) -> tuple[jax.Array, jax.Array]:
+        """``(rows [B, 1], slots [B, T])`` of a per-row-index write of ``t`` tokens."""
+        b = self.index.shape[0]
+        return jnp.arange(b)[:, None], self.index[:, None] + jnp.arange(t)
 
     def store(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
         """Write ``k, v [B, Hkv, T, D]`` at slots ``[index, index + T)`` of ``layer`` (their
         positions were written by :meth:`begin_forward`) and push the newest queries
         ``q [B, T, Hq, D]`` into the ring. In-place updates of the carried buffers: nothing is
         copied."""
-        at = (layer, 0, 0, self.index, 0)
-        cache = self.replace(
-            k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
-            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at),
-        )
+        if self.index.ndim:  # per-row index: one scatter per buffer
+            rows, slots = self._row_slots(k.shape[2])
+            # advanced indices (layer, rows, slots) around a slice put [B, T] first
+            cache = self.replace(
+                k=self.k.at[layer, rows, :, slots].set(
+                    k.transpose(0, 2, 1, 3).astype(self.k.dtype), mode="drop"),
+                v=self.v.at[layer, rows, :, slots].set(
+                    v.transpose(0, 2, 1, 3).astype(self.v.dtype), mode="drop"))
+        else:
+            at = (layer, 0, 0, self.index, 0)
+            cache = self.replace(
+                k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
+                v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at),
+            )
         if self.queries is None or self.queries.shape[3] == 0:
             return cache
         w = self.queries.shape[3]

@@ -26,6 +26,7 @@ from sparse_rl_jax.rl.advantages import AdvantageConfig, compute_advantages, gro
 from sparse_rl_jax.training.collect import Collected, RolloutPolicy, collect_prompts
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.rl.corrections import Corrections, compute_corrections
+from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
@@ -39,6 +40,7 @@ from sparse_rl_jax.rl.update_step import Minibatch, update_step
 __all__ = [
     # rollouts
     "generate", "prefill", "decode", "Prefilled", "Rollout", "replay_record",
+    "generate_continuous", "generate_rollout",
     # rewards
     "get_reward_fn", "repeat_answers",
     # scoring and corrections

@@ -32,6 +32,11 @@ pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
     ("optim.decay_steps=-1", "optim.decay_steps=-1 must be an int >= 0"),
     ("trainer.max_nonfinite_steps=0", "trainer.max_nonfinite_steps=0 must be an int >= 1"),
     ("run_dir=", "run_dir='' must be a directory path"),
+    ("sampling.engine=paged", "sampling.engine='paged' must be one of ('static', 'continuous')"),
+    ("sampling.slots=-1", "sampling.slots=-1 must be an int >= 1 (the smallest that holds one "
+                          "row), or 0 for one slot per row"),
+    ("sampling.chunk=0", "sampling.chunk=0 must be an int >= 1 (the smallest that decodes a "
+                         "row)"),
     ("trainer.steps=[1", "override 'trainer.steps=[1': value is not plain YAML"),
     ("trainer.steps=!!python/object/apply:os.system [touch /tmp/x]", "not plain YAML"),
     ("trainer.steps=!foo x", "not plain YAML"),

@@ -29,47 +29,9 @@ from models.shapes import check_shape
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.page_sparsity import PageRecord, schedule_budget
+from sparse_rl_jax.rollout.result import Rollout, finish_rollout
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
-from sparse_rl_jax.rollout.token_sampling import sample_tokens
-
-
-class Rollout(NamedTuple):
-    """What one call of :func:`generate` produced; ``N = B * num_samples`` rows.
-
-    Row ``i`` holds sample ``i % num_samples`` of prompt ``i // num_samples``.
-
-    Attributes:
-      prompt: ``[N, P]`` int32 left-padded prompt tokens (``P`` is the bucketed length).
-      prompt_mask: ``[N, P]`` int32, 1 on real prompt tokens.
-      response: ``[N, M]`` int32 sampled tokens, ``pad_id`` after the end.
-      response_mask: ``[N, M]`` int32, 1 on response tokens (EOS included).
-      logp: ``[N, M]`` float32 log-prob of each token under the sampling policy (0 off-mask).
-      finished: ``[N]`` bool, the row emitted an EOS token (else it was truncated).
-      eviction_record: ``[L, N, Hkv, P + M]`` int32 (``kv_state.NEVER`` = kept), indexed by
-        token position; all ``NEVER`` for ``none``; ``[L, N, Hkv, 0]`` when
-        ``sampling.record_evictions`` is off and for ``sparrow`` (see ``page_record``).
-      kv_peak / kv_mean: ``[N]`` float32 resident KV tokens per layer and head: maximum and
-        mean over the row's forward passes (prefill included).
-      dense_kv_peak / dense_kv_mean: ``[N]`` the same for a dense cache (every past token).
-      num_compressions: ``[]`` int32 compressions performed during decode (prefill's included).
-      page_record: ``[L, N, Hkv, M, K]`` int32 (``sparrow`` with ``sampling.record_evictions``):
-        the pages the query at response index ``r`` attended to (``-1`` unused; all ``-1`` on
-        dense layers and steps that never ran); ``[L, N, Hkv, 0, 0]`` otherwise.
-    """
-
-    prompt: jax.Array
-    prompt_mask: jax.Array
-    response: jax.Array
-    response_mask: jax.Array
-    logp: jax.Array
-    finished: jax.Array
-    eviction_record: jax.Array
-    kv_peak: jax.Array
-    kv_mean: jax.Array
-    dense_kv_peak: jax.Array
-    dense_kv_mean: jax.Array
-    num_compressions: jax.Array
-    page_record: jax.Array
+from sparse_rl_jax.rollout.token_sampling import row_keys, sample_rows
 
 
 class Prefilled(NamedTuple):
@@ -105,7 +67,7 @@ class DecodeLoop(NamedTuple):
     kv_peak: jax.Array  # [N] int32
     forwards: jax.Array  # [N] int32 forwards while active
     compressions: jax.Array  # []
-    key: jax.Array
+    keys: jax.Array  # [N] row keys (token_sampling.row_keys)
     page_record: jax.Array  # [L, N, Hkv, M, K] (sparrow + record) or [L, N, Hkv, 0, 0]
 
 
@@ -183,17 +145,29 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
       graphdef, params: ``nnx.split(model)`` of a ``models.Decoder``.
       prompt: ``[B, P]`` int32 left-padded prompt tokens (already bucketed, see
         :func:`bucket_prompts`); prompt_mask: ``[B, P]`` int32, 1 on real tokens.
-      key: PRNG key of token 0.
+      key: the rollout's PRNG key; token 0 of row ``i`` is drawn with
+        ``fold_in(fold_in(key, i), 0)`` (:func:`token_sampling.sample_rows`).
       sampling, compression: as :func:`generate` (static).
       max_len: ``P + sampling.max_new_tokens``, the positions the cache must hold (static).
 
     Returns:
       A :class:`Prefilled` for :func:`decode`. Jitted: one compile per prompt width.
     """
+    rows = jnp.arange(prompt.shape[0] * sampling.num_samples)
+    return prefill_rows(nnx.merge(graphdef, params), prompt, prompt_mask, key, rows,
+                        sampling=sampling, compression=compression, max_len=max_len,
+                        fan_out=sampling.num_samples)
+
+
+def prefill_rows(model, prompt, prompt_mask, key, rows, *, sampling: SamplingConfig,
+                 compression: CompressionConfig, max_len: int, fan_out: int) -> Prefilled:
+    """:func:`prefill`'s body (not jitted): prefill ``B`` prompts, repeat each ``fan_out``
+    times to ``N = B * fan_out`` rows whose global row ids are ``rows [N]`` (their sampling
+    streams, :func:`token_sampling.row_keys`), draw token 0 of each."""
     check_shape("prompt", prompt, dtype=int, B=None, P=None)
     b, p = prompt.shape
     check_shape("prompt_mask", prompt_mask, B=b, P=p)
-    model = nnx.merge(graphdef, params)
+    check_shape("rows", rows, dtype=int, N=b * fan_out)
     cfg = model.config
     if compression.page_sparse and any(i >= cfg.num_layers for i in compression.dense_layers):
         raise ValueError(f"CompressionConfig.dense_layers={compression.dense_layers} names a "
@@ -218,15 +192,14 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
     compressed = (state.cache.index != before).astype(jnp.int32)
     logits = model.unembed(out.hidden[:, -1])  # [B, V]
 
-    n = sampling.num_samples
-    fan_out = lambda x, axis: jnp.repeat(x, n, axis=axis)  # noqa: E731
+    repeat = lambda x, axis: jnp.repeat(x, fan_out, axis=axis)  # noqa: E731
     state = kv_state.SparseKVState(
-        cache=state.cache.repeat_rows(n),
-        evicted_at=fan_out(state.evicted_at, 1),
+        cache=state.cache.repeat_rows(fan_out),
+        evicted_at=repeat(state.evicted_at, 1),
     )
-    tokens, logp = sample_tokens(key, fan_out(logits, 0), sampling)
-    return Prefilled(state=state, first=tokens, first_logp=logp, resident=fan_out(resident, 0),
-                     lengths=fan_out(prompt_mask.sum(axis=1), 0), compressions=compressed)
+    tokens, logp = sample_rows(row_keys(key, rows), 0, repeat(logits, 0), sampling)
+    return Prefilled(state=state, first=tokens, first_logp=logp, resident=repeat(resident, 0),
+                     lengths=repeat(prompt_mask.sum(axis=1), 0), compressions=compressed)
 
 
 def _step(model, c: DecodeLoop, *, lengths, sampling: SamplingConfig,
@@ -245,8 +218,7 @@ def _step(model, c: DecodeLoop, *, lengths, sampling: SamplingConfig,
         page_record = jax.lax.dynamic_update_slice(
             page_record, chosen[:, :, :, None], (0, 0, 0, c.step - 1, 0))
     resident = _resident(state)
-    key, sub = jax.random.split(c.key)
-    token, logp = sample_tokens(sub, model.unembed(out.hidden[:, 0]), sampling)
+    token, logp = sample_rows(c.keys, c.step, model.unembed(out.hidden[:, 0]), sampling)
     token = jnp.where(active, token, sampling.pad_id)
     logp = jnp.where(active, logp, 0.0)
     return c._replace(
@@ -259,7 +231,6 @@ def _step(model, c: DecodeLoop, *, lengths, sampling: SamplingConfig,
         kv_sum=c.kv_sum + jnp.where(active, resident, 0),
         kv_peak=jnp.where(active, jnp.maximum(c.kv_peak, resident), c.kv_peak),
         forwards=c.forwards + active,
-        key=key,
         page_record=page_record,
     )
 
@@ -275,7 +246,8 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
     Args:
       graphdef, params: ``nnx.split(model)``.
       prefilled: :func:`prefill`'s result (``N`` rows).
-      key: PRNG key of tokens ``1 .. M-1``.
+      key: the rollout's PRNG key (the one :func:`prefill` got): token ``t`` of row ``i`` is
+        drawn with ``fold_in(fold_in(key, i), t)``.
       sampling, compression: the same configs :func:`prefill` got.
       budget_ks: ``sparrow``: optional ``[len(budget_schedule)]`` int32 k per schedule bin
         (traced: changing it does not recompile; each at most ``compression.max_pages_k``),
@@ -304,7 +276,7 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
         kv_peak=prefilled.resident,
         forwards=jnp.ones((n,), jnp.int32),
         compressions=prefilled.compressions,
-        key=key,
+        keys=row_keys(key, jnp.arange(n)),
         page_record=jnp.full(record_shape, -1, jnp.int32),
     )
     step = functools.partial(_step, model, lengths=lengths, sampling=sampling,
@@ -330,7 +302,7 @@ decode = jax.jit(decode_loop, static_argnames=("graphdef", "sampling", "compress
 decode.__doc__ = """Jitted :func:`decode_loop`; the ``prefilled`` argument is donated."""
 
 
-def _checked_budget_ks(budget_ks, compression: CompressionConfig) -> jax.Array | None:
+def checked_budget_ks(budget_ks, compression: CompressionConfig) -> jax.Array | None:
     """``budget_ks`` as an int32 array, or ValueError naming it when it does not fit the
     schedule (one k per bin, each in ``[0, max_pages_k]``) or the method is not sparrow."""
     if budget_ks is None:
@@ -361,7 +333,9 @@ def generate(
       graphdef, params: ``nnx.split(model)`` of a ``models.Decoder``.
       prompt: ``[B, P]`` int left-padded prompt tokens (host or device array).
       prompt_mask: ``[B, P]`` 1 on real tokens.
-      key: PRNG key (the only source of randomness: same key, same rollout).
+      key: PRNG key (the only source of randomness: same key, same rollout). Token ``t`` of
+        row ``i`` is drawn with ``fold_in(fold_in(key, i), t)``, so a row's tokens do not
+        depend on the other rows of the call.
       sampling: decoding rule, lengths, group size, EOS ids.
       compression: KV budget and eviction method (``none`` = dense cache).
       budget_ks: ``sparrow`` only: k per ``budget_schedule`` bin in place of the schedule's
@@ -371,42 +345,22 @@ def generate(
     Returns:
       A :class:`Rollout` with ``N = B * num_samples`` rows.
     """
-    ks = _checked_budget_ks(budget_ks, compression)
+    ks = checked_budget_ks(budget_ks, compression)
     prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     max_len = prompt.shape[1] + sampling.max_new_tokens
-    k_prefill, k_decode = jax.random.split(key)
     prefilled = prefill(
-        graphdef, params, jnp.asarray(prompt), jnp.asarray(prompt_mask), k_prefill,
+        graphdef, params, jnp.asarray(prompt), jnp.asarray(prompt_mask), key,
         sampling=sampling, compression=compression, max_len=max_len,
     )
-    loop = decode(graphdef, params, prefilled, k_decode, sampling=sampling,
+    loop = decode(graphdef, params, prefilled, key, sampling=sampling,
                   compression=compression, budget_ks=ks)
-    n = sampling.num_samples
-    steps = jnp.arange(sampling.max_new_tokens)
     response_len = jnp.where(
         loop.done,
         jnp.argmax(_is_eos(loop.response, sampling.eos_ids), axis=1) + 1,
         loop.step,
     )
-    response_mask = (steps[None, :] < response_len[:, None]).astype(jnp.int32)
-    plen = jnp.asarray(np.repeat(prompt_mask.sum(axis=1), n), jnp.float32)  # prefilled is donated
-    forwards = loop.forwards.astype(jnp.float32)
-    # A dense cache holds every past token: plen at prefill, then plen + i at forward i.
-    dense_peak = plen + forwards - 1
-    dense_mean = plen + (forwards - 1) / 2
-    return Rollout(
-        prompt=jnp.repeat(jnp.asarray(prompt), n, axis=0),
-        prompt_mask=jnp.repeat(jnp.asarray(prompt_mask), n, axis=0),
-        response=loop.response,
-        response_mask=response_mask,
-        logp=loop.logp * response_mask,
-        finished=loop.done,
-        eviction_record=loop.state.evicted_at,
-        kv_peak=loop.kv_peak.astype(jnp.float32),
-        kv_mean=loop.kv_sum / forwards,
-        dense_kv_peak=dense_peak,
-        dense_kv_mean=dense_mean,
-        num_compressions=loop.compressions,
-        page_record=loop.page_record,
-    )
-
+    return finish_rollout(
+        prompt, prompt_mask, sampling.num_samples, response=loop.response, logp=loop.logp,
+        finished=loop.done, response_len=response_len, kv_sum=loop.kv_sum,
+        kv_peak=loop.kv_peak, forwards=loop.forwards, num_compressions=loop.compressions,
+        eviction_record=loop.state.evicted_at, page_record=loop.page_record)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from sparse_rl_jax.core.config_checks import (check, check_bool, check_int, check_number,
-                                         is_int)
+from sparse_rl_jax.core.config_checks import (check, check_bool, check_choice, check_int,
+                                         check_number, is_int)
+
+ENGINES: tuple[str, ...] = ("static", "continuous")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,12 @@ class SamplingConfig:
         what reads the record (``policy.resolve_sampling``: the ``shadow_mask`` learner, or
         ``sparrow``'s acceptance metric); the sampler alone, which cannot know, treats None
         as off. Pass True to replay a rollout yourself.
+      engine: ``static`` (``sampler.generate``: one batch decoded until its longest row
+        ends) or ``continuous`` (``engine.generate_continuous``: ``slots`` decode slots
+        refilled as rows end; row for row the same rollout for the same key).
+      slots: decode slots ``S`` of the continuous engine; 0 = one per row of the call.
+      chunk: decode steps per jitted chunk ``c`` of the continuous engine (between chunks
+        the host retires finished rows and refills their slots).
     """
 
     max_new_tokens: int = 256
@@ -44,6 +52,9 @@ class SamplingConfig:
     pad_id: int = 0
     prompt_bucket: int = 32
     record_evictions: bool | None = None
+    engine: str = "static"
+    slots: int = 0
+    chunk: int = 16
 
     def __post_init__(self):
         check_int(self, "max_new_tokens", 1)
@@ -54,5 +65,9 @@ class SamplingConfig:
         check_int(self, "pad_id", 0)
         check_int(self, "prompt_bucket", 1)
         check_bool(self, "record_evictions", optional=True)
+        check_choice(self, "engine", ENGINES)
+        check_int(self, "slots", 0, "must be an int >= 1 (the smallest that holds one row), "
+                  "or 0 for one slot per row")
+        check_int(self, "chunk", 1, "must be an int >= 1 (the smallest that decodes a row)")
         check(isinstance(self.eos_ids, tuple) and all(is_int(i) and i >= 0 for i in self.eos_ids),
               self, "eos_ids", "must be a tuple of non-negative ints")

@@ -60,3 +60,32 @@ def sample_tokens(
     tokens = tokens.astype(jnp.int32)
     logp = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], axis=-1)
     return tokens, logp[:, 0]
+
+
+def row_keys(key: jax.Array, rows: jax.Array) -> jax.Array:
+    """``[N]`` per-row PRNG keys ``fold_in(key, rows[i])`` of a rollout key.
+
+    ``rows`` are global row ids (prompt-major: ``prompt_index * num_samples + sample``), so a
+    row's randomness does not depend on the batch or decode slot it runs in."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows.astype(jnp.int32))
+
+
+def sample_rows(keys: jax.Array, t: jax.Array, logits: jax.Array, cfg: SamplingConfig
+                ) -> tuple[jax.Array, jax.Array]:
+    """:func:`sample_tokens` with one stream per row: response token ``t[i]`` of row ``i`` is
+    drawn with ``fold_in(keys[i], t[i])``.
+
+    Args:
+      keys: ``[N]`` row keys (:func:`row_keys`).
+      t: ``[N]`` or ``[]`` int token index within each row's response (0 = the token drawn
+        from the prompt's last logits).
+      logits: ``[N, V]`` next-token logits.
+      cfg: sampling configuration.
+
+    Returns:
+      ``(tokens [N] int32, logp [N] float32)``.
+    """
+    steps = jnp.broadcast_to(jnp.asarray(t, jnp.int32), keys.shape)
+    token_keys = jax.vmap(jax.random.fold_in)(keys, steps)
+    tokens, logp = jax.vmap(lambda k, row: sample_tokens(k, row[None], cfg))(token_keys, logits)
+    return tokens[:, 0], logp[:, 0]

@@ -1,5 +1,5 @@
 """The collect half over explicit prompts: encode -> generate -> decode -> reward -> dense
-score -> corrections.
+score -> corrections (the rollout through ``sampling.engine``, ``engine.generate_rollout``).
 
 :func:`collect_prompts` is the one path from plain-text prompts to scored rollouts that the
 trainer (``collect_rounds``: rounds at the data cursor), evaluation and the experiments call;
@@ -25,7 +25,8 @@ from sparse_rl_jax.kv.state import EvictionRecord
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 from sparse_rl_jax.tasks.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.training.run_config import RunConfig
-from sparse_rl_jax.rollout.sampler import Rollout, generate, replay_record
+from sparse_rl_jax.rollout.engine import generate_rollout
+from sparse_rl_jax.rollout.sampler import Rollout, replay_record
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import score
 
@@ -207,8 +208,8 @@ def collect_prompts(policy: RolloutPolicy, params, prompts: Sequence[str],
         "rollout", nnx.merge(policy.graphdef, params).config, batch=len(prompt) * samples,
         compression=comp, num_samples=samples, step=samples,
         record_evictions=sampling.record_evictions, **plan)
-    rollout, seconds["rollout"] = timed(generate, policy.graphdef, params, prompt, prompt_mask,
-                                        key, sampling, comp,
+    rollout, seconds["rollout"] = timed(generate_rollout, policy.graphdef, params, prompt,
+                                        prompt_mask, key, sampling, comp,
                                         policy.budget_ks if compression is None else None)
     if edit is not None:
         rollout = edit(rollout)

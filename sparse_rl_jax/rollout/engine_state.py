@@ -1,0 +1,107 @@
+"""The KV state of a continuous-batching engine's decode slots: per-row write indices, rows
+inserted into slots, and compression of the rows that are full.
+
+A static rollout's rows write at one shared index (``models.cache.WriteIndexCache.index []``)
+and compress together. An engine's slots hold rows at different progress, so here the index
+is ``[S]`` (one per slot; ``models.cache.KVCache`` writes each row at its own index) and only
+the rows whose cache is full are compressed, one row at a time with the static path's own
+``kv_state.compress`` (a row's cache layout and compression timing are the static ones: they
+depend on its prompt width and its step, not on its neighbours).
+
+Every leaf of a slot state has one batch axis (``k [L, S, ...]``, ``pos [S, C]`` of the paged
+cache, ``index [S]``, ...): :func:`batch_axes` finds it, and :func:`set_rows` /
+:func:`compress_full_rows` move rows along it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from models.page_sparse import PageSparseCache
+from sparse_rl_jax.kv import state as kv_state
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+
+
+def row_index(state: kv_state.SparseKVState) -> jax.Array:
+    """The write index of the state's cache (``[]`` shared or ``[B]`` per row)."""
+    cache = state.cache
+    return (cache.cache if isinstance(cache, PageSparseCache) else cache).index
+
+
+def with_row_index(state: kv_state.SparseKVState, index: jax.Array) -> kv_state.SparseKVState:
+    """The state with its cache's write index replaced by ``index``."""
+    cache = state.cache
+    if isinstance(cache, PageSparseCache):
+        return state.replace(cache=cache.replace(cache=cache.cache.replace(index=index)))
+    return state.replace(cache=cache.replace(index=index))
+
+
+def per_row_index(state: kv_state.SparseKVState, batch: int) -> kv_state.SparseKVState:
+    """The state with its shared write index broadcast to ``[batch]`` (one per row)."""
+    return with_row_index(state, jnp.broadcast_to(row_index(state), (batch,)).astype(jnp.int32))
+
+
+def slot_state(cfg: CompressionConfig, model_cfg, *, slots: int, max_len: int, dtype,
+               record: bool) -> kv_state.SparseKVState:
+    """An empty state of ``slots`` rows (``kv_state.init_state`` for sequences of ``max_len``
+    positions) with a per-row write index ``[slots]``."""
+    state = kv_state.init_state(
+        cfg, num_layers=model_cfg.num_layers, batch=slots, num_heads=model_cfg.num_heads,
+        num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim, max_len=max_len,
+        dtype=dtype, record=record)
+    return per_row_index(state, slots)
+
+
+def batch_axes(make: Callable[[int], Any]) -> Any:
+    """The batch axis of every leaf of ``make(batch)`` (a pytree of ints, same structure),
+    found by comparing the shapes of ``make(1)`` and ``make(2)`` (nothing is allocated)."""
+    one, two = (jax.eval_shape(lambda b=b: make(b)) for b in (1, 2))
+
+    def axis(x, y):
+        return next(i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q)
+
+    return jax.tree.map(axis, one, two)
+
+
+def set_rows(dst: Any, src: Any, slots: jax.Array, axes: Any) -> Any:
+    """``dst`` with rows ``slots [I]`` replaced by the ``I`` rows of ``src`` (same structure;
+    a slot out of range, e.g. ``S``, drops its row)."""
+    def put(d, s, ax):
+        return d.at[(slice(None),) * ax + (slots,)].set(s.astype(d.dtype), mode="drop")
+
+    return jax.tree.map(put, dst, src, axes)
+
+
+def compress_full_rows(state: kv_state.SparseKVState, cfg: CompressionConfig, axes: Any
+                       ) -> tuple[kv_state.SparseKVState, jax.Array]:
+    """Compress (``kv_state.compress``) every row whose cache is full (``index == capacity``),
+    one row at a time; other rows are not touched.
+
+    Args:
+      state: a slot state with a per-row index ``[S]`` (:func:`slot_state`).
+      cfg: the compression config (``none`` and ``sparrow``: nothing to do).
+      axes: :func:`batch_axes` of the state.
+
+    Returns:
+      ``(state, compressed [S] bool)``.
+    """
+    full = row_index(state) >= state.cache.capacity
+    if not cfg.compresses:
+        return state, jnp.zeros_like(full)
+
+    def one_row(carry):
+        state, todo = carry
+        r = jnp.argmax(todo)
+        row = jax.tree.map(lambda x, ax: lax.dynamic_slice_in_dim(x, r, 1, axis=ax),
+                           state, axes)
+        row = kv_state.compress(with_row_index(row, row_index(row)[0]), cfg)
+        state = jax.tree.map(lambda x, y, ax: lax.dynamic_update_slice_in_dim(x, y, r, axis=ax),
+                             state, per_row_index(row, 1), axes)
+        return state, todo.at[r].set(False)
+
+    state, _ = lax.while_loop(lambda c: jnp.any(c[1]), one_row, (state, full))
+    return state, full
