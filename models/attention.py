@@ -1,4 +1,4 @@
-"""The one attention function every path uses (full forward, cached decode, mask replay).
+"""The attention math: the visibility rule and the three backends that compute it.
 
 Visibility rule: key ``s`` is visible to the query at position ``t`` iff
 ``0 <= kpos[s] <= t`` (and ``t < expiry[s]`` when an eviction record is replayed, and the
@@ -6,18 +6,21 @@ key's page ``kpos[s] // page_size`` is one the query selected when a page-sparse
 replayed), ANDed with an optional arbitrary boolean mask. Padding queries carry position
 ``-1`` and see nothing; such rows give a zero output instead of NaN.
 
-Three backends compute it (``attention(..., backend=...)``):
+The backends (selected by name through ``models.attention_backends.attention``, which
+registers them with what each can attend over):
 
-- ``"blockwise"`` (default): online-softmax attention in plain JAX over key blocks (and query
-  blocks), the visibility computed per block from positions / expiry times, with a custom
-  backward that recomputes each block. Neither the forward nor the backward holds a
-  ``[T, S]`` score or mask array once ``T * S`` exceeds one block; exact for any positions.
-  A page selection (``q_pages``) becomes mask rows one query block at a time.
-- ``"fused"``: ``jax.nn.dot_product_attention`` with a causal + padding mask (cuDNN flash on
-  GPU for half-precision inputs, XLA elsewhere). Valid only for a full forward whose rows are
-  right-padded: keys are the queries and each row's positions are ``0, 1, ..., n - 1``
-  followed by ``-1`` padding. No expiry or extra mask.
-- ``"reference"``: the naive einsum over all ``[T, S]`` pairs, the test oracle.
+- :func:`blockwise_attention` (``"blockwise"``, the default): online-softmax attention in
+  plain JAX over key blocks (and query blocks), the visibility computed per block from
+  positions / expiry times, with a custom backward that recomputes each block. Neither the
+  forward nor the backward holds a ``[T, S]`` score or mask array once ``T * S`` exceeds one
+  block; exact for any positions. A page selection (``q_pages``) becomes mask rows one query
+  block at a time.
+- :func:`fused_attention` (``"fused"``): ``jax.nn.dot_product_attention`` with a causal +
+  padding mask (cuDNN flash on GPU for half-precision inputs, XLA elsewhere). Valid only for a
+  full forward whose rows are right-padded: keys are the queries and each row's positions are
+  ``0, 1, ..., n - 1`` followed by ``-1`` padding. No expiry or extra mask.
+- :func:`reference_attention` (``"reference"``): the naive einsum over all ``[T, S]`` pairs,
+  the test oracle.
 
 Array names in the score math carry their shape (``logits_BxKxGxTxS``): B rows, T queries
 (of a block, inside the blockwise backend), S keys (likewise), K = Hkv KV heads, G query
@@ -31,7 +34,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("blockwise", "fused", "reference")
 _ONE_BLOCK_PAIRS = 2**20  # query x key pairs per (row, head) computed as a single block
 _DEFAULT_BLOCK = 512
 
@@ -95,53 +97,6 @@ def page_visibility(q_pages: jax.Array, k_pos: jax.Array, page_size: int) -> jax
     return seen | jnp.all(q_pages < 0, axis=-1)[..., None]
 
 
-def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_pos: jax.Array,
-    k_pos: jax.Array,
-    *,
-    k_expiry: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    q_pages: jax.Array | None = None,
-    page_size: int = 16,
-    backend: str = "blockwise",
-    block_size: int | None = None,
-) -> jax.Array:
-    """Grouped-query softmax attention with position-based masking; fp32 logits and softmax.
-
-    Args:
-      q: ``[B, T, Hq, D]`` queries (after RoPE); ``Hq`` a multiple of ``Hkv``.
-      k, v: ``[B, Hkv, S, D]`` keys (after RoPE) and values. Query head ``h`` reads KV head
-        ``h // (Hq // Hkv)`` (HF grouping), without repeating K/V.
-      q_pos, k_pos, k_expiry, mask: see :func:`visibility`.
-      q_pages, page_size: optional ``[B, Hkv, T, K]`` page selection of each query (see
-        :func:`page_visibility`); ``"blockwise"`` expands it one query block at a time.
-      backend: ``"blockwise"``, ``"fused"`` or ``"reference"`` (see the module docstring).
-      block_size: query and key block length of ``"blockwise"``; ``None``: one block while
-        ``T * S <= 2**20``, else blocks of 512.
-
-    Returns:
-      ``[B, T, Hq, D]`` in ``q.dtype``; zero for queries that see no key.
-    """
-    if backend == "reference":
-        return reference_attention(q, k, v, q_pos, k_pos, k_expiry=k_expiry, mask=mask,
-                                   q_pages=q_pages, page_size=page_size)
-    if backend == "fused":
-        if k_expiry is not None or mask is not None or q_pages is not None:
-            raise ValueError("attention: backend='fused' takes no k_expiry, mask or q_pages; "
-                             "use backend='blockwise'")
-        return fused_attention(q, k, v, q_pos)
-    if backend != "blockwise":
-        raise ValueError(f"attention: backend must be one of {BACKENDS}, got {backend!r}")
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"attention: block_size must be None or a positive int, "
-                         f"got {block_size!r}")
-    return blockwise_attention(q, k, v, q_pos, k_pos, k_expiry=k_expiry, mask=mask,
-                               q_pages=q_pages, page_size=page_size, block_size=block_size)
-
-
 def masked_softmax(x: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
     """Softmax of ``x`` over the entries where ``mask`` holds (broadcast against ``x``); 0
     elsewhere and on rows with no such entry. Masked entries reach neither value nor gradient."""
@@ -156,7 +111,7 @@ def masked_softmax(x: jax.Array, mask: jax.Array, axis: int = -1) -> jax.Array:
 def reference_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None, q_pages=None,
                         page_size=16) -> jax.Array:
     """The naive einsum over every ``[T, S]`` pair (the oracle). Same contract as
-    :func:`attention`."""
+    ``models.attention_backends.attention``."""
     b, t, hq, d = q.shape
     hkv = k.shape[1]
     q_BxTxKxGxD = q.reshape(b, t, hkv, hq // hkv, d)
@@ -221,12 +176,17 @@ def _join_blocks(x, axis):
 
 def blockwise_attention(q, k, v, q_pos, k_pos, *, k_expiry=None, mask=None, q_pages=None,
                         page_size=16, block_size=None):
-    """Online-softmax attention over query x key blocks; same contract as :func:`attention`.
+    """Online-softmax attention over query x key blocks; same contract as
+    ``models.attention_backends.attention``.
 
     Queries and keys are padded to multiples of ``block_size`` (padding keys and queries get
     position ``-1``) and processed block by block; blocks with no visible pair are skipped.
-    ``block_size=None``: the whole problem is one block while ``T * S <= 2**20``, else 512.
+    ``block_size=None``: the whole problem is one block while ``T * S <= 2**20``, else 512
+    (anything but None or a positive int: ValueError).
     """
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"attention: block_size must be None or a positive int, "
+                         f"got {block_size!r}")
     b, t, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     g = hq // hkv

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import attention
+from models.attention_backends import attention, visibility_backend
 from models.shapes import check_shape
 
 
@@ -43,10 +43,10 @@ class WriteIndexCache:
         return self.index
 
     def check_room(self, t: int, backend: str) -> None:
-        """ValueError for the ``"fused"`` backend (it takes no cache) or, when the index is
-        known (not under jit), no room for ``t`` more tokens."""
-        if backend == "fused":
-            raise ValueError("attention_backend: 'fused' needs a full forward (no cache)")
+        """ValueError for a backend that takes no cache (no per-key visibility, e.g.
+        ``"fused"``) or an unknown one, or, when the index is known (not under jit), no room
+        for ``t`` more tokens (in the fullest row, when every row has its own index)."""
+        visibility_backend(backend, type(self).__name__)
         if not isinstance(self.index, jax.core.Tracer) and int(jnp.max(self.index)) + t > (
                 self.capacity):
             raise ValueError(f"cache: writing {t} tokens at index {int(jnp.max(self.index))} "

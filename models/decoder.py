@@ -216,9 +216,11 @@ class Decoder(nnx.Module):
             (``models.kv_view.ExpiryRecord`` / ``MaskRecord``,
             ``models.page_sparse.PageReplay``) limits what each query of a full forward sees.
           return_logits: compute ``[B, T, V]`` float32 logits (else use :meth:`unembed`).
-          attention_backend: ``"blockwise"`` (any view), ``"fused"`` (no view or
-            ``Causal``, rows right-padded: positions ``0..n-1`` then ``-1``) or
-            ``"reference"`` (the einsum oracle); see :mod:`models.attention`.
+          attention_backend: a registered backend (:mod:`models.attention_backends`):
+            ``"blockwise"`` (any view), ``"fused"`` (no view or ``Causal``, rows
+            right-padded: positions ``0..n-1`` then ``-1``) or ``"reference"`` (the einsum
+            oracle); an unknown one, or one the view cannot attend through, is a ValueError
+            naming it.
         """
         cfg = self.config
         check_shape("tokens", tokens, dtype=int, B=None, T=None)

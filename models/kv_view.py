@@ -9,10 +9,11 @@ Protocol (:class:`KVView`; every view is a ``flax.struct`` pytree):
 
 - ``attend(layer, q, k, v, q_pos, backend) -> (out, view)``: ``q [B, T, Hq, D]`` (after
   qk-norm and RoPE), ``k, v [B, Hkv, T, D]`` (after RoPE), ``q_pos [B, T]`` int32 positions
-  (``-1`` padding), ``layer`` the traced layer index, ``backend`` one of
-  ``models.attention.BACKENDS``; ``out [B, T, Hq, D]``.
+  (``-1`` padding), ``layer`` the traced layer index, ``backend`` the name of a registered
+  ``models.attention_backends.AttentionBackend``; ``out [B, T, Hq, D]``.
 - ``check(config, batch, t, backend)``: ValueError naming the field that does not fit a
-  forward of ``[batch, t]`` tokens (called before any compute).
+  forward of ``[batch, t]`` tokens, or the backend when it is unknown or cannot attend through
+  this view (called before any compute).
 - ``position_offset``: position of the first token when the caller passes none (a cache's
   write index; 0 for a full forward).
 - ``begin_forward(positions)``: the view before the first layer of a forward of positions
@@ -46,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import attention
+from models.attention_backends import attention, get_backend, visibility_backend
 from models.shapes import check_shape
 
 
@@ -112,23 +113,17 @@ class FullForward:
 
 @struct.dataclass
 class Causal(FullForward):
-    """Plain causal (+ padding) attention over the forward's own tokens; the only view the
-    ``"fused"`` backend takes."""
+    """Plain causal (+ padding) attention over the forward's own tokens; the only view a
+    backend without per-key visibility (``"fused"``) takes."""
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
-        """Any backend fits a full causal forward."""
+        """Any registered backend fits a full causal forward."""
+        get_backend(backend, "Causal")
 
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention of ``q [B, T, Hq, D]`` over ``k, v [B, Hkv, T, D]``."""
         del layer
         return attention(q, k, v, q_pos, self_keys(q_pos, k), backend=backend), self
-
-
-def _not_fused(name: str, backend: str) -> None:
-    """ValueError unless ``backend`` takes per-key visibility (not ``"fused"``)."""
-    if backend == "fused":
-        raise ValueError(f"{name}: attention_backend='fused' takes no extra visibility; use "
-                         "'blockwise' or 'reference'")
 
 
 @struct.dataclass
@@ -146,7 +141,7 @@ class ExpiryRecord(FullForward):
         """``expiry`` must be ``[L, B, Hkv, T]``; the backend must take per-key visibility."""
         check_shape("ExpiryRecord.expiry", self.expiry, L=config.num_layers, B=batch,
                     Hkv=config.num_kv_heads, S=t)
-        _not_fused("ExpiryRecord", backend)
+        visibility_backend(backend, "ExpiryRecord")
 
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention with this layer's expiry ``[B, Hkv, T]``."""
@@ -171,7 +166,7 @@ class MaskRecord(FullForward):
         """``mask`` must be ``[L, B, Hkv|1, T, T]``; the backend must take a mask."""
         check_shape("MaskRecord.mask", self.mask, L=config.num_layers, B=batch,
                     Hkv={1, config.num_kv_heads}, T=t, S=t)
-        _not_fused("MaskRecord", backend)
+        visibility_backend(backend, "MaskRecord")
 
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention ANDed with this layer's mask ``[B, Hkv|1, T, T]``."""

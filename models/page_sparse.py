@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import attention
+from models.attention_backends import attention, visibility_backend
 from models.paged_cache import PagedKVCache
 from models.kv_view import FullForward, layer_field, self_keys
 from models.shapes import check_shape
@@ -221,12 +221,11 @@ class PageReplay(FullForward):
     page_size: int = struct.field(pytree_node=False, default=16)
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
-        """``pages`` must be ``[L, B, Hkv, T, K]`` ints; the backend blockwise or reference."""
+        """``pages`` must be ``[L, B, Hkv, T, K]`` ints; the backend one that takes per-key
+        visibility (not ``"fused"``)."""
         check_shape("PageReplay.pages", self.pages, dtype=int, L=config.num_layers, B=batch,
                     Hkv=config.num_kv_heads, T=t, K=None)
-        if backend == "fused":
-            raise ValueError("PageReplay: replays with the blockwise or reference backend, "
-                             "got attention_backend='fused'")
+        visibility_backend(backend, "PageReplay")
 
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention limited to this layer's pages ``[B, Hkv, T, K]``."""

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.attention import (attention, online_softmax_finish, online_softmax_init,
-                              online_softmax_step)
+from models.attention import online_softmax_finish, online_softmax_init, online_softmax_step
+from models.attention_backends import attention, visibility_backend
 from models.cache import WriteIndexCache
 from models.shapes import check_shape
 
@@ -65,7 +65,8 @@ class PagedKVCache(WriteIndexCache):
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """ValueError naming the field when the cache does not fit ``config`` and a forward
         of ``[batch, t]`` tokens: shapes, whole pages, room for ``t`` more tokens (when the
-        index is known, not under jit), a backend other than ``"fused"``."""
+        index is known, not under jit), a backend that takes per-key visibility (not
+        ``"fused"``)."""
         dims = dict(L=config.num_layers, B=batch, Hkv=config.num_kv_heads, C=None)
         check_shape("PagedKVCache.k", self.k, **dims, D=config.head_dim)
         check_shape("PagedKVCache.v", self.v, **dims, D=config.head_dim)
@@ -96,9 +97,10 @@ class PagedKVCache(WriteIndexCache):
     def read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
              backend: str) -> jax.Array:
         """Attention ``[B, T, Hq, D]`` of ``q`` (positions ``q_pos [B, T]``) over the chunks of
-        ``layer`` up to the newest position (``"reference"``: the einsum over every slot, the
-        oracle)."""
-        if backend == "reference":
+        ``layer`` up to the newest position when the backend ``reads_pages_in_chunks``
+        (``"blockwise"``); otherwise the backend over every slot (``"reference"``: the einsum,
+        the oracle). ValueError for an unknown backend or one without per-key visibility."""
+        if not visibility_backend(backend, "PagedKVCache.read").reads_pages_in_chunks:
             b, hkv = self.pos.shape[0], self.k.shape[2]
             k_pos = jnp.broadcast_to(self.pos[:, None], (b, hkv, self.capacity))
             return attention(q, self.k[layer], self.v[layer], q_pos, k_pos, backend=backend)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from sparse_rl_jax.rl.corrections import compute_corrections
-from sparse_rl_jax.rl.loss_config import CORRECTION_KINDS, CORRECTION_LEVELS, CorrectionConfig
+from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
+from sparse_rl_jax.rl.loss_config import CORRECTION_LEVELS, CorrectionConfig
 
 # reference comparisons run eagerly (one XLA compilation per config would dominate the suite);
 # the hand-checked cases below go through jit
@@ -122,7 +123,7 @@ def check_against_reference(old, sparse, mask, cfg):
 
 
 @pytest.mark.parametrize("level", CORRECTION_LEVELS)
-@pytest.mark.parametrize("kind", CORRECTION_KINDS)
+@pytest.mark.parametrize("kind", CORRECTION_KINDS.names())
 def test_matches_numpy_reference(kind, level):
     for seed in range(3):
         old, sparse, mask = random_rollout(seed)
@@ -182,7 +183,7 @@ def test_veto_drops_whole_sequence_on_one_catastrophic_token():
     assert float(out.metrics["veto_fraction"]) == 0.5
 
 
-@pytest.mark.parametrize("kind", CORRECTION_KINDS)
+@pytest.mark.parametrize("kind", CORRECTION_KINDS.names())
 def test_masked_positions_never_leak(kind):
     old, sparse, mask = random_rollout(3)
     cfg = CorrectionConfig(kind=kind)
@@ -210,7 +211,7 @@ def test_extreme_inputs_at_valid_tokens_are_finite_and_catastrophic():
     old = np.array([[-np.inf, 0.0, -1.0, -np.inf, 1e4]], np.float32)
     sparse = np.array([[-1.0, np.inf, -1.0, -np.inf, -1e4]], np.float32)
     mask = np.ones_like(old, bool)
-    for kind in CORRECTION_KINDS:
+    for kind in CORRECTION_KINDS.names():
         for level in CORRECTION_LEVELS:
             out = compute_corrections(old, sparse, mask, CorrectionConfig(kind=kind, level=level))
             for leaf in jax.tree.leaves(out):

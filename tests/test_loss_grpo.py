@@ -13,16 +13,15 @@ from loss_reference import np_grad, np_loss, random_batch
 from sparse_rl_jax.rl.advantages import group_advantages
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
+from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
 from sparse_rl_jax.rl.loss_config import (
     AGGREGATIONS,
-    CORRECTION_KINDS,
     CORRECTION_LEVELS,
-    KL_KINDS,
-    POLICY_LOSSES,
     SEQ_DENOMINATORS,
     CorrectionConfig,
     GRPOLossConfig,
 )
+from sparse_rl_jax.rl.loss_terms import KL_ESTIMATORS, POLICY_LOSSES
 
 loss_and_grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnames="cfg")
 corrections_jit = jax.jit(compute_corrections, static_argnames="cfg")
@@ -31,7 +30,7 @@ corrections_jit = jax.jit(compute_corrections, static_argnames="cfg")
 CASES = [GRPOLossConfig(aggregation=agg, seq_denominator=den)
          for agg in AGGREGATIONS for den in SEQ_DENOMINATORS] + [
     GRPOLossConfig(aggregation=agg, eps_high=0.28, kl_coef=0.5, kl_kind=kk)
-    for agg, kk in zip(AGGREGATIONS, KL_KINDS)
+    for agg, kk in zip(AGGREGATIONS, KL_ESTIMATORS.names())
 ]
 
 
@@ -179,12 +178,12 @@ def arrays(elements, dtype):
     dense=arrays(EXTREME, np.float32),
     mask=arrays(st.booleans(), bool),
     adv=st.lists(st.floats(-3, 3, width=32), min_size=B, max_size=B),
-    kind=st.sampled_from(CORRECTION_KINDS),
+    kind=st.sampled_from(CORRECTION_KINDS.names()),
     level=st.sampled_from(CORRECTION_LEVELS),
     agg=st.sampled_from(AGGREGATIONS),
-    kl_kind=st.sampled_from(KL_KINDS),
+    kl_kind=st.sampled_from(KL_ESTIMATORS.names()),
     distill_kind=st.sampled_from(["k3", "full"]),
-    policy_loss=st.sampled_from(POLICY_LOSSES),
+    policy_loss=st.sampled_from(POLICY_LOSSES.names()),
 )
 def test_extreme_log_prob_gaps_stay_finite(
     old, sparse, new, ref, dense, mask, adv, kind, level, agg, kl_kind, distill_kind,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.attention import attention
+from models.attention_backends import attention
 
 B, T, HQ, HKV, D = 2, 13, 4, 2, 8
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import models
-from models.attention import attention
+from models.attention_backends import attention
 from tiny_hf import hf_logits, left_padded_batch, load_hf, make_tiny_hf, positions_from_mask
 
 NEVER = 2**30

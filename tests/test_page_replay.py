@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import models
-from models.attention import attention, page_visibility
+from models.attention import page_visibility
+from models.attention_backends import attention
 from models.page_sparse import PageReplay
 from sparse_rl_jax.kv.page_sparsity import replay_from_page_record
 from sparse_rl_jax.rollout.scoring import sequence_positions

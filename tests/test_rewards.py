@@ -28,6 +28,7 @@ from sparse_rl_jax.tasks.rewards import (
     math_verify_score,
     register_reward_fn,
     task_exact_reward,
+    unregister_reward_fn,
 )
 from sparse_rl_jax.tasks.task import TaskConfig, problem_at
 
@@ -198,9 +199,9 @@ def test_compute_rewards_checks_outputs():
         compute_rewards(task_exact_reward, ["x", "y"], ["y"])
 
 
-def test_registry(monkeypatch):
-    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))
-    assert {"task_exact", "math_verify"} <= set(available_reward_fns())
+@pytest.fixture
+def length_reward():
+    """A reward fn registered as ``length`` for the test, removed afterwards."""
 
     def length_factory(scale: float = 1.0):
         return lambda completions, answers: np.asarray(
@@ -208,9 +209,15 @@ def test_registry(monkeypatch):
         )
 
     register_reward_fn("length", length_factory)
+    yield length_factory
+    unregister_reward_fn("length")
+
+
+def test_registry(length_reward):
+    assert {"task_exact", "math_verify", "length"} <= set(available_reward_fns())
     assert get_reward_fn("length", scale=2.0)(["ab", "c"], ["", ""]).tolist() == [4.0, 2.0]
     with pytest.raises(ValueError, match="already registered"):
-        register_reward_fn("length", length_factory)
+        register_reward_fn("length", length_reward)
     with pytest.raises(ValueError, match="not registered; available"):
         get_reward_fn("nope")
     with pytest.raises(ValueError, match="does not take arguments"):

@@ -30,8 +30,8 @@ from typing import Literal
 
 from sparse_rl_jax.core.config_checks import (check, check_choice, check_distinct, check_int,
                                          check_number, is_int, reject)
+from sparse_rl_jax.kv.scores import EVICTION_SCORES
 
-Method = Literal["none", "snapkv", "rkv", "streaming", "sparrow"]
 HeadMode = Literal["per_head", "shared"]
 GqaPool = Literal["max", "mean"]
 Pool = Literal["max", "avg"]
@@ -40,9 +40,13 @@ AlphaMetric = Literal["exact", "top20", "off"]
 
 Layout = Literal["dense", "budget", "paged"]
 
-METHODS: tuple[str, ...] = ("none", "snapkv", "rkv", "streaming", "sparrow")
-EVICTING: tuple[str, ...] = ("snapkv", "rkv", "streaming")
 LAYOUTS: tuple[str, ...] = ("dense", "budget", "paged")
+
+
+def methods() -> tuple[str, ...]:
+    """The allowed ``method`` values: ``none``, every registered eviction score
+    (``kv.scores.EVICTION_SCORES``: the evicting methods) and ``sparrow``."""
+    return ("none", *EVICTION_SCORES.names(), "sparrow")
 
 # Sparrow's official budget presets: all 20 offline-calibrated schedules of the Sparrow repository
 # (github.com/Infini-AI-Lab/Sparrow, vortex_torch/vortex_torch/indexer/utils_sglang.py, commit
@@ -120,9 +124,9 @@ class CompressionConfig:
     """How the rollout KV cache is compressed (static under ``jit``; hashable).
 
     Attributes:
-      method: the eviction/selection policy: ``none`` (never evicts), ``snapkv``
-        (Z = importance), ``rkv`` (Z = rkv_lambda * importance - (1 - rkv_lambda) *
-        redundancy), ``streaming`` (``num_sinks`` first tokens + the newest), ``sparrow``
+      method: the eviction/selection policy: ``none`` (never evicts), a registered eviction
+        score (``kv.scores.EVICTION_SCORES``: ``snapkv`` (Z = importance), ``rkv`` (Z = rkv_lambda * importance - (1 - rkv_lambda) *
+        redundancy), ``streaming`` (``num_sinks`` first tokens + the newest)), ``sparrow``
         (attend selected pages, evict nothing).
       layout: the cache layout: ``dense`` (one slot per token; ``none``), ``budget``
         (``budget + buffer`` slots; the evicting methods) or ``paged`` (one slot per token in
@@ -172,7 +176,7 @@ class CompressionConfig:
         (``max_pages_k``), so adapting never recompiles; None = the schedule's largest k.
     """
 
-    method: Method = "snapkv"
+    method: str = "snapkv"
     layout: Layout | None = None
     budget: int = 512
     buffer: int = 128
@@ -197,7 +201,7 @@ class CompressionConfig:
     adapt_max_k: int | None = None
 
     def __post_init__(self) -> None:
-        check_choice(self, "method", METHODS)
+        check_choice(self, "method", methods())
         self._check_layout()
         check_choice(self, "head_mode", HEAD_MODES)
         check_choice(self, "importance", IMPORTANCES)
@@ -231,8 +235,9 @@ class CompressionConfig:
             return
         if self.layout == "budget":
             reason = {
-                "none": "a budget cache needs an eviction policy (snapkv | rkv | streaming) to "
-                        "get back under budget; method none keeps every token",
+                "none": f"a budget cache needs an eviction policy "
+                        f"({' | '.join(EVICTION_SCORES.names())}) to get back under budget; "
+                        "method none keeps every token",
                 "sparrow": "sparrow selects pages of the full cache, which a budget cache does "
                            "not hold",
             }[self.method]
@@ -315,7 +320,7 @@ class CompressionConfig:
     @property
     def valid_layouts(self) -> tuple[str, ...]:
         """The layouts ``method`` runs on, its own (:attr:`natural_layout`) first."""
-        if self.method in EVICTING:
+        if self.method in EVICTION_SCORES:
             return ("budget",)
         return ("paged", "dense") if self.method == "none" else ("paged",)
 
@@ -333,7 +338,7 @@ class CompressionConfig:
     @property
     def compresses(self) -> bool:
         """False for ``none`` and ``sparrow``: the cache is never compressed."""
-        return self.method in EVICTING
+        return self.method in EVICTION_SCORES
 
     @property
     def page_sparse(self) -> bool:

@@ -9,19 +9,31 @@ Empty slots take part in nothing (no softmax, mean or similarity sees them) and 
 ``-inf``. Window slots also score ``-inf``: selection keeps them unconditionally. Every score
 is float32 and finite on valid non-window slots, so ranking never sees NaN.
 
+The scores a ``compression.method`` can name are registered in :data:`EVICTION_SCORES`
+(``score(cfg, queries, keys, pos, index) -> [B, Hkv, C]``, masked by :func:`slot_scores`);
+``CompressionConfig`` takes its evicting methods from there, so a new eviction policy is one
+function plus ``@EVICTION_SCORES.register(name)``.
+
 Array names carry their shape (``probs_BxKxWxC``): B rows, K = Hkv KV heads, G query heads per
 KV head, W window queries, C cache slots, D head dim.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from models.attention import masked_softmax
-from sparse_rl_jax.kv.compression_config import CompressionConfig
+from models.registry import Registry
 from sparse_rl_jax.core.masked_math import masked_mean
+
+if TYPE_CHECKING:  # the config takes its method names from this module's registry
+    from sparse_rl_jax.kv.compression_config import CompressionConfig
+
+EVICTION_SCORES: Registry[Callable[..., jax.Array]] = Registry("eviction score")
 
 _SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency score
 
@@ -71,10 +83,12 @@ def _group_logits(queries: jax.Array, keys: jax.Array) -> jax.Array:
     return jnp.einsum("bkgwd,bkcd->bkgwc", q_BxKxGxWxD, k_BxKxCxD) / jnp.sqrt(jnp.float32(d))
 
 
+@EVICTION_SCORES.register("snapkv")
 def importance(
     cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
 ) -> jax.Array:
-    """Attention importance ``I [B, Hkv, C]`` of the non-window slots (0 on the others).
+    """Attention importance ``I [B, Hkv, C]`` of the non-window slots (0 on the others); the
+    ``snapkv`` score.
 
     ``cfg.importance == "sparse_rl"`` (official Sparse-RL / R-KV): logits pooled over the
     group's query heads (``cfg.gqa_pool``), softmax over the valid non-window keys, mean over
@@ -142,32 +156,43 @@ def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: flo
     return masked_softmax((col_sum_BxKxC - removed_BxKxC) / count, valid_BxKxC)
 
 
-def streaming_scores(pos: jax.Array, index: jax.Array, num_sinks: int) -> jax.Array:
-    """StreamingLLM ``[B, Hkv, C]``: the first ``num_sinks`` valid slots of each row score
-    above everything, the rest their position (newer = higher); empty slots ``-inf``."""
+@EVICTION_SCORES.register("rkv")
+def rkv_scores(
+    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+) -> jax.Array:
+    """R-KV ``Z = lambda * I - (1 - lambda) * R`` ``[B, Hkv, C]`` (:func:`importance`,
+    :func:`redundancy`)."""
+    z = importance(cfg, queries, keys, pos, index)
+    r = redundancy(keys, pos, index, cfg.redundancy_threshold)
+    return cfg.rkv_lambda * z - (1.0 - cfg.rkv_lambda) * r
+
+
+@EVICTION_SCORES.register("streaming")
+def streaming_scores(
+    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+) -> jax.Array:
+    """StreamingLLM ``[B, Hkv, C]``: the first ``cfg.num_sinks`` valid slots of each row score
+    above everything, the rest their position (newer = higher); empty slots ``-inf``. Reads
+    no query or key."""
+    del queries, keys
     valid, _ = _slot_masks(pos, index, 0)
     rank = jnp.cumsum(valid, axis=-1) - 1
-    score = jnp.where(rank < num_sinks, _SINK_SCORE, pos.astype(jnp.float32))
+    score = jnp.where(rank < cfg.num_sinks, _SINK_SCORE, pos.astype(jnp.float32))
     return jnp.where(valid, score, -jnp.inf)
 
 
 def slot_scores(
     cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
 ) -> jax.Array:
-    """The eviction score ``Z [B, Hkv, C]`` float32 of ``cfg.method`` for one layer.
-
-    ``snapkv``: ``Z = I``; ``rkv``: ``Z = lambda * I - (1 - lambda) * R``; ``streaming``:
-    sinks + recency. Finite on valid non-window slots, ``-inf`` on window and empty slots.
-    ``none`` has no score (it never evicts).
+    """The eviction score ``Z [B, Hkv, C]`` float32 of ``cfg.method`` for one layer: the
+    registered score (:data:`EVICTION_SCORES`; ``snapkv``: ``Z = I``; ``rkv``: ``Z = lambda *
+    I - (1 - lambda) * R``; ``streaming``: sinks + recency), finite on valid non-window slots,
+    ``-inf`` on window and empty slots. A method without a score (``none``, ``sparrow``: they
+    never evict) is a ValueError.
     """
-    if cfg.method == "none":
-        raise ValueError("CompressionConfig.method='none' never evicts and has no slot scores")
+    if cfg.method not in EVICTION_SCORES:
+        raise ValueError(f"CompressionConfig.method={cfg.method!r} never evicts and has no slot "
+                         f"scores; the eviction scores are {EVICTION_SCORES.names()}")
     valid, non_window = _slot_masks(pos, index, queries.shape[2])
-    if cfg.method == "streaming":
-        z = streaming_scores(pos, index, cfg.num_sinks)
-    else:
-        z = importance(cfg, queries, keys, pos, index)
-        if cfg.method == "rkv":
-            r = redundancy(keys, pos, index, cfg.redundancy_threshold)
-            z = cfg.rkv_lambda * z - (1.0 - cfg.rkv_lambda) * r
+    z = EVICTION_SCORES.get(cfg.method)(cfg, queries, keys, pos, index)
     return jnp.where(valid & non_window, z, -jnp.inf)

@@ -11,24 +11,60 @@ reward (given at the last token) and gamma = 1, every token of sequence ``i`` ha
 means sequence ``i`` weighs ``L_i`` (its number of response tokens) in the batch mean and
 variance. That is what :func:`compute_advantages` does, so its per-sequence output broadcast to
 the tokens equals the per-token definition exactly.
+
+Each estimator is an :class:`Estimator` registered in :data:`ESTIMATORS` next to its function;
+``AdvantageConfig`` takes its allowed values from there, so a new estimator is one function
+plus its registration (:func:`register_estimator`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from models.registry import Registry
 from models.shapes import check_shape
 from sparse_rl_jax.core.config_checks import check, check_choice, check_number
 
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 SCALES = ("group", "batch", "none")
-# The scale each estimator uses when ``scale`` is left unset.
-DEFAULT_SCALE = {"grpo": "group", "rloo": "none", "reinforce_pp": "batch",
-                 "reinforce_pp_baseline": "batch"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator and the config rules it implies.
+
+    Attributes:
+      fn: ``fn(rewards, group_size, cfg, response_mask, valid) -> [N]`` float32: rewards
+        ``[N]`` float32, ``group_size`` > 1 when ``uses_group``, the ``AdvantageConfig``,
+        ``response_mask`` ``[N, T]`` or None, ``valid`` ``[N]`` bool (0 on invalid rows).
+      default_scale: the ``scale`` it uses when ``scale`` is left unset.
+      scales: the scales it defines; ``scale_rule`` says why when it is not all of ``SCALES``.
+      scale_rule: the words of the error for a scale outside ``scales``.
+      uses_group: it needs a group baseline (groups of one give 0, with a warning).
+    """
+
+    fn: Callable[..., jax.Array]
+    default_scale: str
+    scales: tuple[str, ...] = SCALES
+    scale_rule: str = ""
+    uses_group: bool = True
+
+
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+def register_estimator(name: str, *, default_scale: str, scales: tuple[str, ...] = SCALES,
+                       scale_rule: str = "", uses_group: bool = True):
+    """Decorator: registers its function as the advantage estimator ``name`` (selectable as
+    ``advantage.estimator``; the keywords are :class:`Estimator`'s)."""
+    def register(fn):
+        ESTIMATORS.register(name, Estimator(fn, default_scale, scales, scale_rule, uses_group))
+        return fn
+    return register
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +72,7 @@ class AdvantageConfig:
     """Which advantage estimator the RL step uses (the ``advantage`` section of a run).
 
     Attributes:
-      estimator: ``grpo`` (``R - mean_G``, verl/TRL ``grpo``), ``rloo`` (leave-one-out
+      estimator: a registered estimator (:data:`ESTIMATORS`): ``grpo`` (``R - mean_G``, verl/TRL ``grpo``), ``rloo`` (leave-one-out
         baseline ``R_i - mean_{j != i} R_j = n/(n-1) (R_i - mean_G)``, verl ``rloo``),
         ``reinforce_pp`` (returns whitened over the batch's valid tokens, verl
         ``reinforce_plus_plus``), ``reinforce_pp_baseline`` (group mean subtracted first,
@@ -56,13 +92,13 @@ class AdvantageConfig:
     eps: float = 1e-6
 
     def __post_init__(self):
-        check_choice(self, "estimator", ESTIMATORS)
+        check_choice(self, "estimator", ESTIMATORS.names())
         check_choice(self, "scale", SCALES, optional=True)
+        estimator = ESTIMATORS.get(self.estimator)
         if self.scale is None:
-            object.__setattr__(self, "scale", DEFAULT_SCALE[self.estimator])
-        check(not self.estimator.startswith("reinforce_pp") or self.scale == "batch", self,
-              "scale", f"is not defined for estimator={self.estimator!r}: REINFORCE++ whitens "
-                       "over the batch's tokens (scale 'batch' or unset)")
+            object.__setattr__(self, "scale", estimator.default_scale)
+        check(self.scale in estimator.scales, self, "scale",
+              f"is not defined for estimator={self.estimator!r}: {estimator.scale_rule}")
         check_number(self, "eps", gt=0)
 
 
@@ -109,6 +145,69 @@ def _weighted_centre(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Ar
     return centred, jnp.sqrt(var)
 
 
+def _scaled(out: jax.Array, centered: jax.Array, rewards: jax.Array, group_size: int,
+            cfg: AdvantageConfig, valid: jax.Array) -> jax.Array:
+    """``out`` ``[N / G, G]`` divided by ``cfg.scale``'s std (of the ``centered`` group rewards,
+    or of the valid batch ``rewards``), as ``[N]``, 0 on invalid rows."""
+    if cfg.scale == "group":
+        std = jnp.sqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / (group_size - 1))
+        out = out / (std + cfg.eps)
+    elif cfg.scale == "batch":
+        out = out / (_weighted_centre(rewards, valid.astype(jnp.float32))[1] + cfg.eps)
+    return jnp.where(valid, out.reshape(rewards.shape[0]), 0.0)
+
+
+@register_estimator("grpo", default_scale="group")
+def grpo(rewards, group_size, cfg, response_mask, valid) -> jax.Array:
+    """GRPO: ``(R_i - mean_G R) / s``."""
+    del response_mask
+    centered = _group_centered(rewards, group_size)
+    return _scaled(centered, centered, rewards, group_size, cfg, valid)
+
+
+@register_estimator("rloo", default_scale="none")
+def rloo(rewards, group_size, cfg, response_mask, valid) -> jax.Array:
+    """RLOO: the leave-one-out baseline, ``n/(n-1) (R_i - mean_G R) / s``."""
+    del response_mask
+    centered = _group_centered(rewards, group_size)
+    return _scaled(centered * (group_size / (group_size - 1)), centered, rewards, group_size,
+                   cfg, valid)
+
+
+def _token_whitened(x: jax.Array, cfg: AdvantageConfig, response_mask: jax.Array | None,
+                    valid: jax.Array) -> jax.Array:
+    """``x`` ``[N]`` whitened over the batch's valid tokens (each row weighs its response
+    length), 0 on invalid rows; ValueError without ``response_mask``."""
+    n = x.shape[0]
+    if response_mask is None:
+        raise ValueError(f"advantage.estimator={cfg.estimator!r} needs response_mask "
+                         f"[{n}, T] (whitening over valid tokens)")
+    check_shape("response_mask", response_mask, N=n, T=None)
+    lengths = jnp.sum(jnp.asarray(response_mask) != 0, axis=1).astype(jnp.float32)
+    centred, std = _weighted_centre(x, jnp.where(valid, lengths, 0.0))
+    return jnp.where(valid, centred / (std + cfg.eps), 0.0)
+
+
+_WHITENS = "REINFORCE++ whitens over the batch's tokens (scale 'batch' or unset)"
+
+
+@register_estimator("reinforce_pp", default_scale="batch", scales=("batch",),
+                    scale_rule=_WHITENS, uses_group=False)
+def reinforce_pp(rewards, group_size, cfg, response_mask, valid) -> jax.Array:
+    """REINFORCE++: the rewards whitened over the batch's valid tokens."""
+    del group_size
+    return _token_whitened(rewards, cfg, response_mask, valid)
+
+
+@register_estimator("reinforce_pp_baseline", default_scale="batch", scales=("batch",),
+                    scale_rule=_WHITENS)
+def reinforce_pp_baseline(rewards, group_size, cfg, response_mask, valid) -> jax.Array:
+    """REINFORCE++ with a baseline: the group-centred rewards whitened over the batch's valid
+    tokens."""
+    centered = _group_centered(rewards, group_size).reshape(rewards.shape[0])
+    return _token_whitened(centered, cfg, response_mask, valid)
+
+
 def compute_advantages(
     rewards: jax.Array,
     group_size: int,
@@ -122,7 +221,7 @@ def compute_advantages(
       rewards: ``[N]`` outcome rewards, ``N / group_size`` consecutive groups.
       group_size: samples per prompt (static). Groups of one have no baseline: every
         estimator that uses a group gives them 0, with a warning.
-      cfg: the estimator (static).
+      cfg: the estimator (static; one registered in :data:`ESTIMATORS`).
       response_mask: ``[N, T]`` response tokens; needed by ``reinforce_pp*``, whose
         whitening weighs each sequence by its token count (see the module docstring).
       valid: ``[N]`` bool, False for rows that are only padding (dynamic sampling): they get
@@ -140,28 +239,9 @@ def compute_advantages(
     rewards = rewards.astype(jnp.float32)
     valid = jnp.ones((n,), jnp.bool_) if valid is None else jnp.asarray(valid, jnp.bool_)
     check_shape("valid", valid, N=n)
-    uses_group = cfg.estimator != "reinforce_pp"
-    if uses_group and group_size == 1:
+    estimator = ESTIMATORS.get(cfg.estimator)
+    if estimator.uses_group and group_size == 1:
         warnings.warn(f"advantage.estimator={cfg.estimator!r} with groups of one sample: no "
                       "baseline exists, every advantage is 0", stacklevel=2)
         return jnp.zeros((n,), jnp.float32)
-
-    if cfg.estimator.startswith("reinforce_pp"):
-        if response_mask is None:
-            raise ValueError(f"advantage.estimator={cfg.estimator!r} needs response_mask "
-                             f"[{n}, T] (whitening over valid tokens)")
-        check_shape("response_mask", response_mask, N=n, T=None)
-        x = rewards if cfg.estimator == "reinforce_pp" else _group_centered(
-            rewards, group_size).reshape(n)
-        lengths = jnp.sum(jnp.asarray(response_mask) != 0, axis=1).astype(jnp.float32)
-        centred, std = _weighted_centre(x, jnp.where(valid, lengths, 0.0))
-        return jnp.where(valid, centred / (std + cfg.eps), 0.0)
-
-    centered = _group_centered(rewards, group_size)
-    out = centered * (group_size / (group_size - 1)) if cfg.estimator == "rloo" else centered
-    if cfg.scale == "group":
-        std = jnp.sqrt(jnp.sum(centered * centered, axis=1, keepdims=True) / (group_size - 1))
-        out = out / (std + cfg.eps)
-    elif cfg.scale == "batch":
-        out = out / (_weighted_centre(rewards, valid.astype(jnp.float32))[1] + cfg.eps)
-    return jnp.where(valid, out.reshape(n), 0.0)
+    return estimator.fn(rewards, group_size, cfg, response_mask, valid)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.shapes import check_shape
+from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 from sparse_rl_jax.core.masked_math import (
     as_mask,
@@ -61,21 +62,10 @@ def _level_log_ratio(log_r_tok: jax.Array, valid: jax.Array, level: str, clamp: 
     return jnp.where(valid, per_seq[:, None], 0.0)
 
 
-def _weights_and_rejection(r: jax.Array, cfg: CorrectionConfig) -> tuple[jax.Array, jax.Array]:
-    """The IS weight and the rejection flag `[B, T]` of `cfg.kind` at ratios `r` `[B, T]`."""
-    no_rejection = jnp.zeros(r.shape, jnp.bool_)
-    if cfg.kind in ("none", "shadow_mask"):
-        return jnp.ones_like(r), no_rejection
-    if cfg.kind == "tis":
-        return jnp.minimum(r, cfg.is_upper), no_rejection
-    if cfg.kind == "mis":
-        return r, (r < cfg.is_lower) | (r > cfg.is_upper)
-    return jnp.minimum(r, cfg.is_upper), (r < cfg.rs_lower) | (r > cfg.rs_upper)  # sparse_rl
-
-
 def _veto(log_r_tok: jax.Array, valid: jax.Array, cfg: CorrectionConfig) -> jax.Array:
-    """`[B]` bool: `sparse_rl` sequences with a valid token whose `r_t < veto_threshold`."""
-    if cfg.kind != "sparse_rl" or cfg.veto_threshold is None:
+    """`[B]` bool: sequences with a valid token whose `r_t < veto_threshold`, for a kind that
+    vetoes (`sparse_rl`)."""
+    if not CORRECTION_KINDS.get(cfg.kind).vetoes or cfg.veto_threshold is None:
         return jnp.zeros(valid.shape[:1], jnp.bool_)
     return jnp.any(valid & (log_r_tok < math.log(cfg.veto_threshold)), axis=1)
 
@@ -101,7 +91,7 @@ def _metrics(cfg: CorrectionConfig, log_r_tok, r, weights, valid, token_mask, se
     (`veto`, `seq_mask`: `[B]`; `low`: loss-mask tokens with `r_t < LOW_RATIO`)."""
     has_tokens = jnp.any(valid, axis=1)
     kept = token_mask & seq_mask[:, None]
-    truncates = cfg.kind in ("tis", "sparse_rl")
+    truncates = CORRECTION_KINDS.get(cfg.kind).truncates
     return {
         "rejection_rate": masked_mean(~seq_mask, has_tokens),
         "veto_fraction": masked_mean(veto, has_tokens),
@@ -128,7 +118,8 @@ def compute_corrections(
     logp_sparse: log pi_sparse(o_t) recorded by the sparse sampler.
     loss_mask: nonzero/True on response tokens that enter the loss.
 
-    Per kind (with `r` the ratio of `cfg.level`): `none` and `shadow_mask` weight 1; `tis`
+    Per kind (registered in `correction_kinds.CORRECTION_KINDS`; with `r` the ratio of
+    `cfg.level`): `none` and `shadow_mask` weight 1; `tis`
     weight `min(r, is_upper)`; `mis` weight `r`, reject `r` outside `[is_lower, is_upper]`;
     `sparse_rl` weight `min(r, is_upper)`, reject `r` outside `[rs_lower, rs_upper]`, veto
     sequences with any valid token `r_t < veto_threshold`. Rejection is per token at the token
@@ -163,7 +154,7 @@ def compute_corrections(
 
     log_r_tok = jax.lax.stop_gradient(safe_log_ratio(logp_old_dense, logp_sparse, valid, clamp))
     r = jnp.exp(_level_log_ratio(log_r_tok, valid, cfg.level, clamp))
-    weights, reject = _weights_and_rejection(r, cfg)
+    weights, reject = CORRECTION_KINDS.get(cfg.kind).weigh(r, cfg)
     reject = reject & valid
     veto = _veto(log_r_tok, valid, cfg)
     if cfg.level == "token":

@@ -1,6 +1,7 @@
 """The PPO-clipped GRPO objective with correction weights/masks and an optional reference KL.
 
-Per token: `w_t * L_t` with `rho_t = exp(clamp(logp_new - logp_old_dense))` and
+Per token: `w_t * L_t` with `rho_t = exp(clamp(logp_new - logp_old_dense))` and `L_t` the
+registered policy loss `cfg.policy_loss` (`loss_terms.POLICY_LOSSES`):
   ppo_clip: `L_t = max(-rho_t A, -clip(rho_t, 1 - eps_low, 1 + eps_high) A)`; with `clip_c`
     (dual-clip) `L_t = min(L_t, -clip_c A)` where `A < 0`.
   cispo: `L_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A log rho_t` where only the
@@ -17,8 +18,9 @@ that defines `s`); the KL, distillation and entropy terms use the same mask and 
 The policy term is aggregated by `cfg.aggregation` over the effective mask
 `loss_mask * token_mask * seq_mask` and divided as `cfg.seq_denominator` says (see
 `aggregate`; default `all`: rejected sequences/tokens stay in the denominator, as in the
-official code); plus `kl_coef * KL(pi_theta || pi_ref)` when `logp_ref` is given and
-`kl_coef > 0`; minus the entropy bonus `entropy_coef * aggregate(entropy)`.
+official code); plus `kl_coef * KL(pi_theta || pi_ref)` (the registered estimator
+`cfg.kl_kind`, `loss_terms.KL_ESTIMATORS`) when `logp_ref` is given and `kl_coef > 0`; minus
+the entropy bonus `entropy_coef * aggregate(entropy)`.
 
 Shadow-mask training (`correction.kind: shadow_mask`) passes `logp_new` = the sparse
 (eviction-record replay) log-probs under the params being trained and `batch.logp_old_dense`
@@ -41,6 +43,7 @@ from flax import struct
 from models.shapes import check_shape
 from sparse_rl_jax.rl.corrections import Corrections
 from sparse_rl_jax.rl.loss_config import GRPOLossConfig
+from sparse_rl_jax.rl.loss_terms import KL_ESTIMATORS, POLICY_LOSSES, k3
 from sparse_rl_jax.core.masked_math import (
     as_mask,
     masked_count,
@@ -183,18 +186,6 @@ def aggregate(
     return jnp.sum(per_seq) / norm.sequences
 
 
-def kl_penalty(log_ratio: jax.Array, kind: str) -> jax.Array:
-    """Per-token KL estimators from `d = log pi_theta - log pi_ref` (samples from pi_theta).
-
-    k1 = d; k2 = d^2 / 2; k3 = exp(-d) - 1 + d (non-negative, low variance).
-    """
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio * log_ratio
-    return jnp.exp(-log_ratio) - 1.0 + log_ratio
-
-
 def check_loss_batch(batch: LossBatch, b: int, t: int, name: str = "batch") -> None:
     """Raise ValueError naming the leaf of `batch` (`{name}.advantages`, ...) that is not
     `[B, T]` = `[b, t]` (or `[B]` = `[b]` for the per-sequence leaves)."""
@@ -244,18 +235,11 @@ def _policy_term(logp_new, batch: LossBatch, mask, cfg: GRPOLossConfig
         log_pi_ratio = _with_sequence_value(log_pi_ratio, log_s, mask)
     rho = jnp.exp(log_rho)
     clipped_rho = jnp.clip(rho, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    unclipped = -rho * adv
-    clipped = -clipped_rho * adv
-    if cfg.policy_loss == "cispo":
-        policy = -sg(clipped_rho) * adv * log_pi_ratio
-    else:
-        policy = jnp.maximum(unclipped, clipped)
-        if cfg.clip_c is not None:  # dual-clip: bound the loss of negative advantages
-            policy = jnp.where(adv < 0, jnp.minimum(policy, -cfg.clip_c * adv), policy)
+    policy, clipped = POLICY_LOSSES.get(cfg.policy_loss).term(rho, clipped_rho, adv,
+                                                              log_pi_ratio, cfg)
     n_tokens = masked_count(mask)
     metrics = {
-        "clip_fraction": masked_mean(
-            clipped_rho != rho if cfg.policy_loss == "cispo" else clipped > unclipped, mask),
+        "clip_fraction": masked_mean(clipped, mask),
         "ppo_kl": masked_mean(-log_rho, mask),
         "ratio_mean": masked_mean(rho, mask),
         "ratio_std": jnp.sqrt(masked_mean(jnp.square(rho - masked_mean(rho, mask)), mask)),
@@ -277,11 +261,11 @@ def _add_penalties(loss, logp_new, batch: LossBatch, mask, cfg: GRPOLossConfig, 
     metrics = {}
     if batch.logp_ref is not None:
         log_ref_ratio = safe_log_ratio(logp_new, sg(batch.logp_ref), mask, clamp)
-        metrics["kl_loss"] = reduce(kl_penalty(log_ref_ratio, cfg.kl_kind))
+        metrics["kl_loss"] = reduce(KL_ESTIMATORS.get(cfg.kl_kind)(log_ref_ratio))
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * metrics["kl_loss"]
     if logp_dense is not None:
-        distill_k3 = kl_penalty(safe_log_ratio(logp_new, sg(logp_dense), mask, clamp), "k3")
+        distill_k3 = k3(safe_log_ratio(logp_new, sg(logp_dense), mask, clamp))
         per_token = distill_k3
         if cfg.distill_kind == "full":
             per_token = jnp.where(mask, kl_full.astype(jnp.float32), 0.0)

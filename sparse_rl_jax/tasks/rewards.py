@@ -6,8 +6,9 @@ each::
 
     RewardFn = Callable[[Sequence[str], Sequence[str]], np.ndarray]   # -> [N] float32
 
-Register your own with ``register_reward_fn(name, factory)`` and select it by name with
-``get_reward_fn(name, **kwargs)``; ``compute_rewards`` checks any reward function's output.
+Register your own with ``register_reward_fn(name, factory)`` (``unregister_reward_fn(name)``
+removes it again) and select it by name with ``get_reward_fn(name, **kwargs)``;
+``compute_rewards`` checks any reward function's output.
 
 ``math_verify`` scores 1.0 when the content of the completion's last ``\\boxed{...}`` is
 equivalent to the gold answer under ``math_verify.parse`` + ``math_verify.verify`` (numbers,
@@ -46,6 +47,7 @@ from typing import Any
 import math_verify
 import numpy as np
 
+from models.registry import Registry
 from sparse_rl_jax.core.config_checks import check_int, check_number
 from sparse_rl_jax.tasks.task import exact_match
 
@@ -304,11 +306,10 @@ class MathVerifyReward:
         return np.asarray(scores, np.float32)
 
 
-_REGISTRY: dict[str, Callable[..., RewardFn]] = {
-    "task_exact": lambda: task_exact_reward,  # takes no arguments
-    "math_verify": MathVerifyReward,
-    "final_number": lambda: final_number_reward,  # takes no arguments
-}
+REWARD_FNS: Registry[Callable[..., RewardFn]] = Registry("reward fn")
+REWARD_FNS.register("task_exact", lambda: task_exact_reward)  # takes no arguments
+REWARD_FNS.register("math_verify", MathVerifyReward)
+REWARD_FNS.register("final_number", lambda: final_number_reward)  # takes no arguments
 
 
 def register_reward_fn(name: str, factory: Callable[..., RewardFn]) -> None:
@@ -317,14 +318,21 @@ def register_reward_fn(name: str, factory: Callable[..., RewardFn]) -> None:
     Raises:
       ValueError: ``name`` is already registered.
     """
-    if name in _REGISTRY:
-        raise ValueError(f"reward fn {name!r} is already registered")
-    _REGISTRY[name] = factory
+    REWARD_FNS.register(name, factory)
+
+
+def unregister_reward_fn(name: str) -> None:
+    """Removes the reward fn registered as ``name`` (e.g. a test's own, when it is done).
+
+    Raises:
+      ValueError: ``name`` is not registered (the message lists the registered ones).
+    """
+    REWARD_FNS.unregister(name)
 
 
 def available_reward_fns() -> tuple[str, ...]:
     """Registered reward names, sorted."""
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted(REWARD_FNS.names()))
 
 
 def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
@@ -334,11 +342,8 @@ def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
     Raises:
       ValueError: unknown name (the message lists the registered ones).
     """
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"reward fn {name!r} is not registered; available: {available_reward_fns()}"
-        )
+    factory = REWARD_FNS.get(name)
     try:
-        return _REGISTRY[name](**kwargs)
+        return factory(**kwargs)
     except TypeError as e:
         raise ValueError(f"reward fn {name!r} does not take arguments {sorted(kwargs)}: {e}") from e
