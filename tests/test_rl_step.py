@@ -42,7 +42,7 @@ def test_collect_batch_shapes_and_masks_are_consistent(collected):
     prompt, prompt_mask, response = (np.asarray(x) for x in batch[:3])
     assert response.shape == (N, MAX_NEW) and prompt.shape == prompt_mask.shape
     assert prompt.shape[0] == N
-    assert batch.eviction_record is None  # sparse_rl scores densely: no record kept
+    assert batch.record is None  # sparse_rl scores densely: no record kept
     loss = batch.loss
     assert loss.advantages.shape == loss.seq_mask.shape == (N,) and loss.logp_ref is None
     for leaf in (loss.logp_old_dense, loss.loss_mask, loss.is_weights, loss.token_mask):

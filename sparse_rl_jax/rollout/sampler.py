@@ -6,12 +6,12 @@ once per prompt however many samples are drawn from it), then :func:`decode` (a 
 trace the halves apart.
 Every decode step writes one token per row, and the cache is compressed back to ``budget``
 slots whenever it fills (``kv_state.maybe_compress``). The sampler records the log-prob of each
-sampled token under the policy that produced it, and the eviction record that makes that policy
-reproducible by a teacher-forced forward (``scoring.score(..., replay_record(rollout,
-compression))``). With ``sparrow`` nothing is evicted: each decode step attends to
-selected pages of the paged cache (``models.page_sparse``, whose cache keeps its own page-mean
-keys); the selection record replays it the same way. With ``none`` nothing is evicted; its own
-layout is the paged cache (``models.paged_cache``, decode reads only the filled pages),
+sampled token under the policy that produced it, and the record (``Rollout.record``) that
+makes that policy reproducible by a teacher-forced forward (``score(..., rollout.record)``).
+With ``sparrow`` nothing is evicted: each decode step attends to selected pages of the paged
+cache (``models.page_sparse``, whose cache keeps its own page-mean keys); the record of those
+pages replays it the same way. With ``none`` nothing is evicted (no record); its own layout
+is the paged cache (``models.paged_cache``, decode reads only the filled pages),
 ``compression.layout: dense`` the slot cache.
 """
 
@@ -30,6 +30,7 @@ from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.page_sparsity import PageRecord, schedule_budget
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.rollout.scoring import ReplayRecord
 from sparse_rl_jax.rollout.token_sampling import sample_tokens
 
 
@@ -45,16 +46,14 @@ class Rollout(NamedTuple):
       response_mask: ``[N, M]`` int32, 1 on response tokens (EOS included).
       logp: ``[N, M]`` float32 log-prob of each token under the sampling policy (0 off-mask).
       finished: ``[N]`` bool, the row emitted an EOS token (else it was truncated).
-      eviction_record: ``[L, N, Hkv, P + M]`` int32 (``kv_state.NEVER`` = kept), indexed by
-        token position; all ``NEVER`` for ``none``; ``[L, N, Hkv, 0]`` when
-        ``sampling.record_evictions`` is off and for ``sparrow`` (see ``page_record``).
       kv_peak / kv_mean: ``[N]`` float32 resident KV tokens per layer and head: maximum and
         mean over the row's forward passes (prefill included).
       dense_kv_peak / dense_kv_mean: ``[N]`` the same for a dense cache (every past token).
       num_compressions: ``[]`` int32 compressions performed during decode (prefill's included).
-      page_record: ``[L, N, Hkv, M, K]`` int32 (``sparrow`` with ``sampling.record_evictions``):
-        the pages the query at response index ``r`` attended to (``-1`` unused; all ``-1`` on
-        dense layers and steps that never ran); ``[L, N, Hkv, 0, 0]`` otherwise.
+      record: the replay record (``scoring.ReplayRecord``, rows first; with
+        ``sampling.record_evictions``): ``kv_state.EvictionRecord`` (``[N, L, Hkv, P + M]``)
+        of the evicting methods, ``page_sparsity.PageRecord`` (``[N, L, Hkv, M, K]``) of
+        ``sparrow``; None for ``none`` and unrecorded. ``score(..., record)`` gives ``logp``.
     """
 
     prompt: jax.Array
@@ -63,13 +62,12 @@ class Rollout(NamedTuple):
     response_mask: jax.Array
     logp: jax.Array
     finished: jax.Array
-    eviction_record: jax.Array
     kv_peak: jax.Array
     kv_mean: jax.Array
     dense_kv_peak: jax.Array
     dense_kv_mean: jax.Array
     num_compressions: jax.Array
-    page_record: jax.Array
+    record: ReplayRecord | None
 
 
 class Prefilled(NamedTuple):
@@ -109,16 +107,14 @@ class DecodeLoop(NamedTuple):
     page_record: jax.Array  # [L, N, Hkv, M, K] (sparrow + record) or [L, N, Hkv, 0, 0]
 
 
-def replay_record(rollout: Rollout, compression: CompressionConfig
-                  ) -> kv_state.EvictionRecord | PageRecord | None:
-    """The replay record (``scoring.ReplayRecord``) of a rollout sampled under
-    ``compression``: its eviction record (evicting methods) or page selections (``sparrow``);
-    None for ``none`` (dense) and when the rollout kept no record
-    (``sampling.record_evictions`` off)."""
-    if compression.page_sparse and rollout.page_record.shape[3]:
-        return PageRecord(rollout.page_record, compression.page_size)
-    if compression.compresses and rollout.eviction_record.shape[-1]:
-        return kv_state.EvictionRecord(rollout.eviction_record)
+def _record(evicted_at: jax.Array, page_record: jax.Array, compression: CompressionConfig
+            ) -> ReplayRecord | None:
+    """``Rollout.record`` from the loop's raw arrays (the state's ``evicted_at [L, N, Hkv,
+    P + M]``, ``page_record [L, N, Hkv, M, K]``; last axis 0 unrecorded), rows moved first."""
+    if page_record.shape[-1]:
+        return PageRecord(jnp.moveaxis(page_record, 1, 0), compression.page_size)
+    if evicted_at.shape[-1]:
+        return kv_state.EvictionRecord(jnp.moveaxis(evicted_at, 1, 0))
     return None
 
 
@@ -207,7 +203,7 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
         head_dim=cfg.head_dim,
         max_len=max_len,
         dtype=model.dtype,
-        record=bool(sampling.record_evictions) and not compression.page_sparse,
+        record=bool(sampling.record_evictions),
     )
     positions = jnp.where(prompt_mask > 0, jnp.cumsum(prompt_mask, axis=1) - 1, -1)
     out = model(prompt, positions, kv=state.cache, return_logits=False)
@@ -394,19 +390,21 @@ def generate(
     # A dense cache holds every past token: plen at prefill, then plen + i at forward i.
     dense_peak = plen + forwards - 1
     dense_mean = plen + (forwards - 1) / 2
-    return Rollout(
+    evicted_at, page_record = loop.state.evicted_at, loop.page_record
+    rollout = Rollout(
         prompt=jnp.repeat(jnp.asarray(prompt), n, axis=0),
         prompt_mask=jnp.repeat(jnp.asarray(prompt_mask), n, axis=0),
         response=loop.response,
         response_mask=response_mask,
         logp=loop.logp * response_mask,
         finished=loop.done,
-        eviction_record=loop.state.evicted_at,
         kv_peak=loop.kv_peak.astype(jnp.float32),
         kv_mean=loop.kv_sum / forwards,
         dense_kv_peak=dense_peak,
         dense_kv_mean=dense_mean,
         num_compressions=loop.compressions,
-        page_record=loop.page_record,
+        record=None,
     )
+    del loop  # frees the KV cache before the record's rows move first (a copy of it)
+    return rollout._replace(record=_record(evicted_at, page_record, compression))
 
