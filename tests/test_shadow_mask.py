@@ -293,6 +293,7 @@ def test_entropy_bonus_gradient_through_the_chunked_scorer(tiny):
     (["compression.method=sparrow", "compression.alpha_metric='off'"], False),
     (["correction.kind=shadow_mask"], True),
     (["correction.kind=shadow_mask", "compression.method=snapkv"], True),
+    (["correction.kind=shadow_mask", "compression.method=sparrow"], True),
 ])
 def test_record_default_is_what_the_run_reads(overrides, needed):
     assert SamplingConfig().record_evictions is None
