@@ -230,7 +230,7 @@ class Bench:
         prompt = self.jnp.asarray(self.prompts[:rows])
         alpha = score_acceptance(
             self.graphdef, self.params, prompt, self.jnp.ones_like(prompt), loop.response[:rows],
-            PageRecord(loop.page_record[:, :rows], compression.page_size),
+            PageRecord(self.jnp.moveaxis(loop.page_record, 1, 0)[:rows], compression.page_size),
             temperature=self.temperature or 1.0)
         alpha = np.asarray(alpha)
         return acceptance_percentile_per_bin(alpha, np.ones_like(alpha)).tolist()

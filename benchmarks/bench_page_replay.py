@@ -66,6 +66,8 @@ def worker(length: int, repeats: int) -> dict:
     response = jnp.asarray(rng.integers(1, 512, (ROWS, new)), jnp.int32)
     record = jnp.asarray(random_record(rng, cfg.num_layers, cfg.num_kv_heads, new))
     args = (graphdef, params, prompt, mask, response)
+    if "[N, L, Hkv, M, K]" in PageRecord.__doc__:  # rows first since Rollout.record
+        record = jnp.moveaxis(record, 1, 0)        # (a --before checkout may predate it)
     kw = dict(record=PageRecord(record, PAGE))
     stats = score.lower(*args, **kw).compile().memory_analysis()
     jax.block_until_ready(score(*args, **kw))

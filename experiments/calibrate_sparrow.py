@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 from sparse_rl_jax.rollout.acceptance import acceptance_percentile_per_bin, score_acceptance  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
-from sparse_rl_jax.rollout.sampler import generate, replay_record  # noqa: E402
+from sparse_rl_jax.rollout.sampler import generate  # noqa: E402
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
 from sparse_rl_jax.kv.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402
 
@@ -56,7 +56,7 @@ def measure_p5(graphdef, params, prompt, mask, key, sampling: SamplingConfig,
     ``compression``."""
     r = generate(graphdef, params, prompt, mask, key, sampling, compression)
     alpha = score_acceptance(graphdef, params, r.prompt, r.prompt_mask, r.response,
-                             replay_record(r, compression), temperature=sampling.temperature)
+                             r.record, temperature=sampling.temperature)
     return acceptance_percentile_per_bin(np.asarray(alpha), np.asarray(r.response_mask),
                                          bin_tokens=bin_tokens)
 

@@ -32,14 +32,14 @@ from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
 from sparse_rl_jax.tasks.rewards import get_reward_fn, repeat_answers
 from sparse_rl_jax.training.run_config import RunConfig, TrainerConfig
-from sparse_rl_jax.rollout.sampler import Prefilled, Rollout, decode, generate, prefill, replay_record
+from sparse_rl_jax.rollout.sampler import Prefilled, Rollout, decode, generate, prefill
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
-from sparse_rl_jax.rollout.scoring import ScoreOutput, response_logprobs, score
+from sparse_rl_jax.rollout.scoring import ReplayRecord, ScoreOutput, response_logprobs, score
 from sparse_rl_jax.rl.update_step import Minibatch, update_step
 
 __all__ = [
     # rollouts
-    "generate", "prefill", "decode", "Prefilled", "Rollout", "replay_record",
+    "generate", "prefill", "decode", "Prefilled", "Rollout", "ReplayRecord",
     "generate_continuous", "generate_rollout",
     # rewards
     "get_reward_fn", "repeat_answers",

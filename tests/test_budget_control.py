@@ -166,7 +166,7 @@ def test_sampler_takes_new_ks_without_recompiling(tmp_path):
     with count_compiles() as compiles:
         for ks in [(1, 2, 3), (4, 6, 6), (1, 1, 1)]:
             r = generate(graphdef, params, prompt, mask, jax.random.key(0), sampling, LOOP, ks)
-            record = np.asarray(r.page_record)[0, 0, 0]  # layer 0, row 0 (9-token prompt)
+            record = np.asarray(r.record.pages)[0, 0, 0]  # row 0 (9-token prompt), layer 0
             used[ks] = (record >= 0).sum(-1)  # pages per step: k + 3 once long enough
     assert compiles["jit(decode_loop)"] == 1, compiles
     lengths = 9 + np.arange(1, 41)  # cached length at response step r (record row r - 1)

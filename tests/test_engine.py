@@ -17,8 +17,9 @@ from sparse_rl_jax.training.collect import collect_prompts
 from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout
-from sparse_rl_jax.kv.state import NEVER
-from sparse_rl_jax.rollout.sampler import generate, replay_record
+from sparse_rl_jax.kv.page_sparsity import PageRecord
+from sparse_rl_jax.kv.state import NEVER, EvictionRecord
+from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import score, sequence_positions
 from tiny_hf import left_padded_batch, make_tiny_hf
@@ -65,9 +66,9 @@ def _replay_relevant(record, rollout) -> np.ndarray:
     row's last query (position ``plen + len - 2``) and evictions after it (the static loop
     keeps feeding a finished row; the engine retires it)."""
     end = np.asarray(rollout.prompt_mask.sum(1) + rollout.response_mask.sum(1) - 1)
-    end = end[None, :, None, None]
+    end = end[:, None, None, None]  # the record is rows first: [N, L, Hkv, T]
     record = np.asarray(record)
-    position = np.arange(record.shape[-1])[None, None, None]
+    position = np.arange(record.shape[-1])[None, None, None]  # [1, 1, 1, T]
     return np.where((record < end) & (position < end), record, NEVER)
 
 
@@ -76,7 +77,7 @@ def assert_rows_match(graphdef, params, static, engine, compression):
     of the sampling policy within 1e-5), after which the rest of it is not compared."""
     mask = np.asarray(static.response_mask)
     got, want = np.asarray(engine.response), np.asarray(static.response)
-    record = replay_record(static, compression)
+    record = static.record
     diverged = set()
     for row in np.flatnonzero(np.any((got != want) & (mask > 0), axis=1)):
         t = int(np.argmax((got[row] != want[row]) & (mask[row] > 0)))
@@ -94,13 +95,14 @@ def assert_rows_match(graphdef, params, static, engine, compression):
                                    np.asarray(getattr(static, name))[same], err_msg=name)
     if not diverged:
         assert int(engine.num_compressions) == int(static.num_compressions)
-    assert engine.eviction_record.shape == static.eviction_record.shape
-    if compression.compresses:
-        np.testing.assert_array_equal(_replay_relevant(engine.eviction_record, engine)[:, same],
-                                      _replay_relevant(static.eviction_record, static)[:, same])
-    assert engine.page_record.shape == static.page_record.shape
-    np.testing.assert_array_equal(np.asarray(engine.page_record)[:, same],
-                                  np.asarray(static.page_record)[:, same])
+    assert type(engine.record) is type(static.record)
+    if isinstance(static.record, EvictionRecord):
+        np.testing.assert_array_equal(
+            _replay_relevant(engine.record.evicted_at, engine)[same],
+            _replay_relevant(static.record.evicted_at, static)[same])
+    if isinstance(static.record, PageRecord):
+        np.testing.assert_array_equal(np.asarray(engine.record.pages)[same],
+                                      np.asarray(static.record.pages)[same])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -116,7 +118,7 @@ def test_engine_rows_equal_static_generate_and_replayed_score(tiny, method, mode
     if compression.compresses:
         assert int(engine.num_compressions) >= 3
     assert_rows_match(graphdef, params, static, engine, compression)
-    record = replay_record(engine, compression)
+    record = engine.record
     assert (record is None) == (method.startswith("none"))
     replay = score(graphdef, params, engine.prompt, engine.prompt_mask, engine.response, record,
                    temperature=sampling.temperature)

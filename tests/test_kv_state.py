@@ -270,6 +270,7 @@ def test_none_keeps_every_token_as_written():
             np.testing.assert_array_equal(ks[l, b, h, i], k[l, b, h, column[p]])
             np.testing.assert_array_equal(vs[l, b, h, i], v[l, b, h, column[p]])
     assert (np.asarray(state.evicted_at) == kv_state.NEVER).all()
+    assert state.evicted_at.shape[-1] == 0  # a method that never evicts keeps no record
 
 
 def test_visibility_from_record_pads_and_out_of_range():

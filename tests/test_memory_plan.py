@@ -54,7 +54,7 @@ def test_rollout_kv_terms_equal_the_sampler_state(method, layout):
     ring = getattr(state.cache, "queries", None)  # the paged cache (none's own) has none
     assert est.parts["query_ring"] == (0 if ring is None else ring.size * 4)
     assert (ring is None) == (method == "none")
-    assert est.parts["eviction_record"] == state.evicted_at.size * 4
+    assert est.parts["record"] == state.evicted_at.size * 4
 
 
 def test_score_estimate_covers_the_compiled_score():
@@ -81,7 +81,7 @@ def test_score_estimate_covers_the_compiled_page_replay():
     n, p, m = 4, 16, 48
     sparrow = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 3),))
     selected = 3 + 3  # top-3 + sink + 2 newest, with 16 pages of 4 tokens
-    record = jax.ShapeDtypeStruct((cfg.num_layers, n, cfg.num_kv_heads, m, selected), jnp.int32)
+    record = jax.ShapeDtypeStruct((n, cfg.num_layers, cfg.num_kv_heads, m, selected), jnp.int32)
     ints = jax.ShapeDtypeStruct((n, p), jnp.int32)
     compiled = score.lower(graphdef, params, ints, ints, jax.ShapeDtypeStruct((n, m), jnp.int32),
                            PageRecord(record, 4), chunk_size=16).compile()

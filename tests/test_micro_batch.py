@@ -20,7 +20,7 @@ import models
 from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.core.config_io import ConfigError, load_config
 from sparse_rl_jax.rl.corrections import compute_corrections
-from sparse_rl_jax.kv.state import NEVER
+from sparse_rl_jax.kv.state import EvictionRecord, NEVER
 from sparse_rl_jax.rl.grpo_loss import LossBatch, combine_metrics, grpo_loss, loss_norm
 from sparse_rl_jax.rl.loss_config import AGGREGATIONS, CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.training.run_config import RunConfig
@@ -167,7 +167,7 @@ def test_micro_batched_shadow_mask_update_equals_unsplit(tiny):
     position = np.arange(total)[None, None, None]
     evict = position + rng.integers(2, 8, (n, layers, kv_heads, total))
     record = np.where(rng.random(evict.shape) < 0.3, evict, NEVER).astype(np.int32)
-    batch = batch._replace(eviction_record=jnp.asarray(record))
+    batch = batch._replace(record=EvictionRecord(jnp.asarray(record)))
     cfg = GRPOLossConfig(distill_coef=0.5, aggregation="token_mean")
     _assert_same_update(_update_delta(graphdef, params, batch, cfg, MICRO),
                         _update_delta(graphdef, params, batch, cfg, None))

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import models
+from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.rl.grpo_loss import grpo_loss, loss_norm
 from sparse_rl_jax.training.rl_step import batch_sharding, collect, update
 from sparse_rl_jax.rollout.scoring import response_logprobs, score
@@ -42,7 +43,7 @@ def test_collect_batch_shapes_and_masks_are_consistent(collected):
     prompt, prompt_mask, response = (np.asarray(x) for x in batch[:3])
     assert response.shape == (N, MAX_NEW) and prompt.shape == prompt_mask.shape
     assert prompt.shape[0] == N
-    assert batch.eviction_record is None  # sparse_rl scores densely: no record kept
+    assert batch.record is None  # sparse_rl scores densely: no record kept
     loss = batch.loss
     assert loss.advantages.shape == loss.seq_mask.shape == (N,) and loss.logp_ref is None
     for leaf in (loss.logp_old_dense, loss.loss_mask, loss.is_weights, loss.token_mask):
@@ -151,6 +152,28 @@ def test_a_tempered_dense_rollout_is_on_policy_for_the_learner(policy):
     assert abs(float(metrics["ratio_mean"]) - 1) < 1e-5 and float(metrics["clip_fraction"]) == 0
     want = jax.tree.map(lambda p, g: p - lr * g, params, grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), new, want)
+
+
+def test_sparrow_shadow_mask_step_replays_the_rollouts_pages(policy):
+    """Shadow-mask training with sparrow: the batch carries the rollouts' page record, which
+    replays the sampler's log-probs (the PPO ratio's behaviour policy), and the first update
+    is on-policy (ratio 1)."""
+    ctx = step_context(policy, "compression.method=sparrow", "compression.page_size=4",
+                       "compression.budget_schedule=[[0, 1]]", "compression.dense_layers=[]",
+                       "correction.kind=shadow_mask", "loss.distill_coef=0.1",
+                       f"trainer.minibatch_size={N}")
+    graphdef, params = policy[2:]
+    batch, _, _ = collect(ctx, params, POSITION)
+    assert isinstance(batch.record, PageRecord)
+    mask = np.asarray(batch.loss.loss_mask).astype(bool)
+    replay = score(graphdef, params, batch.prompt, batch.prompt_mask, batch.response,
+                   batch.record).logp
+    behaviour = np.asarray(batch.loss.logp_old_dense)
+    np.testing.assert_allclose(np.asarray(replay)[mask], behaviour[mask], atol=1e-4)
+    dense = score(graphdef, params, batch.prompt, batch.prompt_mask, batch.response).logp
+    assert np.abs(np.asarray(dense) - behaviour)[mask].max() > 1e-2  # really sparse
+    _, _, metrics = _update(ctx, params, batch, optax.sgd(0.0))
+    assert float(metrics["log_ratio_abs_max"]) <= 1e-4
 
 
 @pytest.mark.parametrize("micro", [None, N // 2])

@@ -16,7 +16,7 @@ import models
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from benchmarks.compile_count import count_compiles
-from sparse_rl_jax.rollout.sampler import bucket_prompts, generate, replay_record
+from sparse_rl_jax.rollout.sampler import bucket_prompts, generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import score
 from sparse_rl_jax.rollout.token_sampling import sample_tokens
@@ -100,7 +100,7 @@ def test_sparse_logprobs_equal_replayed_scorer_not_dense(tiny, method):
     compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
     rollout = generate(graphdef, params, prompt, mask, jax.random.key(2), sampling, compression)
     assert int(rollout.num_compressions) >= 5
-    record = replay_record(rollout, compression)
+    record = rollout.record
     assert isinstance(record, kv_state.EvictionRecord)
     replay = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response,
                    record)
@@ -124,17 +124,16 @@ def test_default_keeps_no_record_same_rollout_and_replay_is_refused(tiny):
     dropped = generate(graphdef, params, prompt, mask, key,
                        dataclasses.replace(sampling, record_evictions=None), compression)
     assert int(dropped.num_compressions) >= 2
-    assert dropped.eviction_record.shape == kept.eviction_record.shape[:3] + (0,)
-    assert int(jnp.min(kept.eviction_record)) < kv_state.NEVER  # the kept one records
+    assert dropped.record is None
+    assert int(jnp.min(kept.record.evicted_at)) < kv_state.NEVER  # the kept one records
     for name in ("response", "response_mask", "logp", "kv_peak", "kv_mean"):
         np.testing.assert_array_equal(getattr(dropped, name), getattr(kept, name), err_msg=name)
-    assert replay_record(dropped, compression) is None
+    empty = kv_state.EvictionRecord(kept.record.evicted_at[..., :0])
     with pytest.raises(ValueError, match="record_evictions=True"):
-        score(graphdef, params, dropped.prompt, dropped.prompt_mask, dropped.response,
-              kv_state.EvictionRecord(dropped.eviction_record))
+        score(graphdef, params, dropped.prompt, dropped.prompt_mask, dropped.response, empty)
     with pytest.raises(TypeError, match="record: expected a replay record"):  # a bare array
         score(graphdef, params, kept.prompt, kept.prompt_mask, kept.response,
-              kept.eviction_record)
+              kept.record.evicted_at)
 
 
 @pytest.mark.parametrize("compression", [

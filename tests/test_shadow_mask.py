@@ -1,5 +1,6 @@
-"""Shadow-mask training: the learner scores with the sampler's eviction record (on-policy for
-the sparse policy) and distils toward the dense policy of the same params.
+"""Shadow-mask training: the learner scores with the rollout's record (``Rollout.record``: on-policy
+for the sparse policy, evicting methods and Sparrow alike) and distils toward the dense policy
+of the same params.
 
 Oracles: plain GRPO on the same batch (no compression), the sampler's own log-probs (ratio 1
 at the first update), and NumPy over the model's full logits (vocabulary KL)."""
@@ -22,12 +23,14 @@ from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.core.config_io import ConfigError, load_config
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
-from sparse_rl_jax.kv.state import EvictionRecord, visibility_from_record
+from sparse_rl_jax.kv.page_sparsity import PageRecord
+from sparse_rl_jax.kv.state import NEVER, EvictionRecord
 from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
-from sparse_rl_jax.rollout.scoring import score, sequence_positions, shadow_logprobs
+from sparse_rl_jax.rollout.scoring import (concatenate_records, score, sequence_positions,
+                                           shadow_logprobs)
 from sparse_rl_jax.rl.update_step import Minibatch, update_step
 from sparse_rl_jax.training.policy import resolve_sampling
 from tiny_hf import left_padded_batch, tiny_policy
@@ -46,11 +49,19 @@ def tiny(tmp_path_factory):
     return graphdef, params, prompt, mask
 
 
-def _rollout(tiny, method, temperature=1.0):
+# Sparrow on the 1-layer tiny policy: pages of 4 tokens, k = 1 (sink + 1 + 2 newest pages).
+SPARROW = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 1),),
+                            dense_layers=())
+
+
+def _rollout(tiny, method, temperature=1.0, prompts=None):
     graphdef, params, prompt, mask = tiny
+    if prompts is not None:
+        prompt, mask = prompts
     sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4,
                               record_evictions=True, temperature=temperature)
-    compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
+    compression = (SPARROW if method == "sparrow"
+                   else CompressionConfig(method=method, budget=12, buffer=4, window=4))
     return generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
 
 
@@ -59,8 +70,7 @@ def _minibatch(rollout, logp_old, record, kind="shadow_mask"):
     adv = jnp.asarray(np.random.default_rng(1).normal(0, 1, mask.shape[0]), jnp.float32)
     corr = compute_corrections(logp_old, rollout.logp, mask, CorrectionConfig(kind=kind))
     loss = LossBatch.from_corrections(logp_old, adv, mask, corr)
-    return Minibatch(rollout.prompt, rollout.prompt_mask, rollout.response, loss,
-                     None if record is None else jnp.moveaxis(record, 1, 0))
+    return Minibatch(rollout.prompt, rollout.prompt_mask, rollout.response, loss, record)
 
 
 _update = jax.jit(update_step, static_argnames=("graphdef", "loss_cfg", "optimizer",
@@ -77,9 +87,13 @@ def _step(tiny, batch, cfg, temperature=1.0):
 
 def test_without_compression_shadow_mask_equals_plain_grpo(tiny):
     rollout = _rollout(tiny, "none")
-    assert int(rollout.num_compressions) == 0
+    assert int(rollout.num_compressions) == 0 and rollout.record is None  # nothing to replay
     plain = _minibatch(rollout, rollout.logp, None, kind="none")
-    shadow = _minibatch(rollout, rollout.logp, rollout.eviction_record)
+    cfg = nnx.merge(tiny[0], tiny[1]).config
+    (n, p), (_, m) = rollout.prompt.shape, rollout.response.shape
+    evicts_nothing = EvictionRecord(
+        jnp.full((n, cfg.num_layers, cfg.num_kv_heads, p + m), NEVER, jnp.int32))
+    shadow = _minibatch(rollout, rollout.logp, evicts_nothing)
     m_plain, d_plain = _step(tiny, plain, GRPOLossConfig())
     m_shadow, d_shadow = _step(tiny, shadow, FULL)
     # Sparse == dense here: both distillation measures vanish and the update is GRPO's.
@@ -101,7 +115,7 @@ def test_ratio_is_one_at_the_first_update_and_distillation_measures_the_gap(tiny
     dense = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response,
                   temperature=temperature).logp
     assert np.max(np.abs(np.asarray(dense - rollout.logp))[valid]) > 1e-2  # a real mismatch
-    batch = _minibatch(rollout, rollout.logp, rollout.eviction_record)
+    batch = _minibatch(rollout, rollout.logp, rollout.record)
     metrics, delta = _step(tiny, batch, K3, temperature)
     # On-policy for the sampler: the ratio is 1 up to the replay's float error.
     assert float(metrics["log_ratio_abs_max"]) <= 1e-4
@@ -113,13 +127,53 @@ def test_ratio_is_one_at_the_first_update_and_distillation_measures_the_gap(tiny
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(delta))
 
 
+def test_sparrow_shadow_mask_replays_the_sampler_and_its_first_update_is_on_policy(tiny):
+    """Sparrow's record (its pages) goes through the same protocol: shadow-mask's
+    dense-with-pages log-probs are the sampler's own (the replay oracle), the dense ones are
+    not, and the first update's ratio is 1."""
+    graphdef, params, _, _ = tiny
+    rollout = _rollout(tiny, "sparrow")
+    assert isinstance(rollout.record, PageRecord)
+    valid = np.asarray(rollout.response_mask, bool)
+    out = shadow_logprobs(nnx.merge(graphdef, params), rollout.prompt, rollout.prompt_mask,
+                          rollout.response, rollout.record, chunk_size=CHUNK)
+    np.testing.assert_allclose(np.asarray(out.logp_sparse)[valid],
+                               np.asarray(rollout.logp)[valid], atol=1e-4)
+    assert np.max(np.abs(np.asarray(out.logp_dense - rollout.logp))[valid]) > 1e-2
+    metrics, delta = _step(tiny, _minibatch(rollout, rollout.logp, rollout.record), K3)
+    assert float(metrics["log_ratio_abs_max"]) <= 1e-4 and float(metrics["distill_k3"]) > 0
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(delta))
+
+
+@pytest.mark.parametrize("method", ["rkv", "sparrow"])
+def test_records_of_rounds_of_different_prompt_widths_replay_concatenated(tiny, method):
+    """Dynamic sampling concatenates rounds whose prompts were bucketed to different widths:
+    the concatenated record replays every row, left-padded to the widest prompt, to the
+    sampler's log-probs."""
+    graphdef, params, _, _ = tiny
+    wide_prompts = left_padded_batch(np.random.default_rng(4), [15, 7, 13], width=15)
+    rounds = [_rollout(tiny, method), _rollout(tiny, method, prompts=wide_prompts)]
+    width = max(r.prompt.shape[1] for r in rounds)
+    assert rounds[0].prompt.shape[1] < width
+
+    def cat(name, pad=False):
+        return jnp.concatenate([
+            jnp.pad(getattr(r, name), ((0, 0), (width - r.prompt.shape[1] if pad else 0, 0)))
+            for r in rounds])
+
+    replay = score(graphdef, params, cat("prompt", True), cat("prompt_mask", True),
+                   cat("response"), concatenate_records([r.record for r in rounds])).logp
+    logp, valid = cat("logp"), np.asarray(cat("response_mask"), bool)
+    np.testing.assert_allclose(np.asarray(replay)[valid], np.asarray(logp)[valid], atol=1e-4)
+
+
 def test_gradients_finite_at_extreme_mismatch(tiny):
     rollout = _rollout(tiny, "rkv")
     old = np.asarray(rollout.logp).copy()
     old[0, :3] = -np.inf  # the sampler claims impossible tokens
     old[1, :] = 1e4
     old[2, :] -= 50.0
-    batch = _minibatch(rollout, jnp.asarray(old), rollout.eviction_record)
+    batch = _minibatch(rollout, jnp.asarray(old), rollout.record)
     for cfg in (K3, FULL):
         metrics, delta = _step(tiny, batch, cfg)
         assert all(np.isfinite(float(v)) for v in metrics.values())
@@ -135,15 +189,15 @@ def _np_log_softmax(x):
 def test_vocabulary_kl_matches_numpy_over_full_logits_and_teacher_gets_no_gradient(tiny):
     graphdef, params, _, _ = tiny
     rollout = _rollout(tiny, "snapkv")
-    args = (rollout.prompt, rollout.prompt_mask, rollout.response,
-            EvictionRecord(rollout.eviction_record))
+    args = (rollout.prompt, rollout.prompt_mask, rollout.response, rollout.record)
     out = jax.jit(lambda p: shadow_logprobs(nnx.merge(graphdef, p), *args, chunk_size=CHUNK,
                                             with_kl=True))(params)
     model = nnx.merge(graphdef, params)
     p_len, m = rollout.prompt.shape[1], rollout.response.shape[1]
     tokens = jnp.concatenate([rollout.prompt, rollout.response], axis=1)
     positions = sequence_positions(rollout.prompt_mask, m)
-    expiry = models.ExpiryRecord(visibility_from_record(rollout.eviction_record, positions))
+    expiry = rollout.record.replay_view(positions, rollout.prompt_mask.sum(axis=1), m)
+    assert isinstance(expiry, models.ExpiryRecord)
 
     def logits(kv):
         full = model(tokens, positions, kv=kv).logits
@@ -239,6 +293,7 @@ def test_entropy_bonus_gradient_through_the_chunked_scorer(tiny):
     (["compression.method=sparrow", "compression.alpha_metric='off'"], False),
     (["correction.kind=shadow_mask"], True),
     (["correction.kind=shadow_mask", "compression.method=snapkv"], True),
+    (["correction.kind=shadow_mask", "compression.method=sparrow"], True),
 ])
 def test_record_default_is_what_the_run_reads(overrides, needed):
     assert SamplingConfig().record_evictions is None

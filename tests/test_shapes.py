@@ -9,7 +9,7 @@ import pytest
 
 from models.shapes import check_shape
 from sparse_rl_jax.rl.grpo_loss import LossBatch
-from sparse_rl_jax.kv.state import visibility_from_record
+from sparse_rl_jax.kv.state import EvictionRecord, visibility_from_record
 from sparse_rl_jax.training.rl_step import check_minibatch
 from sparse_rl_jax.rollout.sampler import bucket_prompts
 from sparse_rl_jax.rl.update_step import Minibatch
@@ -61,9 +61,9 @@ def test_update_names_the_bad_leaf_of_its_minibatch():
         check_minibatch(bad)
     with pytest.raises(ValueError, match=r"full\.prompt_mask: expected \[N, P\] = \[4, 3\]"):
         check_minibatch(full._replace(prompt_mask=jnp.ones((4, 2), jnp.int32)))
-    with pytest.raises(ValueError, match=r"full\.eviction_record: expected \[N, L, Hkv, T\] = "
+    with pytest.raises(ValueError, match=r"record\.evicted_at: expected \[N, L, Hkv, T\] = "
                                          r"\[4, \*, \*, 8\], got \[4, 1, 1, 7\]"):
-        check_minibatch(full._replace(eviction_record=jnp.zeros((4, 1, 1, 7), jnp.int32)))
+        check_minibatch(full._replace(record=EvictionRecord(jnp.zeros((4, 1, 1, 7), jnp.int32))))
 
 
 def test_sampler_and_replay_name_their_arguments():

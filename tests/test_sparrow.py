@@ -22,7 +22,7 @@ from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.core.config_io import ConfigError, from_dict
 from sparse_rl_jax.kv.state import init_state
 from sparse_rl_jax.kv.page_sparsity import PageRecord, schedule_budget
-from sparse_rl_jax.rollout.sampler import generate, replay_record
+from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import score
 from tiny_hf import left_padded_batch, make_tiny_hf
@@ -193,7 +193,7 @@ def test_sampler_logp_equals_selection_record_replay(tmp_path_factory, heads, kv
     prompt, mask = left_padded_batch(np.random.default_rng(0), [11, 5, 8], width=11)
     r = generate(graphdef, params, prompt, mask, jax.random.key(3), SAMPLING, SPARROW)
     resp = r.response_mask.astype(bool)
-    record = replay_record(r, SPARROW)
+    record = r.record
     assert isinstance(record, PageRecord) and record.page_size == 4
     replay = score(graphdef, params, r.prompt, r.prompt_mask, r.response, record)
     err = float(jnp.max(jnp.where(resp, jnp.abs(replay.logp - r.logp), 0)))
@@ -205,7 +205,7 @@ def test_sampler_logp_equals_selection_record_replay(tmp_path_factory, heads, kv
                                             r.response, record))
         valid = alpha[np.asarray(resp)]
         assert valid.min() < 0.999 and valid.max() <= 1 + 1e-5 and valid.min() > 0
-    record = np.asarray(r.page_record)
+    record = np.moveaxis(np.asarray(r.record.pages), 0, 1)  # [L, N, Hkv, M, K]
     assert np.all(record[0] == -1) and np.all(record[1:, :, :, 0] >= -1)
     used = (record[1:] >= 0).sum(-1)[:, np.asarray(resp)[:, :-1].nonzero()[0]]
     assert used.max() == 1 + 3 + 2  # sink + top-3 + 2 newest once long enough
@@ -214,7 +214,7 @@ def test_sampler_logp_equals_selection_record_replay(tmp_path_factory, heads, kv
     cfg = nnx.merge(graphdef, params).config
     est = memory_plan.estimate("rollout", cfg, batch=n, prompt_len=p, new_tokens=m,
                                compression=SPARROW, num_samples=SAMPLING.num_samples)
-    assert est.parts["page_record"] == record.nbytes and est.parts["eviction_record"] == 0
+    assert est.parts["record"] == record.nbytes
     state = jax.eval_shape(lambda: init_state(
         SPARROW, num_layers=cfg.num_layers, batch=n, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=cfg.head_dim, max_len=p + m))
@@ -237,7 +237,7 @@ def test_dense_regime_equals_dense_sampler(tmp_path_factory):
     np.testing.assert_array_equal(np.asarray(sparse.response), np.asarray(dense.response))
     np.testing.assert_allclose(np.asarray(sparse.logp), np.asarray(dense.logp), atol=1e-5)
     alpha = score_acceptance(graphdef, params, sparse.prompt, sparse.prompt_mask,
-                             sparse.response, replay_record(sparse, wide))
+                             sparse.response, sparse.record)
     np.testing.assert_allclose(np.asarray(alpha)[np.asarray(sparse.response_mask) > 0], 1.0,
                                atol=1e-5)
 
@@ -252,6 +252,6 @@ def test_decode_compiles_once_per_schedule(tmp_path_factory):
     with count_compiles() as compiles:
         for seed in (1, 2):
             r = generate(graphdef, params, prompt, mask, jax.random.key(seed), sampling, SPARROW)
-    used = (np.asarray(r.page_record)[1, 0, 0] >= 0).sum(-1)  # layer 1, row 0, head 0: [M]
+    used = (np.asarray(r.record.pages)[0, 1, 0] >= 0).sum(-1)  # row 0, layer 1, head 0: [M]
     assert {1 + 1 + 2, 1 + 3 + 2} <= set(used.tolist())  # k = 1, then k = 3 in one rollout
     assert compiles["jit(decode_loop)"] == 1, compiles

@@ -305,7 +305,6 @@ def test_sharded_update_equals_single_device():
     ("eval.every_steps=-1", "eval.every_steps"),
     ("loss.adv_eps=1e-4", "loss.adv_eps"),
     ("loss.group_size=8", "loss.group_size"),
-    ("compression.method=sparrow correction.kind=shadow_mask", "correction.kind"),
 ])
 def test_bad_config_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -9,6 +9,8 @@ cache keeps its own page-mean keys).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -78,22 +80,27 @@ def replay_from_page_record(
 
 @struct.dataclass
 class PageRecord:
-    """A ``sparrow`` rollout's selection record as a replay record (``scoring.ReplayRecord``).
+    """A ``sparrow`` rollout's replay record (``Rollout.record``, a ``scoring.ReplayRecord``):
+    the pages each decode query attended to.
 
     Attributes:
-      pages: ``[L, N, Hkv, M, K]`` int32 (``Rollout.page_record``).
+      pages: ``[N, L, Hkv, M, K]`` int32, row first: the pages the query at response index
+        ``r`` attended to (``NO_PAGE`` = -1 unused; all -1 on dense layers and steps that
+        never ran).
       page_size: tokens per page (static).
     """
 
     pages: jax.Array
     page_size: int = struct.field(pytree_node=False, default=16)
+    fill: ClassVar[int] = NO_PAGE
 
     def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
                     response_len: int) -> PageReplay:
         """The per-query pages of the ``[N, S]`` columns (:func:`replay_from_page_record`)."""
         if self.pages.ndim == 5 and self.pages.shape[3] == 0 and response_len > 0:
-            raise ValueError("page_record is empty: sample with "
+            raise ValueError("the page record is empty: sample with "
                              "SamplingConfig(record_evictions=True) to replay the sparse context")
-        check_shape("page_record", self.pages, L=None, N=positions.shape[0], Hkv=None,
+        check_shape("record.pages", self.pages, N=positions.shape[0], L=None, Hkv=None,
                     M=response_len, K=None)
-        return replay_from_page_record(self.pages, positions, prompt_lengths, self.page_size)
+        return replay_from_page_record(jnp.moveaxis(self.pages, 0, 1), positions,
+                                       prompt_lengths, self.page_size)

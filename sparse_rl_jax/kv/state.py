@@ -4,13 +4,16 @@ The model attends through ``state.cache`` (a ``models.cache.KVCache`` view: it w
 keys/values and pushes the newest queries into the cache's ring); the sampler then calls
 ``maybe_compress``, which (under ``lax.cond``) shrinks the
 cache back to ``budget`` slots and records, per layer / row / KV head and token *position*, the
-first query position that no longer sees that key. Replaying that record
-(:class:`EvictionRecord`, a ``scoring.ReplayRecord``: per-key expiry times, a
-``models.ExpiryRecord`` view) reproduces the sparse policy in a teacher-forced forward:
-key ``j`` is visible to query ``t`` iff ``0 <= j <= t < evicted_at[j]``.
+first query position that no longer sees that key (the raw array ``evicted_at``). A rollout
+hands it on as its replay record (``Rollout.record``, an :class:`EvictionRecord`, which is a
+``scoring.ReplayRecord``: per-key expiry times, a ``models.ExpiryRecord`` view); replaying it
+reproduces the sparse policy in a teacher-forced forward: key ``j`` is visible to query ``t``
+iff ``0 <= j <= t < evicted_at[j]``.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +46,8 @@ class SparseKVState:
         ``[L, B, Hkv, ceil(max_len / page_size), D]``, which it refreshes itself).
       evicted_at: ``[L, B, Hkv, T_total]`` int32, indexed by token position: the first query
         position that no longer sees the key; ``NEVER`` if it was never evicted. ``T_total``
-        is 0 when the state keeps no record (``init_state(record=False)``).
+        is 0 when the state keeps no record (``init_state(record=False)``, or a method that
+        never evicts).
     """
 
     cache: KVCache | PagedKVCache | PageSparseCache
@@ -66,9 +70,9 @@ def init_state(
 
     The cache gets ``cfg.cache_capacity(max_len)`` slots (``budget + buffer``; ``max_len``,
     rounded up to whole pages when paged, for ``none`` and ``sparrow``, whose paged cache is
-    wrapped in a page-sparse one) and, when it compresses, a ring of ``cfg.window`` queries;
-    the eviction record covers positions ``[0, max_len)``, or nothing when ``record`` is False
-    (compression then skips the bookkeeping).
+    wrapped in a page-sparse one) and, when it compresses, a ring of ``cfg.window`` queries
+    and an eviction record over positions ``[0, max_len)`` unless ``record`` is False
+    (compression then skips the bookkeeping); a method that never evicts keeps no record.
     """
     for name, value in (
         ("num_layers", num_layers),
@@ -95,8 +99,8 @@ def init_state(
         cache = page_sparse_cache(cache, max_k=cfg.max_pages_k, dense_layers=cfg.dense_layers)
     return SparseKVState(
         cache=cache,
-        evicted_at=jnp.full((num_layers, batch, num_kv_heads, max_len if record else 0), NEVER,
-                            jnp.int32),
+        evicted_at=jnp.full((num_layers, batch, num_kv_heads,
+                             max_len if record and cfg.compresses else 0), NEVER, jnp.int32),
     )
 
 
@@ -235,7 +239,7 @@ def visibility_from_record(evicted_at: jax.Array, positions: jax.Array) -> jax.A
     """Per-key expiry ``[L, B, Hkv, S]`` int32 for keys laid out in columns.
 
     Args:
-      evicted_at: ``[L, B, Hkv, T_total]`` eviction record.
+      evicted_at: ``[L, B, Hkv, T_total]`` the state's eviction times (``SparseKVState``).
       positions: ``[B, S]`` int32 token position of each column, ``-1`` = padding.
     Returns the model's ``key_expiry``: key ``s`` is visible to query ``t`` iff
     ``0 <= positions[s] <= t < expiry[s]``; padding and out-of-record columns get ``NEVER``.
@@ -258,16 +262,23 @@ def visibility_from_record(evicted_at: jax.Array, positions: jax.Array) -> jax.A
 
 @struct.dataclass
 class EvictionRecord:
-    """An evicting rollout's record as a replay record (``scoring.ReplayRecord``).
+    """An evicting rollout's replay record (``Rollout.record``, a ``scoring.ReplayRecord``).
 
     Attributes:
-      evicted_at: ``[L, N, Hkv, T_total]`` int32 (``Rollout.eviction_record``).
+      evicted_at: ``[N, L, Hkv, P + M]`` int32, row first (the state's ``evicted_at`` with its
+        layer and row axes swapped): indexed by token position, the first query position
+        that no longer sees the key; ``NEVER`` if it was never evicted.
     """
 
     evicted_at: jax.Array
+    fill: ClassVar[int] = NEVER
 
     def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
                     response_len: int) -> ExpiryRecord:
         """The expiry times of the ``[N, S]`` columns (:func:`visibility_from_record`)."""
         del prompt_lengths, response_len  # the record is indexed by position
-        return ExpiryRecord(visibility_from_record(self.evicted_at, positions))
+        n, s = positions.shape
+        if self.evicted_at.ndim == 4 and self.evicted_at.shape[-1]:
+            check_shape("record.evicted_at", self.evicted_at, N=n, L=None, Hkv=None, T=s)
+        return ExpiryRecord(visibility_from_record(jnp.moveaxis(self.evicted_at, 0, 1),
+                                                   positions))

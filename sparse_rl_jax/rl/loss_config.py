@@ -37,7 +37,7 @@ class CorrectionConfig:
       (masked IS / IcePop: reject where `r` is outside `[is_lower, is_upper]`, weight `r`
       inside), `sparse_rl` (sequence veto + rejection outside `[rs_lower, rs_upper]` +
       truncated IS weight `min(r, is_upper)`), `shadow_mask` (no weights, nothing rejected:
-      the learner scores with the sampler's eviction record, so its PPO ratio is against the
+      the learner scores with the rollout's `Rollout.record`, so its PPO ratio is against the
       sampler's own log-probs; distillation to the dense policy is `loss.distill_coef`; see
       `grpo_loss`).
     level: which ratio the weight/rejection uses: `token` (per token), `sequence` (product over

@@ -33,9 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.lora import drop_adapter_inputs, split_trainable
 from sparse_rl_jax.rl.grpo_loss import LossBatch, LossNorm, combine_metrics, grpo_loss, loss_norm
-from sparse_rl_jax.kv.state import EvictionRecord
 from sparse_rl_jax.rl.loss_config import GRPOLossConfig
-from sparse_rl_jax.rollout.scoring import response_logprobs, shadow_logprobs
+from sparse_rl_jax.rollout.scoring import ReplayRecord, response_logprobs, shadow_logprobs
 
 
 class Minibatch(NamedTuple):
@@ -43,17 +42,17 @@ class Minibatch(NamedTuple):
 
     prompt, prompt_mask: ``[N, P]``; response: ``[N, M]`` int32; loss: the ``LossBatch``
     (``[N, M]`` / ``[N]`` arrays: old log-probs, advantages, masks, IS weights).
-    eviction_record: None, or (shadow-mask training) the sampler's record moved to a leading
-    sequence axis, ``[N, L, Hkv, P + M]`` int32, so that every leaf splits along axis 0. With
-    it the update scores the response under the recorded sparse context (the learner's
-    policy) and under the full context (the distillation teacher).
+    record: None, or (shadow-mask training) the rows' replay record (``Rollout.record``, any
+    ``scoring.ReplayRecord``: arrays rows first, so every leaf splits along axis 0). With it
+    the update scores the response under the view the record gives of the sparse context
+    (the learner's policy) and under the full context (the distillation teacher).
     """
 
     prompt: jax.Array
     prompt_mask: jax.Array
     response: jax.Array
     loss: LossBatch
-    eviction_record: jax.Array | None = None
+    record: ReplayRecord | None = None
 
 
 def micro_batches(batch: Minibatch, micro_batch_size: int) -> Minibatch:
@@ -74,7 +73,7 @@ def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
                    norm: LossNorm | None, *, loss_cfg: GRPOLossConfig, chunk_size: int = 128,
                    dropout_key: jax.Array | None = None, temperature: float = 1.0):
     """``(loss, metrics)`` of ``grpo_loss`` on ``batch`` scored by the policy
-    ``trainable`` + ``frozen`` (``split_trainable``; dense, or with ``batch.eviction_record``
+    ``trainable`` + ``frozen`` (``split_trainable``; dense, or with ``batch.record``
     under the recorded sparse context); ``norm``: the aggregation denominators (None:
     ``batch``'s own); ``dropout_key``: the adapters' input dropout keys
     (``models.lora.drop_adapter_inputs``; None: no dropout); ``temperature``: the rollout's
@@ -84,15 +83,15 @@ def minibatch_loss(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibatch,
     if dropout_key is not None:
         drop_adapter_inputs(model, dropout_key)
     with_entropy = loss_cfg.entropy_coef > 0
-    if batch.eviction_record is None:
+    if batch.record is None:
         out = response_logprobs(
             model, batch.prompt, batch.prompt_mask, batch.response, chunk_size=chunk_size,
             with_entropy=with_entropy, temperature=temperature,
         )
         return grpo_loss(out.logp, batch.loss, loss_cfg, entropy=out.entropy, norm=norm)
     scores = shadow_logprobs(
-        model, batch.prompt, batch.prompt_mask, batch.response,
-        EvictionRecord(jnp.moveaxis(batch.eviction_record, 0, 1)), chunk_size=chunk_size,
+        model, batch.prompt, batch.prompt_mask, batch.response, batch.record,
+        chunk_size=chunk_size,
         with_kl=loss_cfg.distill_kind == "full", with_entropy=with_entropy,
         temperature=temperature,
     )

@@ -73,7 +73,7 @@ def response_acceptance(
     chunk_size: int = 128,
 ) -> jax.Array:
     """``alpha [N, M]`` of each response token: the replayed sparse policy (from the rollout's
-    replay ``record``, ``sampler.replay_record``) against the dense policy of the same params.
+    replay ``record``, ``Rollout.record``) against the dense policy of the same params.
 
     Args as ``scoring.response_logprobs``; ``top_k`` / ``temperature`` as
     :func:`acceptance_from_logits`. Teacher-forced; at most two ``[N, chunk, V]`` logit

@@ -332,10 +332,10 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
         if queued == n and not live.any():
             break
     rollout = finish_rollout(
-        prompt, prompt_mask, sampling.num_samples, response=out.response, logp=out.logp,
-        finished=out.finished, response_len=out.length, kv_sum=out.kv_sum,
+        prompt, prompt_mask, sampling.num_samples, compression, response=out.response,
+        logp=out.logp, finished=out.finished, response_len=out.length, kv_sum=out.kv_sum,
         kv_peak=out.kv_peak, forwards=out.forwards,
-        num_compressions=jnp.max(out.compressions), eviction_record=out.evicted_at,
+        num_compressions=jnp.max(out.compressions), evicted_at=out.evicted_at,
         page_record=out.page_record)
     return rollout, s, decode_steps
 

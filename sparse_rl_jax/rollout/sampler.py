@@ -6,12 +6,12 @@ once per prompt however many samples are drawn from it), then :func:`decode` (a 
 trace the halves apart.
 Every decode step writes one token per row, and the cache is compressed back to ``budget``
 slots whenever it fills (``kv_state.maybe_compress``). The sampler records the log-prob of each
-sampled token under the policy that produced it, and the eviction record that makes that policy
-reproducible by a teacher-forced forward (``scoring.score(..., replay_record(rollout,
-compression))``). With ``sparrow`` nothing is evicted: each decode step attends to
-selected pages of the paged cache (``models.page_sparse``, whose cache keeps its own page-mean
-keys); the selection record replays it the same way. With ``none`` nothing is evicted; its own
-layout is the paged cache (``models.paged_cache``, decode reads only the filled pages),
+sampled token under the policy that produced it, and the record (``Rollout.record``) that
+makes that policy reproducible by a teacher-forced forward (``score(..., rollout.record)``).
+With ``sparrow`` nothing is evicted: each decode step attends to selected pages of the paged
+cache (``models.page_sparse``, whose cache keeps its own page-mean keys); the record of those
+pages replays it the same way. With ``none`` nothing is evicted (no record); its own layout
+is the paged cache (``models.paged_cache``, decode reads only the filled pages),
 ``compression.layout: dense`` the slot cache.
 """
 
@@ -28,7 +28,7 @@ from flax import nnx
 from models.shapes import check_shape
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
-from sparse_rl_jax.kv.page_sparsity import PageRecord, schedule_budget
+from sparse_rl_jax.kv.page_sparsity import schedule_budget
 from sparse_rl_jax.rollout.result import Rollout, finish_rollout
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.token_sampling import row_keys, sample_rows
@@ -69,19 +69,6 @@ class DecodeLoop(NamedTuple):
     compressions: jax.Array  # []
     keys: jax.Array  # [N] row keys (token_sampling.row_keys)
     page_record: jax.Array  # [L, N, Hkv, M, K] (sparrow + record) or [L, N, Hkv, 0, 0]
-
-
-def replay_record(rollout: Rollout, compression: CompressionConfig
-                  ) -> kv_state.EvictionRecord | PageRecord | None:
-    """The replay record (``scoring.ReplayRecord``) of a rollout sampled under
-    ``compression``: its eviction record (evicting methods) or page selections (``sparrow``);
-    None for ``none`` (dense) and when the rollout kept no record
-    (``sampling.record_evictions`` off)."""
-    if compression.page_sparse and rollout.page_record.shape[3]:
-        return PageRecord(rollout.page_record, compression.page_size)
-    if compression.compresses and rollout.eviction_record.shape[-1]:
-        return kv_state.EvictionRecord(rollout.eviction_record)
-    return None
 
 
 def bucket_prompts(
@@ -181,7 +168,7 @@ def prefill_rows(model, prompt, prompt_mask, key, rows, *, sampling: SamplingCon
         head_dim=cfg.head_dim,
         max_len=max_len,
         dtype=model.dtype,
-        record=bool(sampling.record_evictions) and not compression.page_sparse,
+        record=bool(sampling.record_evictions),
     )
     positions = jnp.where(prompt_mask > 0, jnp.cumsum(prompt_mask, axis=1) - 1, -1)
     out = model(prompt, positions, kv=state.cache, return_logits=False)
@@ -359,8 +346,9 @@ def generate(
         jnp.argmax(_is_eos(loop.response, sampling.eos_ids), axis=1) + 1,
         loop.step,
     )
-    return finish_rollout(
-        prompt, prompt_mask, sampling.num_samples, response=loop.response, logp=loop.logp,
-        finished=loop.done, response_len=response_len, kv_sum=loop.kv_sum,
-        kv_peak=loop.kv_peak, forwards=loop.forwards, num_compressions=loop.compressions,
-        eviction_record=loop.state.evicted_at, page_record=loop.page_record)
+    rows = dict(response=loop.response, logp=loop.logp, finished=loop.done,
+                response_len=response_len, kv_sum=loop.kv_sum, kv_peak=loop.kv_peak,
+                forwards=loop.forwards, num_compressions=loop.compressions,
+                evicted_at=loop.state.evicted_at, page_record=loop.page_record)
+    del loop  # frees the KV cache before the record's rows move first (a copy of it)
+    return finish_rollout(prompt, prompt_mask, sampling.num_samples, compression, **rows)

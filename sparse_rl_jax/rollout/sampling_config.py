@@ -26,11 +26,11 @@ class SamplingConfig:
       pad_id: id written after a response ended.
       prompt_bucket: prompt lengths are left-padded up to a multiple of this, so calls with
         similar prompt lengths reuse one compiled program.
-      record_evictions: keep the eviction record (``Rollout.eviction_record``, int32
-        ``[L, N, Hkv, P + M]``; ``Rollout.page_record`` for ``sparrow``) that lets ``score``
-        replay the sparse context exactly. Off, the record is an empty ``[L, N, Hkv, 0]``
-        array, which saves its memory (about 2 GB for a 28-layer, 4-KV-head model at
-        1024 x 4.7k tokens). None (the default) means "as needed": a run resolves it from
+      record_evictions: keep the rollout's replay record (``Rollout.record``: the int32
+        ``[N, L, Hkv, P + M]`` eviction times of the evicting methods, the ``[N, L, Hkv, M, K]``
+        selected pages of ``sparrow``) that lets ``score`` replay the sparse context exactly.
+        Off, ``Rollout.record`` is None, which saves its memory (about 2 GB for a 28-layer,
+        4-KV-head model at 1024 x 4.7k tokens); ``none`` has no record either way. None (the default) means "as needed": a run resolves it from
         what reads the record (``policy.resolve_sampling``: the ``shadow_mask`` learner, or
         ``sparrow``'s acceptance metric); the sampler alone, which cannot know, treats None
         as off. Pass True to replay a rollout yourself.

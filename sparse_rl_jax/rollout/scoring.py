@@ -1,10 +1,9 @@
 """Teacher-forced log-probs of response tokens: dense, or with a rollout's record replayed.
 
-A replay record (:class:`ReplayRecord`: ``kv_state.EvictionRecord`` of the evicting methods,
-``page_sparsity.PageRecord`` of ``sparrow``; ``sampler.replay_record(rollout, compression)``
-picks the rollout's) turns into the ``models.kv_view`` view of a full forward over prompt +
-response, which makes every query see what it saw in the rollout; scoring knows no record
-format.
+A replay record (:class:`ReplayRecord`, a rollout's ``Rollout.record``:
+``kv_state.EvictionRecord`` of the evicting methods, ``page_sparsity.PageRecord`` of
+``sparrow``) turns into the ``models.kv_view`` view of a full forward over prompt + response,
+which makes every query see what it saw in the rollout; scoring knows no record format.
 
 Dense scoring runs cuDNN flash attention where it exists (the fused backend on a GPU in half
 precision, rows rotated to right padding), else the blockwise backend, which takes the
@@ -22,7 +21,7 @@ columns of a chunk, V vocabulary, S = P + M prompt and response columns.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +34,13 @@ from sparse_rl_jax.core.config_checks import is_number
 
 
 class ReplayRecord(Protocol):
-    """What a rollout recorded of each query's context, replayable by a teacher-forced
-    forward (a pytree, so it passes through ``jit``)."""
+    """What a rollout recorded of each query's context (``Rollout.record``), replayable by a
+    teacher-forced forward. A pytree whose arrays all hold the rows first (``[N, ...]``), so
+    that it is sliced, split into (micro-)batches, sharded and concatenated with the other
+    per-row arrays; ``fill`` is the array value that records nothing (padding a record with
+    it changes no replay)."""
+
+    fill: ClassVar[int]
 
     def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
                     response_len: int) -> KVView:
@@ -44,6 +48,23 @@ class ReplayRecord(Protocol):
         response columns, ``-1`` padding; ``prompt_lengths [N]`` real prompt tokens,
         ``response_len`` M response columns); ValueError naming the record when it does not
         fit or holds nothing."""
+
+
+def concatenate_records(records: Sequence[ReplayRecord]) -> ReplayRecord:
+    """The rows of several records of one kind (rollouts of possibly different prompt widths
+    ``P_i``) as one record, which replays every row with its prompt left-padded to the widest
+    ``P``: positions do not move with left padding, so each array is only padded with the
+    record's ``fill`` after its row axis to the widest shape (an eviction record to ``P + M``
+    key positions, a page record to the most page slots), then the rows are concatenated."""
+    fill = type(records[0]).fill
+
+    def cat(*arrays):
+        widest = [max(a.shape[i] for a in arrays) for i in range(1, arrays[0].ndim)]
+        return jnp.concatenate([
+            jnp.pad(a, [(0, 0)] + [(0, w - d) for w, d in zip(widest, a.shape[1:])],
+                    constant_values=fill) for a in arrays], axis=0)
+
+    return jax.tree.map(cat, *records)
 
 
 class ScoreOutput(NamedTuple):
@@ -106,8 +127,8 @@ def _response_hidden(model, prompt, prompt_mask, response, record: ReplayRecord 
     positions = sequence_positions(prompt_mask, m)
     if record is not None and not hasattr(record, "replay_view"):
         raise TypeError(
-            f"record: expected a replay record (sampler.replay_record(rollout, compression), "
-            f"kv_state.EvictionRecord or page_sparsity.PageRecord), got {type(record).__name__}")
+            f"record: expected a replay record (Rollout.record: kv_state.EvictionRecord or "
+            f"page_sparsity.PageRecord), got {type(record).__name__}")
     if record is not None:
         view = record.replay_view(positions, prompt_mask.astype(jnp.int32).sum(axis=1), m)
         hidden = model(tokens, positions, kv=view, return_logits=False).hidden
@@ -162,7 +183,7 @@ def response_logprobs(
       prompt_mask: ``[N, P]`` 1 for real prompt tokens.
       response: ``[N, M]`` int32 sampled tokens (anything after the end is ignored by the
         caller's mask; it never influences earlier tokens).
-      record: optional :class:`ReplayRecord` of the rollout (``sampler.replay_record``).
+      record: optional :class:`ReplayRecord` of the rollout (``Rollout.record``).
         When given, each query sees exactly the keys the sparse sampler attended to (the
         evicting cache's kept keys, or Sparrow's selected pages), which reproduces the
         sampler's log-probs.
@@ -269,7 +290,7 @@ def score(
     """Jitted :func:`response_logprobs` over an ``nnx.split`` model (``graphdef, params``).
 
     Pass the reference model's params for reference log-probs; pass the rollout's replay
-    record (``sampler.replay_record(rollout, compression)``) to replay the sparse policy
+    record (``Rollout.record``) to replay the sparse policy
     exactly; pass the rollout's ``sampling.temperature`` (static: one compile per value) to
     score the policy it sampled from.
     """

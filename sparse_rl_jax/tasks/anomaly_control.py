@@ -10,8 +10,8 @@ to ``sampling.max_new_tokens`` without halting. The rows are drawn by a PRNG of
 
 The replaced tokens get sampler log-prob 0 (the corrupted sampler was certain of them) and
 are then scored by the dense policy like every other row, so the learner sees confident
-off-policy tokens with a reward of 0, as after a bad eviction; the rollout's eviction and
-KV records of those rows are left as they were (``shadow_mask`` cannot replay them, and a run
+off-policy tokens with a reward of 0, as after a bad eviction; the rollout's record and
+KV statistics of those rows are left as they were (``shadow_mask`` cannot replay them, and a run
 rejects that combination). If naive training survives this control, collapse from bad
 evictions is not observable at that scale.
 """

@@ -21,14 +21,13 @@ from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.rollout.acceptance import score_acceptance
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.rl.corrections import Corrections, compute_corrections
-from sparse_rl_jax.kv.state import EvictionRecord
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 from sparse_rl_jax.tasks.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.rollout.engine import generate_rollout
-from sparse_rl_jax.rollout.sampler import Rollout, replay_record
+from sparse_rl_jax.rollout.sampler import Rollout
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
-from sparse_rl_jax.rollout.scoring import score
+from sparse_rl_jax.rollout.scoring import ReplayRecord, score
 
 jitted_corrections = jax.jit(compute_corrections, static_argnames="cfg")
 
@@ -137,20 +136,20 @@ def _score_batch(policy: RolloutPolicy, params, plan: dict, rows: int) -> int:
     return max(d for d in range(1, size + 1) if rows % d == 0)
 
 
-def score_all(policy: RolloutPolicy, params, prompt, prompt_mask, response, record=None,
-              size=None, temperature=None) -> jax.Array:
+def score_all(policy: RolloutPolicy, params, prompt, prompt_mask, response,
+              record: ReplayRecord | None = None, size=None, temperature=None) -> jax.Array:
     """Teacher-forced log-probs ``[N, M]``, ``size`` sequences a call (None:
-    ``policy.score_batch``): dense, or with ``record`` (``[N, L, Hkv, P + M]``, sequence axis
-    first) under the recorded sparse context; at ``temperature`` (None:
-    ``policy.sampling.temperature``, the policy the rollouts were drawn from)."""
+    ``policy.score_batch``): dense, or with the rows' ``record`` (``Rollout.record``) under
+    the recorded sparse context; at ``temperature`` (None: ``policy.sampling.temperature``,
+    the policy the rollouts were drawn from)."""
     temperature = policy.sampling.temperature if temperature is None else temperature
     size = size or policy.score_batch or response.shape[0]
     parts = []
     for start in range(0, response.shape[0], size):
         rows = slice(start, start + size)
-        replay = None if record is None else EvictionRecord(jnp.moveaxis(record[rows], 0, 1))
         parts.append(score(policy.graphdef, params, prompt[rows], prompt_mask[rows],
-                           response[rows], replay, chunk_size=policy.logp_chunk,
+                           response[rows], jax.tree.map(lambda x: x[rows], record),
+                           chunk_size=policy.logp_chunk,
                            temperature=temperature).logp)
     return jnp.concatenate(parts, axis=0)
 
@@ -158,9 +157,9 @@ def score_all(policy: RolloutPolicy, params, prompt, prompt_mask, response, reco
 def acceptance_all(policy: RolloutPolicy, params, rollout: Rollout, size: int,
                    comp: CompressionConfig, temperature: float) -> jax.Array | None:
     """alpha ``[N, M]`` of a rollout (sampled under ``comp`` at ``temperature``) from its
-    record, ``size`` sequences a call; None when ``comp.alpha_metric`` is off or the rollout
-    kept no record."""
-    record = replay_record(rollout, comp)
+    ``record``, ``size`` sequences a call; None when ``comp.alpha_metric`` is off or the
+    rollout kept no record."""
+    record = rollout.record
     if comp.alpha_metric == "off" or record is None:
         return None
     top_k = 20 if comp.alpha_metric == "top20" else None
@@ -169,7 +168,7 @@ def acceptance_all(policy: RolloutPolicy, params, rollout: Rollout, size: int,
         rows = slice(start, start + size)
         parts.append(score_acceptance(
             policy.graphdef, params, rollout.prompt[rows], rollout.prompt_mask[rows],
-            rollout.response[rows], jax.tree.map(lambda x: x[:, rows], record), top_k=top_k,
+            rollout.response[rows], jax.tree.map(lambda x: x[rows], record), top_k=top_k,
             temperature=temperature, chunk_size=policy.logp_chunk))
     return jnp.concatenate(parts, axis=0)
 

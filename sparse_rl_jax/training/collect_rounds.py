@@ -26,12 +26,12 @@ import numpy as np
 from sparse_rl_jax.tasks.anomaly_control import control_rows, inject_missed_increment
 from sparse_rl_jax.training.budget_control import bin_p5, p5_metrics
 from sparse_rl_jax.training.collect import Collected, collect_prompts
-from sparse_rl_jax.kv.state import NEVER
 from sparse_rl_jax.rl.overlong import overlong_penalty
 from sparse_rl_jax.tasks.rewards import repeat_answers
 from sparse_rl_jax.rl.rollout_metrics import (acceptance_metrics, kv_token_savings,
                                            rollout_metrics)
 from sparse_rl_jax.rollout.sampler import Rollout
+from sparse_rl_jax.rollout.scoring import ReplayRecord, concatenate_records
 
 _rollout_metrics = jax.jit(rollout_metrics)
 
@@ -47,9 +47,9 @@ class UpdateBatch(NamedTuple):
       logp_sparse: ``[N, M]`` sampler log-probs; logp_old: ``[N, M]`` dense scorer log-probs.
       rewards: ``[N]`` float32 task reward plus the overlong penalty.
       valid: ``[N]`` bool, False on padding rows (whole groups).
-      record: None, or (``correction.kind: shadow_mask``) the sampler's eviction record with
-        the sequence axis first, ``[N, L, Hkv, P + M]`` int32, re-based to the common prompt
-        width ``P``, so that it splits into minibatches like every other leaf.
+      record: None, or (``correction.kind: shadow_mask``) the rows' replay record
+        (``Rollout.record``, rows first, so it splits into minibatches like every other leaf),
+        widened for the common prompt width ``P`` (``scoring.concatenate_records``).
     """
 
     prompt: jax.Array
@@ -60,7 +60,7 @@ class UpdateBatch(NamedTuple):
     logp_old: jax.Array
     rewards: np.ndarray
     valid: np.ndarray
-    record: jax.Array | None = None
+    record: ReplayRecord | None = None
 
 
 def group_filter(rewards: np.ndarray, in_loss: np.ndarray, group_size: int) -> np.ndarray:
@@ -106,18 +106,6 @@ def _left_pad(x: jax.Array, width: int, value: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
 
 
-def _rebased_record(rollout: Rollout, width: int) -> jax.Array:
-    """The rollout's eviction record ``[L, N, Hkv, P' + M]`` for its prompt left-padded to
-    ``width``, sequence axis first: ``[N, L, Hkv, width + M]``. Both the record's index (key
-    position) and its values (query positions) move by the added padding; the padding keys
-    are never evicted (the prompt mask hides them anyway)."""
-    shift = width - rollout.prompt.shape[1]
-    record = rollout.eviction_record
-    record = jnp.where(record == NEVER, NEVER, record + shift)
-    record = jnp.pad(record, ((0, 0), (0, 0), (0, 0), (shift, 0)), constant_values=NEVER)
-    return jnp.moveaxis(record, 1, 0)
-
-
 def _assemble(ctx, rounds: list[Collected], groups: list[tuple[int, int]], valid: np.ndarray
               ) -> UpdateBatch:
     """The update batch of the listed ``(round, group)`` pairs, in order."""
@@ -139,8 +127,9 @@ def _assemble(ctx, rounds: list[Collected], groups: list[tuple[int, int]], valid
         lengths, ctx.sampling.max_new_tokens, ctx.cfg.overlong)
     loss_mask = cat(lambda o: o.loss_mask)
     record = None
-    if ctx.cfg.correction.kind == "shadow_mask":
-        record = cat(lambda o: _rebased_record(o.rollout, width))
+    if ctx.cfg.correction.kind == "shadow_mask" and rounds[0].rollout.record is not None:
+        record = jax.tree.map(lambda x: x[rows],
+                              concatenate_records([out.rollout.record for out in rounds]))
     return UpdateBatch(
         prompt=cat(lambda o: o.rollout.prompt, ctx.sampling.pad_id),
         prompt_mask=cat(lambda o: o.rollout.prompt_mask, 0),

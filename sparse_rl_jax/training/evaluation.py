@@ -54,7 +54,7 @@ def mode_name(compression: CompressionConfig) -> str:
 def _mean_reward(policy: RolloutPolicy, params, prompts, answers, sampling, compression, key,
                  batch_size):
     """Mean reward, mean response length and KV savings over all prompts and samples."""
-    # Accuracy needs no eviction record (shadow-mask training turns it on): one less
+    # Accuracy needs no replay record (shadow-mask training turns it on): one less
     # compiled sampler variant and no per-step record traffic.
     sampling = dataclasses.replace(sampling, record_evictions=False)
     rewards, lengths, sparse_kv, dense_kv = [], [], [], []

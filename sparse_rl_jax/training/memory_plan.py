@@ -120,21 +120,19 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     kv, heads = cfg.num_kv_heads, cfg.num_heads
     ring = (cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
             if compression.compresses else 0)  # the cache's query ring: evicting methods only
-    evicting = record_evictions and not compression.page_sparse
-    record = cfg.num_layers * batch * kv * total_len * 4 if evicting else 0
     similarity = 2 * batch * kv * slots * slots * _F32 if compression.compresses else 0
     pages = num_pages(total_len, compression.page_size) if compression.page_sparse else 0
-    # sparrow: page-mean keys beside the cache, and the pages each decode step attended to
+    # the record (Rollout.record): each key's eviction time, or (sparrow, beside its page-mean
+    # keys) the pages each decode step attended to
     selected = selected_slots(compression.max_pages_k, pages) if pages else 0
-    page_record = (cfg.num_layers * batch * kv * new_tokens * selected * 4
-                   if record_evictions and pages else 0)
+    per_row = total_len if compression.compresses else new_tokens * selected
+    record = cfg.num_layers * batch * kv * per_row * 4 if record_evictions else 0
     return {
         "weights": param_count(cfg) * itemsize,
         "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype, paged=paged),
         "page_keys": cfg.num_layers * (batch + prompts) * kv * pages * cfg.head_dim * itemsize,
         "query_ring": ring,
-        "eviction_record": record,
-        "page_record": page_record,
+        "record": record,
         "prefill": _layer_activations(cfg, prompts, prompt_len, itemsize)
         + _attention_block(cfg, prompts, prompt_len, read),
         "decode_step": 2 * batch * cfg.vocab_size * _F32
@@ -159,7 +157,7 @@ def _scoring_parts(cfg: ModelConfig, batch: int, total_len: int, chunk: int,
 
 def _page_replay(cfg: ModelConfig, batch: int, total_len: int,
                  replay: CompressionConfig | None) -> int:
-    """Bytes of a page-selection replay (``scoring`` with ``page_record``): the selection of
+    """Bytes of a page-selection replay (``scoring`` with a ``sparrow`` record): the selection of
     every query ``[L, N, Hkv, S, K]`` int32 and, for one query block, the page flags and
     visibility rows ``[N, Hkv, bq, ceil(S / page_size) + S]`` bool plus the flags' scatter
     indices ``[N, Hkv, bq, K, 4]`` int32 (``models.attention.page_visibility``)."""
@@ -221,12 +219,13 @@ def estimate(
       batch: sequences ``N`` (for a rollout, prompts x ``num_samples``).
       prompt_len, new_tokens: ``P`` (bucketed prompt width) and ``M`` (max new tokens).
       compression: the rollout's KV policy (``None`` = dense); for score/update, a
-        ``sparrow`` config with ``record_evictions`` counts the replay of its page record.
+        ``sparrow`` config with ``record_evictions`` counts the replay of its record.
       dtype: parameter / compute / KV dtype.
       num_samples: samples per prompt (a rollout prefills ``N / num_samples`` prompts).
       logp_chunk: response columns per LM-head chunk (score/update).
-      record_evictions: the rollout keeps its record: the ``[L, N, Hkv, P + M]`` eviction
-        record, or for ``sparrow`` the ``[L, N, Hkv, M, K]`` selected pages.
+      record_evictions: the rollout keeps its record (``Rollout.record``): the
+        ``[N, L, Hkv, P + M]`` eviction times of an evicting method, or for ``sparrow`` the
+        ``[N, L, Hkv, M, K]`` selected pages.
       remat: the update's ``model.remat`` policy: what each layer keeps for its backward
         (``none``: its activations; ``full``: its input only; ``dots_saveable``: its matmul
         outputs, the attention scores included).

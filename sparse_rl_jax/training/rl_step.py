@@ -31,6 +31,7 @@ from sparse_rl_jax.rl.grpo_loss import LossBatch, check_loss_batch
 from sparse_rl_jax.tasks.prompt_source import PromptSource
 from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.rollout.scoring import sequence_positions
 from sparse_rl_jax.rl.update_step import Minibatch, dropout_key
 
 BATCH_AXES = ("data", "fsdp")
@@ -132,15 +133,17 @@ def collect(ctx: StepContext, params, position: int
 
 def check_minibatch(full: Minibatch) -> None:
     """Raise ValueError naming the leaf of ``full`` that is not ``[N, P]`` (prompt, prompt
-    mask), ``[N, M]`` int (response), ``[N, M]`` / ``[N]`` (loss) or ``[N, L, Hkv, P + M]``
-    (eviction record)."""
+    mask), ``[N, M]`` int (response), ``[N, M]`` / ``[N]`` (loss) or, for the record, what
+    its ``replay_view`` over the ``[N, P + M]`` columns refuses (shapes only: nothing runs)."""
     check_shape("full.response", full.response, dtype=int, N=None, M=None)
     n, m = full.response.shape
     check_shape("full.prompt", full.prompt, dtype=int, N=n, P=None)
     p = full.prompt.shape[1]
     check_shape("full.prompt_mask", full.prompt_mask, N=n, P=p)
     check_loss_batch(full.loss, n, m, name="full.loss")
-    check_shape("full.eviction_record", full.eviction_record, N=n, L=None, Hkv=None, T=p + m)
+    if full.record is not None:
+        jax.eval_shape(lambda record, mask: record.replay_view(
+            sequence_positions(mask, m), mask.sum(axis=1), m), full.record, full.prompt_mask)
 
 
 def update(ctx: StepContext, params, opt_state, full: Minibatch, step: int):

@@ -231,7 +231,7 @@ class EvalConfig:
 
 # The embedded default: a CPU-sized run on the shipped task. Sections not listed keep their
 # own defaults (the official Sparse-RL settings); configs/ holds the paper setups.
-# Runs record evictions only when the learner replays the sparse context (shadow_mask):
+# Runs keep the rollout's record only where something reads it (policy.record_needed):
 # record_evictions None = auto (memory).
 DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucket=16,
                                   record_evictions=None)
@@ -272,14 +272,9 @@ class RunConfig:
         sampling, trainer, correction = self.sampling, self.trainer, self.correction
         check(sampling.num_samples >= 2, self, "sampling.num_samples", "must be >= 2 (the GRPO "
               "group: advantages compare samples of one prompt)", sampling.num_samples)
-        check(not (correction.kind == "shadow_mask" and self.compression.method == "sparrow"),
-              self, "correction.kind", "is not supported with compression.method sparrow: "
-              "shadow_mask replays an eviction record; sparrow keeps a page-selection record the "
-              "update step does not replay yet: use sparse_rl, tis, mis or none with sparrow",
-              correction.kind)
         check(not (self.compression.adapt_k and sampling.record_evictions is False), self,
               "sampling.record_evictions", "cannot be false with compression.adapt_k (the "
-              "closed loop reads alpha from the page record); leave it unset (auto) or true",
+              "closed loop reads alpha from the rollout's record); leave it unset (auto) or true",
               sampling.record_evictions)
         check(self.overlong.buffer_len < sampling.max_new_tokens, self, "overlong.buffer_len",
               f"must be < sampling.max_new_tokens={sampling.max_new_tokens}",
@@ -294,18 +289,19 @@ class RunConfig:
         self._check_shadow_mask()
         check(not (self.data.control_missed_increment and correction.kind == "shadow_mask"),
               self, "data.control_missed_increment", "cannot be used with correction.kind="
-              "shadow_mask (the injected rows have no eviction record to replay)",
+              "shadow_mask (the injected rows have no record to replay)",
               self.data.control_missed_increment)
         synthetic = self.data.source in ("task", "walk")
         if synthetic and self.model.path is None and self.compression.compresses:
             self._check_task_fits()
 
     def _check_shadow_mask(self) -> None:
-        """The eviction record and the distillation term exist only under shadow_mask."""
+        """The learner replays the rollout's record, and the distillation term exists, only
+        under shadow_mask."""
         shadow = self.correction.kind == "shadow_mask"
         check(self.sampling.record_evictions is not False or not shadow, self,
               "sampling.record_evictions", "cannot be false with correction.kind=shadow_mask "
-              "(the learner replays the eviction record); leave it unset (auto) or true",
+              "(the learner replays the rollout's record); leave it unset (auto) or true",
               self.sampling.record_evictions)
         check(shadow or self.loss.distill_coef == 0, self, "loss.distill_coef",
               f"needs correction.kind=shadow_mask (got {self.correction.kind!r}): the "
