@@ -21,6 +21,7 @@ from jax import lax
 
 from models.attention import masked_softmax
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.core.masked_math import masked_mean
 
 _SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency score
@@ -72,7 +73,7 @@ def _group_logits(queries: jax.Array, keys: jax.Array) -> jax.Array:
 
 
 def importance(
-    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+    cfg: EvictionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
 ) -> jax.Array:
     """Attention importance ``I [B, Hkv, C]`` of the non-window slots (0 on the others).
 
@@ -164,10 +165,10 @@ def slot_scores(
         raise ValueError("CompressionConfig.method='none' never evicts and has no slot scores")
     valid, non_window = _slot_masks(pos, index, queries.shape[2])
     if cfg.method == "streaming":
-        z = streaming_scores(pos, index, cfg.num_sinks)
+        z = streaming_scores(pos, index, cfg.eviction.num_sinks)
     else:
-        z = importance(cfg, queries, keys, pos, index)
+        z = importance(cfg.eviction, queries, keys, pos, index)
         if cfg.method == "rkv":
-            r = redundancy(keys, pos, index, cfg.redundancy_threshold)
-            z = cfg.rkv_lambda * z - (1.0 - cfg.rkv_lambda) * r
+            r = redundancy(keys, pos, index, cfg.eviction.redundancy_threshold)
+            z = cfg.eviction.rkv_lambda * z - (1.0 - cfg.eviction.rkv_lambda) * r
     return jnp.where(valid & non_window, z, -jnp.inf)

@@ -195,8 +195,9 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
     check_shape("prompt_mask", prompt_mask, B=b, P=p)
     model = nnx.merge(graphdef, params)
     cfg = model.config
-    if compression.page_sparse and any(i >= cfg.num_layers for i in compression.dense_layers):
-        raise ValueError(f"CompressionConfig.dense_layers={compression.dense_layers} names a "
+    if compression.page_sparse and any(i >= cfg.num_layers
+                                       for i in compression.sparrow.dense_layers):
+        raise ValueError(f"CompressionConfig.sparrow.dense_layers={compression.sparrow.dense_layers} names a "
                          f"layer the model ({cfg.num_layers} layers) does not have")
     state = kv_state.init_state(
         compression,
@@ -336,7 +337,7 @@ def _checked_budget_ks(budget_ks, compression: CompressionConfig) -> jax.Array |
     if budget_ks is None:
         return None
     ks = np.asarray(budget_ks)
-    bins, largest = len(compression.budget_schedule), compression.max_pages_k
+    bins, largest = len(compression.sparrow.budget_schedule), compression.max_pages_k
     if not compression.page_sparse or ks.shape != (bins,) or ks.dtype.kind not in "iu" or (
             ks.min() < 0 or ks.max() > largest):
         raise ValueError(f"budget_ks: expected {bins} ints in [0, max_pages_k={largest}] (one "

@@ -118,7 +118,7 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     read = min(slots, default_chunk_pages() * compression.page_size) if paged else slots
     prompts = -(-batch // num_samples)
     kv, heads = cfg.num_kv_heads, cfg.num_heads
-    ring = (cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
+    ring = (cfg.num_layers * batch * heads * compression.eviction.window * cfg.head_dim * itemsize
             if compression.compresses else 0)  # the cache's query ring: evicting methods only
     evicting = record_evictions and not compression.page_sparse
     record = cfg.num_layers * batch * kv * total_len * 4 if evicting else 0
