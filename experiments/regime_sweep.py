@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
+from sparse_rl_jax.kv.compression_sections import AlphaConfig  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
 from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
         f"data.task.n_min={min(args.n + [defaults.data.task.n_min])}",
         "sampling.max_new_tokens="
         f"{max(solution_length(n_max) + 1, defaults.sampling.max_new_tokens)}",
-        f"compression.budget={prompt_length(n_max)}", *args.overrides])
+        f"compression.eviction.budget={prompt_length(n_max)}", *args.overrides])
     started = time.monotonic()
     graphdef, params, tokenizer = load_policy(cfg, policy_path(cfg))
     sampling = resolve_sampling(cfg, tokenizer)
@@ -189,10 +190,11 @@ def main(argv=None) -> int:
         dense_runs = dense_reference(policy, params, prompts, answers, key)
         for method in args.methods:
             for budget in args.budgets:
-                # alpha_metric off: the sweep reports no acceptance (a record would cost
+                # alpha metric off: the sweep reports no acceptance (a record would cost
                 # two more forwards per sequence)
-                compression = dataclasses.replace(cfg.compression, method=method, budget=budget,
-                                                  alpha_metric="off")
+                compression = dataclasses.replace(
+                    cfg.compression, method=method, alpha=AlphaConfig(metric="off"),
+                    eviction=dataclasses.replace(cfg.compression.eviction, budget=budget))
                 if compression.capacity < prompt_length(n):
                     continue  # the prompt alone overflows the cache: not a valid setting
                 row = {"method": method, "n": n, "context": context, "budget": budget}

@@ -293,7 +293,7 @@ def test_sharded_update_equals_single_device():
     ("loss.eps_low=0", "eps_low"),
     ("sampling.num_samples=1", "sampling.num_samples"),
     ("trainer.minibatch_size=48", "trainer.minibatch_size"),
-    ("compression.budget=2", "budget"),
+    ("compression.eviction.budget=2", "budget"),
     ("mesh.tensor=0", "mesh.tensor"),
     ("advantage.estimator=ppo", "advantage.estimator"),
     ("advantage.scale=token", "advantage.scale"),

@@ -104,7 +104,7 @@ class CompressionConfig:
         check_int(self, "page_size", 1)
         for name, section in _SECTIONS.items():
             check(isinstance(getattr(self, name), section), self, name,
-                  f"must be a {section.__name__}")
+                  f"must be of type {section.__name__}")
         for i in range(1, len(self.sparrow.budget_schedule)):
             self._check_bin_fits_pages(i)
         self._check_adapt()
