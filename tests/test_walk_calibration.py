@@ -73,7 +73,7 @@ def test_a_bad_cell_is_a_usage_error_before_anything_runs(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _script().main(["--out", str(out), "--budgets", "64", "8", "compression.eviction.window=8"])
     assert exit_info.value.code == 2
-    assert "--methods/--budgets: CompressionConfig.budget=8 must be an int > window (8)" in (
+    assert "--methods/--budgets: EvictionConfig.budget=8 must be an int > window (8)" in (
         capsys.readouterr().err)
     assert not out.exists()
 

@@ -195,21 +195,14 @@ def prefill(graphdef, params, prompt, prompt_mask, key, *, sampling: SamplingCon
     check_shape("prompt_mask", prompt_mask, B=b, P=p)
     model = nnx.merge(graphdef, params)
     cfg = model.config
-    if compression.page_sparse and any(i >= cfg.num_layers
-                                       for i in compression.sparrow.dense_layers):
-        raise ValueError(f"CompressionConfig.sparrow.dense_layers={compression.sparrow.dense_layers} names a "
-                         f"layer the model ({cfg.num_layers} layers) does not have")
+    dense_layers = compression.sparrow.dense_layers
+    if compression.page_sparse and any(i >= cfg.num_layers for i in dense_layers):
+        raise ValueError(f"CompressionConfig.sparrow.dense_layers={dense_layers} names a layer "
+                         f"the model ({cfg.num_layers} layers) does not have")
     state = kv_state.init_state(
-        compression,
-        num_layers=cfg.num_layers,
-        batch=b,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_len=max_len,
-        dtype=model.dtype,
-        record=bool(sampling.record_evictions) and not compression.page_sparse,
-    )
+        compression, num_layers=cfg.num_layers, batch=b, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len, dtype=model.dtype,
+        record=bool(sampling.record_evictions) and not compression.page_sparse)
     positions = jnp.where(prompt_mask > 0, jnp.cumsum(prompt_mask, axis=1) - 1, -1)
     out = model(prompt, positions, kv=state.cache, return_logits=False)
     state = state.replace(cache=out.kv)
