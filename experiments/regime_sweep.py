@@ -43,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
-from sparse_rl_jax.kv.compression_sections import AlphaConfig  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
 from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
@@ -192,9 +191,10 @@ def main(argv=None) -> int:
             for budget in args.budgets:
                 # alpha metric off: the sweep reports no acceptance (a record would cost
                 # two more forwards per sequence)
+                comp = cfg.compression
                 compression = dataclasses.replace(
-                    cfg.compression, method=method, alpha=AlphaConfig(metric="off"),
-                    eviction=dataclasses.replace(cfg.compression.eviction, budget=budget))
+                    comp, method=method, alpha=dataclasses.replace(comp.alpha, metric="off"),
+                    eviction=dataclasses.replace(comp.eviction, budget=budget))
                 if compression.capacity < prompt_length(n):
                     continue  # the prompt alone overflows the cache: not a valid setting
                 row = {"method": method, "n": n, "context": context, "budget": budget}
