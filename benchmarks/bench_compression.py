@@ -26,14 +26,16 @@ from jax import lax
 from models import Decoder, ModelConfig
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
 
+# (label, method, EvictionConfig fields beyond the budget, buffer and window of the flags)
 VARIANTS = [
-    ("snapkv", dict(method="snapkv")),
-    ("snapkv shared", dict(method="snapkv", head_mode="shared")),
-    ("snapkv kvpress", dict(method="snapkv", importance="kvpress_snapkv")),
-    ("rkv", dict(method="rkv")),
-    ("rkv shared", dict(method="rkv", head_mode="shared")),
-    ("streaming", dict(method="streaming")),
+    ("snapkv", "snapkv", {}),
+    ("snapkv shared", "snapkv", dict(head_mode="shared")),
+    ("snapkv kvpress", "snapkv", dict(importance="kvpress_snapkv")),
+    ("rkv", "rkv", {}),
+    ("rkv shared", "rkv", dict(head_mode="shared")),
+    ("streaming", "streaming", {}),
 ]
 
 
@@ -107,7 +109,7 @@ def main() -> None:
 
     chunk_jit = jax.jit(chunk, donate_argnums=0)
     compress_jit = jax.jit(kv_state.compress, static_argnums=1, donate_argnums=0)
-    cfg0 = CompressionConfig(**base)
+    cfg0 = CompressionConfig(eviction=EvictionConfig(**base))
     start = _filled_state(cfg0, model_cfg, args.batch, args.budget)
     t_chunk = _time(chunk_jit, start, params, repeats=args.repeats)
     t_decode = t_chunk / args.buffer
@@ -122,8 +124,8 @@ def main() -> None:
     header = f"{'method':<16}{'compress ms':>13}{'x decode':>10}{'overhead/token':>16}"
     print(header)
     print("-" * len(header))
-    for name, kw in VARIANTS:
-        cfg = CompressionConfig(**base, **kw)
+    for name, method, kw in VARIANTS:
+        cfg = CompressionConfig(method=method, eviction=EvictionConfig(**base, **kw))
         full = _filled_state(cfg, model_cfg, args.batch, cfg.capacity)
         t_comp = _time(compress_jit, full, cfg, repeats=args.repeats)
         overhead = 100.0 * t_comp / args.buffer / t_decode

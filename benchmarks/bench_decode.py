@@ -142,8 +142,8 @@ class Bench:
         sparse = compression.page_sparse
         return rollout_seconds(
             self.cfg, device, batch=batch, prompt_len=setup.PROMPT_LEN, new_tokens=length,
-            schedule=compression.budget_schedule if sparse else None,
-            page_size=compression.page_size, dense_layers=compression.dense_layers,
+            schedule=compression.sparrow.budget_schedule if sparse else None,
+            page_size=compression.page_size, dense_layers=compression.sparrow.dense_layers,
             itemsize=self.itemsize) / (length - 1)
 
     def rollout(self, batch: int, length: int, compression, zero: bool = False):
@@ -298,16 +298,17 @@ def compression_configs(args) -> dict:
     """``CompressionConfig`` of each ``--methods`` entry on each ``--layouts`` entry it takes,
     by label: the method's name on its own layout, ``method/layout`` on another."""
     from sparse_rl_jax.kv.compression_config import CompressionConfig
+    from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 
     def config(method: str, layout: str | None) -> CompressionConfig:
         if method == "sparrow":
             schedule = tuple(tuple(int(x) for x in entry.split(":")) for entry in args.schedule)
-            return CompressionConfig(method=method, layout=layout, budget_schedule=schedule,
-                                     page_size=args.page_size,
-                                     dense_layers=tuple(args.dense_layers))
-        return CompressionConfig(method=method, layout=layout, budget=args.budget,
-                                 buffer=args.buffer, window=args.window,
-                                 page_size=args.page_size)
+            return CompressionConfig(method=method, layout=layout, page_size=args.page_size,
+                                     sparrow=SparrowConfig(budget_schedule=schedule,
+                                                           dense_layers=tuple(args.dense_layers)))
+        return CompressionConfig(method=method, layout=layout, page_size=args.page_size,
+                                 eviction=EvictionConfig(budget=args.budget, buffer=args.buffer,
+                                                         window=args.window))
 
     configs = {}
     for method in args.methods:

@@ -34,13 +34,14 @@ from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
+from sparse_rl_jax.kv.compression_sections import EvictionConfig  # noqa: E402
 from sparse_rl_jax.rollout.engine import run_continuous  # noqa: E402
 from sparse_rl_jax.rollout.sampler import generate  # noqa: E402
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
 
 SAMPLES, PROMPT = 4, 32
 METHODS = {"none": CompressionConfig(method="none"),
-           "rkv": CompressionConfig(method="rkv", budget=48, buffer=16, window=8)}
+           "rkv": CompressionConfig(method="rkv", eviction=EvictionConfig(budget=48, buffer=16, window=8))}
 
 
 def long_tail_caps(rng: np.random.Generator, n: int, max_new: int) -> np.ndarray:

@@ -66,6 +66,7 @@ def worker(args) -> None:
 
     import models
     from sparse_rl_jax.kv.compression_config import CompressionConfig
+    from sparse_rl_jax.kv.compression_sections import EvictionConfig
     from sparse_rl_jax.rl.loss_config import GRPOLossConfig
     from sparse_rl_jax.records.metrics_writer import read_metrics
     from sparse_rl_jax.tasks.prompt_source import PromptSource
@@ -82,8 +83,8 @@ def worker(args) -> None:
         model=ModelSection(path=args.path, dtype="float32"),
         sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, num_samples=args.samples,
                                 temperature=1.0, prompt_bucket=16),
-        compression=CompressionConfig(method=args.method, budget=args.budget,
-                                      buffer=args.buffer, window=8),
+        compression=CompressionConfig(method=args.method, eviction=EvictionConfig(
+            budget=args.budget, buffer=args.buffer, window=8)),
         loss=GRPOLossConfig(),
         trainer=TrainerConfig(steps=args.steps, prompts_per_step=args.prompts,
                               minibatch_size=args.minibatch, logp_chunk=64,

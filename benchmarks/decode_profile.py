@@ -165,7 +165,7 @@ def reset_index(compression, state, cfg, **_):
     the loop keeps the cache size and never writes past its capacity."""
     cache = state.cache
     index = cache.index
-    index = index - (index >= compression.capacity) * (index - compression.budget)
+    index = index - (index >= compression.capacity) * (index - compression.eviction.budget)
     return state.replace(cache=cache.replace(index=index))
 
 

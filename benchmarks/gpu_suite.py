@@ -308,8 +308,8 @@ def rl_configs(ctx: Context):
     tiny = [f"model.path={path}", "trainer.steps=1", "trainer.prompts_per_step=2",
             "trainer.minibatch_size=4", "trainer.logp_chunk=16", "sampling.num_samples=2",
             "sampling.max_new_tokens=24", "sampling.prompt_bucket=48", *common]
-    rkv = ["compression.method=rkv", "compression.budget=48", "compression.buffer=8",
-           "compression.window=4"]
+    rkv = ["compression.method=rkv", "compression.eviction.budget=48", "compression.eviction.buffer=8",
+           "compression.eviction.window=4"]
     return {arm: load_config(RunConfig, None, [f"run_dir={ctx.tmp / arm}", *tiny, *extra])
             for arm, extra in (("dense", ["compression.method=none"]), ("rkv", rkv))}
 

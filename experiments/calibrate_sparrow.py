@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 from sparse_rl_jax.rollout.acceptance import acceptance_percentile_per_bin, score_acceptance  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
+from sparse_rl_jax.kv.compression_sections import SparrowConfig  # noqa: E402
 from sparse_rl_jax.rollout.sampler import generate  # noqa: E402
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
 from sparse_rl_jax.kv.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402
@@ -45,8 +46,8 @@ from sparse_rl_jax.kv.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402
 
 def sparrow_config(schedule, page_size: int, dense_layers: tuple[int, ...]) -> CompressionConfig:
     """The ``sparrow`` compression of ``schedule`` (validated by ``CompressionConfig``)."""
-    return CompressionConfig(method="sparrow", budget_schedule=tuple(schedule),
-                             page_size=page_size, dense_layers=dense_layers)
+    return CompressionConfig(method="sparrow", page_size=page_size, sparrow=SparrowConfig(
+        budget_schedule=tuple(schedule), dense_layers=dense_layers))
 
 
 def measure_p5(graphdef, params, prompt, mask, key, sampling: SamplingConfig,

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         f"data.task.n_min={min(args.n + [defaults.data.task.n_min])}",
         "sampling.max_new_tokens="
         f"{max(solution_length(n_max) + 1, defaults.sampling.max_new_tokens)}",
-        f"compression.budget={prompt_length(n_max)}", *args.overrides])
+        f"compression.eviction.budget={prompt_length(n_max)}", *args.overrides])
     started = time.monotonic()
     graphdef, params, tokenizer = load_policy(cfg, policy_path(cfg))
     sampling = resolve_sampling(cfg, tokenizer)
@@ -189,10 +189,12 @@ def main(argv=None) -> int:
         dense_runs = dense_reference(policy, params, prompts, answers, key)
         for method in args.methods:
             for budget in args.budgets:
-                # alpha_metric off: the sweep reports no acceptance (a record would cost
+                # alpha metric off: the sweep reports no acceptance (a record would cost
                 # two more forwards per sequence)
-                compression = dataclasses.replace(cfg.compression, method=method, budget=budget,
-                                                  alpha_metric="off")
+                comp = cfg.compression
+                compression = dataclasses.replace(
+                    comp, method=method, alpha=dataclasses.replace(comp.alpha, metric="off"),
+                    eviction=dataclasses.replace(comp.eviction, budget=budget))
                 if compression.capacity < prompt_length(n):
                     continue  # the prompt alone overflows the cache: not a valid setting
                 row = {"method": method, "n": n, "context": context, "budget": budget}

@@ -77,7 +77,7 @@ def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (
         out.append((f"sparse-rl control {rate:g}", [*setting, "correction.kind=sparse_rl"]))
     for budget in budgets:
         for method in methods:
-            setting = [f"compression.method={method}", f"compression.budget={budget}"]
+            setting = [f"compression.method={method}", f"compression.eviction.budget={budget}"]
             # the naive arm also logs the gradient share a 1e-4 veto would have removed
             out.append((f"naive {method} {budget}", [*setting, "correction.kind=none",
                                                       "trainer.low_r_grad_share=true"]))
@@ -184,7 +184,9 @@ def main(argv=None) -> int:
     shared = load_config(RunConfig, args.config, [f"run_dir={out / 'shared'}"] + base)
     policy = policy_path(shared)  # one warm start, shared by every arm
     # Every policy is evaluated dense and under every sparse setting that an arm trains with.
-    inference = [dataclasses.replace(shared.compression, method=m, budget=b)
+    comp = shared.compression
+    inference = [dataclasses.replace(comp, method=m,
+                                     eviction=dataclasses.replace(comp.eviction, budget=b))
                  for b in args.budgets for m in args.methods]
     results, curves = [], {}
     for seed in args.seeds:

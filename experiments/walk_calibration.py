@@ -109,7 +109,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     cfg = load_config(RunConfig, args.config, [f"run_dir={out}", *args.overrides])
     try:  # every cell's config is checked before anything is loaded or sampled
-        cells = {(m, b): dataclasses.replace(cfg.compression, method=m, budget=b)
+        comp = cfg.compression
+        cells = {(m, b): dataclasses.replace(comp, method=m,
+                                             eviction=dataclasses.replace(comp.eviction, budget=b))
                  for m in args.methods for b in args.budgets}
     except ValueError as err:
         parser.error(f"--methods/--budgets: {err}")

@@ -25,6 +25,8 @@ import models.versions  # noqa: F401  (first: importing models checks the jax/fl
 from sparse_rl_jax.rl.advantages import AdvantageConfig, compute_advantages, group_advantages
 from sparse_rl_jax.training.collect import Collected, RolloutPolicy, collect_prompts
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import (AdaptConfig, AlphaConfig, EvictionConfig,
+                                                   SparrowConfig)
 from sparse_rl_jax.rl.corrections import Corrections, compute_corrections
 from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
@@ -52,7 +54,8 @@ __all__ = [
     # the update and the loop
     "update_step", "Minibatch", "make_optimizer", "train",
     # configs
-    "RunConfig", "SamplingConfig", "CompressionConfig", "CorrectionConfig", "GRPOLossConfig",
+    "RunConfig", "SamplingConfig", "CompressionConfig", "EvictionConfig", "SparrowConfig",
+    "AlphaConfig", "AdaptConfig", "CorrectionConfig", "GRPOLossConfig",
     "AdvantageConfig", "OptimConfig", "TrainerConfig",
 ]
 

@@ -1,10 +1,11 @@
 """sparse-rl-jax command line: GRPO with KV-compressed rollouts (Sparse-RL) in JAX.
 
   python run.py                                   # train the embedded default (CPU, minutes)
-  python run.py train --config configs/X.yaml trainer.steps=200 compression.budget=512
+  python run.py train --config configs/X.yaml trainer.steps=200 compression.eviction.budget=512
   python run.py --config configs/paper/qwen2.5-1.5b_rkv.yaml --config configs/mesh/tpu_pod.yaml
   python run.py eval --checkpoint runs/default    # dense vs sparse pass@1 / avg@k
-  python run.py config --config configs/X.yaml    # print the resolved config
+  python run.py config --config configs/X.yaml    # the resolved config, as the method reads it
+  python run.py config --all                      # ... every section, read or not
   python run.py doctor [model.path=DIR_OR_GGUF]  # platform, devices, versions, memory, model
 
 ``sparse-rl`` (the installed console script) takes the same arguments as ``python run.py``.
@@ -30,7 +31,8 @@ COMMANDS = ("train", "eval", "config", "doctor")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Command, ``--config``, ``--checkpoint``, ``--distributed`` and ``key=value`` overrides."""
+    """Command, ``--config``, ``--checkpoint``, ``--all``, ``--distributed`` and ``key=value``
+    overrides."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=COMMANDS)
@@ -43,6 +45,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="eval: an HF checkpoint dir or a run dir (default: run_dir)")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() (multi-host)")
+    parser.add_argument("--all", action="store_true",
+                        help="config: print every section, also those the compression method "
+                             "does not read (compression.sparrow for rkv ...)")
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of an error instead of one line")
     parser.add_argument("--take-over", action="store_true",
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         import yaml
 
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        print(yaml.safe_dump(to_dict(cfg, used_only=not args.all), sort_keys=False))
         return 0
 
     import jax

@@ -40,8 +40,8 @@ def run_args(model, data, run_dir) -> list[str]:
     """``run.py train`` arguments of a one-step run of ``model`` on ``data`` (tiny shapes)."""
     return ["train", f"model.path={model}", "data.source=jsonl", f"data.jsonl.path={data}",
             "data.reward=task_exact", "sampling.max_new_tokens=8", "sampling.num_samples=2",
-            "sampling.prompt_bucket=8", "compression.budget=16",
-            "compression.buffer=4", "compression.window=2", "trainer.steps=1",
+            "sampling.prompt_bucket=8", "compression.eviction.budget=16",
+            "compression.eviction.buffer=4", "compression.eviction.window=2", "trainer.steps=1",
             "trainer.prompts_per_step=2", "trainer.minibatch_size=4", f"run_dir={run_dir}"]
 
 

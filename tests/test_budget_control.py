@@ -1,4 +1,4 @@
-"""Sparrow's closed loop (``compression.adapt_k``): the update rule against a plain-Python
+"""Sparrow's closed loop (``compression.adapt``): the update rule against a plain-Python
 reference, the per-bin p5 against a NumPy loop, config errors, the sampler taking new ks
 without recompiling, and a short training run (k moves by the logged p5; a resumed run
 continues with the checkpointed ks)."""
@@ -14,7 +14,9 @@ import pytest
 from sparse_rl_jax.training import budget_control
 from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.kv.compression_config import CompressionConfig
-from sparse_rl_jax.core.config_io import ConfigError, load_config
+from sparse_rl_jax.kv.compression_sections import AdaptConfig, AlphaConfig, SparrowConfig
+from sparse_rl_jax.core.config_io import (ConfigError, apply_overrides, from_dict, load_config,
+                                          to_dict)
 from sparse_rl_jax.records.metrics_writer import read_metrics
 from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.rollout.sampler import generate
@@ -22,9 +24,11 @@ from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from tiny_hf import left_padded_batch
 from tiny_rl import tiny_task_policy
 
-LOOP = CompressionConfig(method="sparrow", page_size=4, dense_layers=(),
-                         budget_schedule=((0, 1), (32, 2), (48, 3)), adapt_k=True, adapt_step=2,
-                         adapt_margin=0.05, adapt_min_k=1, adapt_max_k=6, alpha_threshold=0.9)
+LOOP = CompressionConfig(
+    method="sparrow", page_size=4,
+    sparrow=SparrowConfig(dense_layers=(), budget_schedule=((0, 1), (32, 2), (48, 3))),
+    alpha=AlphaConfig(threshold=0.9),
+    adapt=AdaptConfig(enabled=True, step=2, margin=0.05, min_k=1, max_k=6))
 
 
 def reference_next(ks, p5, *, threshold, margin, step, low, highs):
@@ -127,26 +131,31 @@ def test_bin_p5_clips_alpha_to_the_unit_interval():
     np.testing.assert_array_equal(high, 1.0)
 
 
-@pytest.mark.parametrize("fields, field", [
-    (dict(adapt_step=0), "adapt_step"),
-    (dict(adapt_margin=1.0), "adapt_margin"),
-    (dict(adapt_min_k=-1), "adapt_min_k"),
-    (dict(adapt_min_k=2), "adapt_min_k"),          # above the schedule's smallest k (1)
-    (dict(adapt_max_k=2), "adapt_max_k"),          # below the schedule's largest k (3)
-    (dict(alpha_metric="off"), "adapt_k"),
-    (dict(adapt_k=1), "adapt_k"),
+@pytest.mark.parametrize("override, message", [
+    ("adapt.step=0", "compression.adapt.step=0 must be an int >= 1"),
+    ("adapt.margin=1.0", "compression.adapt.margin=1.0 must be in [0, 1)"),
+    ("adapt.min_k=-1", "compression.adapt.min_k=-1 must be an int >= 0"),
+    # above the schedule's smallest k (1)
+    ("adapt.min_k=2", "compression.adapt.min_k=2 must be <= every k of sparrow.budget_schedule"),
+    # below the schedule's largest k (3)
+    ("adapt.max_k=2", "compression.adapt.max_k=2 must be >= every k of sparrow.budget_schedule"),
+    ("alpha.metric='off'", "compression.adapt.enabled=True needs alpha.metric exact or top20"),
+    ("adapt.enabled=1", "compression.adapt.enabled: expected true/false, got 1"),
 ])
-def test_config_errors_name_the_field(fields, field):
-    kw = dict(LOOP.__dict__, **fields)
-    with pytest.raises(ConfigError, match=rf"CompressionConfig\.{field}"):
-        CompressionConfig(**kw)
-    with pytest.raises(ConfigError, match=r"CompressionConfig\.adapt_k"):
-        CompressionConfig(method="rkv", adapt_k=True)
+def test_config_errors_name_the_dotted_key(override, message):
+    data = apply_overrides(to_dict(LOOP), [override])
+    with pytest.raises(ConfigError) as err:
+        from_dict(CompressionConfig, data, prefix="compression")
+    assert str(err.value).startswith(message)
+    with pytest.raises(ConfigError, match=r"^CompressionConfig\.adapt\.enabled=True needs method "
+                                          r"sparrow"):
+        CompressionConfig(method="rkv", adapt=AdaptConfig(enabled=True))
 
 
 def test_run_config_rejects_the_loop_without_a_record():
     with pytest.raises(ConfigError, match=r"sampling\.record_evictions"):
-        load_config(RunConfig, None, ["compression.method=sparrow", "compression.adapt_k=true",
+        load_config(RunConfig, None, ["compression.method=sparrow",
+                                      "compression.adapt.enabled=true",
                                       "sampling.record_evictions=false"])
 
 
@@ -184,9 +193,10 @@ def _loop_config(policy_path, run_dir, *overrides):
         f"model.path={policy_path}", f"run_dir={run_dir}", "data.task.n_min=2",
         "data.task.n_max=4", "sampling.max_new_tokens=24", "sampling.num_samples=2",
         "sampling.prompt_bucket=8", "compression.method=sparrow", "compression.page_size=4",
-        "compression.dense_layers=[]", "compression.budget_schedule=[[0, 1], [32, 2]]",
-        "compression.adapt_k=true", "compression.adapt_step=1", "compression.adapt_max_k=3",
-        "compression.adapt_margin=0.0", "trainer.prompts_per_step=2",
+        "compression.sparrow.dense_layers=[]",
+        "compression.sparrow.budget_schedule=[[0, 1], [32, 2]]",
+        "compression.adapt.enabled=true", "compression.adapt.step=1", "compression.adapt.max_k=3",
+        "compression.adapt.margin=0.0", "trainer.prompts_per_step=2",
         "trainer.minibatch_size=4", "trainer.logp_chunk=8", "trainer.checkpoint_every=1",
         "trainer.plots=false", "trainer.export_final=false", "correction.kind=none",
         *overrides])
@@ -200,12 +210,12 @@ def _ks_and_p5(records):
 @pytest.mark.parametrize("threshold", ["1.0", "0.01"])
 def test_training_moves_k_by_the_live_p5(tmp_path, threshold):
     """threshold 1: every bin with a sparse token is below it (k rises); threshold 0.01 with
-    no margin: every bin with tokens has slack (k falls to adapt_min_k)."""
+    no margin: every bin with tokens has slack (k falls to adapt.min_k)."""
     from sparse_rl_jax.training.trainer import train
 
     path = tiny_task_policy(tmp_path / "policy")[0]
     train(_loop_config(path, tmp_path / "run", "trainer.steps=2",
-                       f"compression.alpha_threshold={threshold}"), log=lambda _: None)
+                       f"compression.alpha.threshold={threshold}"), log=lambda _: None)
     steps = _ks_and_p5(read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert steps[0][0] == [1, 2]  # the schedule's own ks first
     (ks, p5), (after, _) = steps
@@ -222,10 +232,10 @@ def test_resumed_training_continues_with_the_checkpointed_ks(tmp_path):
 
     path = tiny_task_policy(tmp_path / "policy")[0]
     run_dir = tmp_path / "run"
-    train(_loop_config(path, run_dir, "trainer.steps=1", "compression.alpha_threshold=1.0"),
+    train(_loop_config(path, run_dir, "trainer.steps=1", "compression.alpha.threshold=1.0"),
           log=lambda _: None)
     messages = []
-    train(_loop_config(path, run_dir, "trainer.steps=2", "compression.alpha_threshold=1.0"),
+    train(_loop_config(path, run_dir, "trainer.steps=2", "compression.alpha.threshold=1.0"),
           log=messages.append)
     assert any("resumed from step 1" in m for m in messages)
     (ks, p5), (resumed, _) = _ks_and_p5(read_metrics(run_dir / "metrics.jsonl"))

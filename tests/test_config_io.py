@@ -1,11 +1,19 @@
 """Config loading and merging through ``config_io.load_config``: the order in which ``base:``
-chains, several config files and dotted overrides win, and nested sections merged key by key."""
+chains, several config files and dotted overrides win, and nested sections merged key by key
+(the ``compression`` sections too); the flat compression keys of before the sections; what
+``run.py config`` prints and what the run directory's ``config.yaml`` holds."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from sparse_rl_jax.core.config_io import from_dict, load_config, save_config
+import pytest
+import yaml
+
+from sparse_rl_jax.cli import main
+from sparse_rl_jax.core.config_io import ConfigError, from_dict, load_config, save_config
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import AlphaConfig
 from sparse_rl_jax.training.run_config import DEFAULT_COMPRESSION, DEFAULT_SAMPLING, RunConfig
 
 
@@ -92,3 +100,72 @@ def test_a_partial_section_derives_its_derived_fields_anew():
     cfg = load_config(RunConfig, None, ["correction.kind=tis", "correction.is_upper=1.2"])
     assert cfg.correction.normalize is False and cfg.correction.rs_upper == 1.2
     assert load_config(RunConfig, None, []).correction.normalize is True
+
+
+def test_compression_sections_merge_through_base_files_and_overrides(tmp_path):
+    """``compression.<section>`` merges key by key like any nested section: a base file, the
+    file on top and an override each set a key of the same section."""
+    _write(tmp_path / "base.yaml",
+           "compression: {method: sparrow, sparrow: {dense_layers: [0]}, "
+           "eviction: {budget: 20, window: 2}}\n")
+    run = _write(tmp_path / "run.yaml", "base: base.yaml\n"
+                 "compression: {eviction: {window: 3}, adapt: {enabled: true}}\n")
+    cfg = load_config(RunConfig, run, ["compression.adapt.step=3",
+                                       "compression.sparrow.budget_schedule=qwen3-4b-0.86"])
+    comp = cfg.compression
+    assert (comp.eviction.budget, comp.eviction.window) == (20, 3)
+    assert comp.eviction.buffer == DEFAULT_COMPRESSION.eviction.buffer  # the run's default
+    assert comp.sparrow.dense_layers == (0,) and comp.sparrow.ks[3] == 77
+    assert comp.adapt.enabled and comp.adapt.step == 3 and comp.alpha == AlphaConfig()
+
+
+@pytest.mark.parametrize("where", ["file", "base"])
+def test_flat_compression_keys_in_a_file_name_their_new_place(tmp_path, where):
+    flat = "compression: {method: rkv, budget: 64, alpha_threshold: 0.9}\n"
+    _write(tmp_path / "base.yaml", flat if where == "base" else "")
+    run = _write(tmp_path / "run.yaml", "base: base.yaml\n" + (flat if where == "file" else ""))
+    with pytest.raises(ConfigError, match=r"^compression\.alpha_threshold moved to "
+                                          r"compression\.alpha\.threshold; compression\.budget "
+                                          r"moved to compression\.eviction\.budget$"):
+        load_config(RunConfig, run)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["compression.method=rkv", "compression.eviction.budget=28"],
+    ["compression.method=sparrow", "compression.adapt.enabled=true",
+     "compression.sparrow.budget_schedule=[[0, 1], [2000, 5]]"],
+    ["compression.method=none", "compression.layout=dense"],
+])
+def test_saved_config_holds_every_section_and_loads_back_equal(tmp_path, overrides):
+    """``config.yaml`` in the run directory is the full config (``save_config``), also the
+    sections the method does not read, so loading it gives the same ``RunConfig``."""
+    cfg = load_config(RunConfig, None, overrides)
+    save_config(cfg, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert set(saved["compression"]) == {f.name for f in dataclasses.fields(CompressionConfig)}
+    assert load_config(RunConfig, tmp_path / "config.yaml") == cfg
+
+
+def _printed_compression(capsys, *argv) -> dict:
+    """The ``compression`` section ``run.py config`` prints."""
+    assert main(["config", *argv]) == 0
+    return yaml.safe_load(capsys.readouterr().out)["compression"]
+
+
+@pytest.mark.parametrize("overrides, sections", [
+    (["compression.method=rkv"], {"eviction", "alpha"}),
+    (["compression.method=streaming"], {"eviction", "alpha"}),
+    (["compression.method=sparrow"], {"sparrow", "alpha"}),
+    (["compression.method=sparrow", "compression.adapt.enabled=true"],
+     {"sparrow", "alpha", "adapt"}),
+    (["compression.method=none"], set()),
+])
+def test_run_py_config_prints_the_sections_the_method_reads(capsys, overrides, sections):
+    """R-KV shows no Sparrow schedule, sparrow no eviction settings, none neither; ``--all``
+    shows every section (what the run directory's ``config.yaml`` holds)."""
+    shown = _printed_compression(capsys, *overrides)
+    assert {k for k, v in shown.items() if isinstance(v, dict)} == sections
+    assert {"method", "layout", "page_size"} <= set(shown)
+    full = _printed_compression(capsys, "--all", *overrides)
+    assert {k for k, v in full.items() if isinstance(v, dict)} == {"eviction", "sparrow",
+                                                                   "alpha", "adapt"}

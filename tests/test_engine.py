@@ -16,6 +16,7 @@ import models
 from sparse_rl_jax.training.collect import collect_prompts
 from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.kv.state import NEVER, EvictionRecord
@@ -29,11 +30,11 @@ EOS = 2
 METHODS = {
     "none": CompressionConfig(method="none", page_size=4),
     "none-dense": CompressionConfig(method="none", layout="dense"),
-    "rkv": CompressionConfig(method="rkv", budget=12, buffer=4, window=4),
-    "snapkv": CompressionConfig(method="snapkv", budget=12, buffer=4, window=4),
-    "streaming": CompressionConfig(method="streaming", budget=10, buffer=4, window=4),
-    "sparrow": CompressionConfig(method="sparrow", page_size=4,
-                                 budget_schedule=((0, 1), (32, 3)), dense_layers=(0,)),
+    "rkv": CompressionConfig(method="rkv", eviction=EvictionConfig(budget=12, buffer=4, window=4)),
+    "snapkv": CompressionConfig(method="snapkv", eviction=EvictionConfig(budget=12, buffer=4, window=4)),
+    "streaming": CompressionConfig(method="streaming", eviction=EvictionConfig(budget=10, buffer=4, window=4)),
+    "sparrow": CompressionConfig(method="sparrow", page_size=4, sparrow=SparrowConfig(
+        budget_schedule=((0, 1), (32, 3)), dense_layers=(0,))),
 }
 # 3 prompts x 2 samples = 6 rows through 4 slots: rows are refilled into freed slots.
 SAMPLING = SamplingConfig(max_new_tokens=26, num_samples=2, prompt_bucket=4, eos_ids=(EOS,),

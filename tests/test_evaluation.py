@@ -14,6 +14,7 @@ from flax import nnx
 
 import models
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.training.evaluation import eval_metrics, evaluate
 from sparse_rl_jax.training.policy import load_policy
@@ -60,7 +61,8 @@ def test_dense_pass_at_1_equals_transformers_greedy_and_a_roomy_cache_is_dense(p
     path, tok, graphdef, params, sampling = policy
     oracle = hf_greedy_rewards(path, sampling)
     assert 0 < oracle.mean() < 1  # the reward separates prompts: the check can fail
-    roomy = CompressionConfig(method="rkv", budget=64, buffer=8, window=2)  # never evicts here
+    # never evicts here
+    roomy = CompressionConfig(method="rkv", eviction=EvictionConfig(budget=64, buffer=8, window=2))
     out = eval_metrics(graphdef, params, tok, PROMPTS, ANSWERS, contains_answer, sampling, roomy,
                        batch_size=8, samples=4, temperature=1.0)
     assert out["eval/dense_pass_at_1"] == pytest.approx(oracle.mean())

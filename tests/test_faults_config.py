@@ -40,6 +40,22 @@ pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
     ("trainer.steps=[1", "override 'trainer.steps=[1': value is not plain YAML"),
     ("trainer.steps=!!python/object/apply:os.system [touch /tmp/x]", "not plain YAML"),
     ("trainer.steps=!foo x", "not plain YAML"),
+    # the flat compression keys of before the sections name their new place
+    ("compression.budget=64", "compression.budget moved to compression.eviction.budget"),
+    ("compression.adapt_k=true", "compression.adapt_k moved to compression.adapt.enabled"),
+    ("compression.alpha_metric='off'",
+     "compression.alpha_metric moved to compression.alpha.metric"),
+    # bad values inside a section name the full dotted key
+    ("compression.eviction.budget=2", "compression.eviction.budget=2 must be an int > window (4)"),
+    ("compression.eviction.pool_kernel=4",
+     "compression.eviction.pool_kernel=4 must be an odd int >= 1"),
+    ("compression.sparrow.dense_layers=[0,0]",
+     "compression.sparrow.dense_layers=(0, 0) must be distinct ints >= 0"),
+    ("compression.alpha.threshold=0", "compression.alpha.threshold=0.0 must be in (0, 1]"),
+    ("compression.adapt.step=0", "compression.adapt.step=0 must be an int >= 1"),
+    ("compression.eviction.budgett=64", "compression.eviction: unknown key(s) "
+                                        "['compression.eviction.budgett']"),
+    ("compression.eviction=64", "compression.eviction: expected a mapping for EvictionConfig"),
 ])
 def test_bad_config_or_override_is_one_config_error_line(capsys, override, expected):
     refused(capsys, ["config", override], expected, prefix="config error")

@@ -23,7 +23,7 @@ DATA_FAULTS = {
     "prompt_longer_than_cache": (
         b'{"prompt": "1+1=", "answer": "2"}\n' + json.dumps(
             {"prompt": "1+" * 20 + "1=", "answer": "21"}).encode() + b"\n",
-        ".jsonl:2: the prompt has 42 tokens, more than the KV cache (compression.budget "
+        ".jsonl:2: the prompt has 42 tokens, more than the KV cache (compression.eviction.budget "
         "+ buffer = 20) holds (20)"),
     "empty_prompt": (b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "", "answer": "0"}\n',
                      ".jsonl:2: "),

@@ -79,7 +79,7 @@ def test_config_hash_ignores_where_the_run_lives_and_how_long(tiny, tmp_path):
                                                       "trainer.checkpoint_every=2"])]
     assert len({config_hash(c) for c in same}) == 1
     different = [load_config(RunConfig, None, base + [extra]) for extra in
-                 ("trainer.seed=1", "optim.lr=0.5", "compression.budget=24")]
+                 ("trainer.seed=1", "optim.lr=0.5", "compression.eviction.budget=24")]
     assert config_hash(same[0]) not in {config_hash(c) for c in different}
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.kv.scores import redundancy, slot_scores
 
 # (batch, kv heads, group size, capacity, index, window, head dim)
@@ -158,10 +159,9 @@ def _assert_scores(got, ref):
 )
 def test_snapkv_importance_matches_numpy(shape, variant, gqa_pool, pool, kernel):
     w = shape[5]
-    cfg = CompressionConfig(
-        method="snapkv", budget=w + 2, buffer=4, window=w, importance=variant,
-        gqa_pool=gqa_pool, pool=pool, pool_kernel=kernel,
-    )
+    cfg = CompressionConfig(method="snapkv", eviction=EvictionConfig(
+        budget=w + 2, buffer=4, window=w, importance=variant, gqa_pool=gqa_pool, pool=pool,
+        pool_kernel=kernel))
     score = jax.jit(lambda *a: slot_scores(cfg, *a))
     for padding in (False, True):
         q, k, pos, index = _case(shape, padding, seed=5)
@@ -186,7 +186,8 @@ def test_redundancy_matches_numpy(shape, threshold):
 def test_rkv_score_matches_numpy(shape):
     w = shape[5]
     for lam in (0.1, 0.5):
-        cfg = CompressionConfig(method="rkv", budget=w + 2, buffer=4, window=w, rkv_lambda=lam)
+        cfg = CompressionConfig(method="rkv", eviction=EvictionConfig(
+            budget=w + 2, buffer=4, window=w, rkv_lambda=lam))
         score = jax.jit(lambda *a: slot_scores(cfg, *a))
         for padding in (False, True):
             q, k, pos, index = _case(shape, padding, seed=11)
@@ -214,7 +215,8 @@ def test_streaming_matches_numpy(shape):
     w = shape[5]
     for sinks, padding in ((0, False), (2, False), (2, True), (3, True)):
         q, k, pos, index = _case(shape, padding, seed=3)
-        cfg = CompressionConfig(method="streaming", budget=w + 2, buffer=4, window=w, num_sinks=sinks)
+        cfg = CompressionConfig(method="streaming", eviction=EvictionConfig(
+            budget=w + 2, buffer=4, window=w, num_sinks=sinks))
         z = np.asarray(jax.jit(lambda *a: slot_scores(cfg, *a))(q, k, pos, jnp.int32(index)))
         ref = ref_streaming(pos, index, w, sinks)
         np.testing.assert_array_equal(np.isfinite(z), np.isfinite(ref))
@@ -230,7 +232,8 @@ def test_fully_padded_row_gives_no_nan():
     q, k, pos, index = _case(SHAPES[0], False, seed=1)
     pos[0] = -1
     for importance in ("sparse_rl", "kvpress_snapkv"):
-        cfg = CompressionConfig(method="rkv", budget=8, buffer=4, window=4, importance=importance)
+        cfg = CompressionConfig(method="rkv", eviction=EvictionConfig(
+            budget=8, buffer=4, window=4, importance=importance))
         z = np.asarray(jax.jit(lambda *a: slot_scores(cfg, *a))(q, k, pos, jnp.int32(index)))
         assert not np.isnan(z).any()
         assert np.all(z[0] == -np.inf) and np.isfinite(z[1, :, : index - 4]).all()
@@ -261,10 +264,9 @@ def test_kvpress_snapkv_scores_match_kvpress(hkv, group, window, kernel):
         module, torch.zeros(b, t, 1), torch.from_numpy(k), torch.from_numpy(k), attn, {}
     ).numpy()
 
-    cfg = CompressionConfig(
-        method="snapkv", budget=window + 1, buffer=40, window=window,
-        importance="kvpress_snapkv", pool_kernel=kernel,
-    )
+    cfg = CompressionConfig(method="snapkv", eviction=EvictionConfig(
+        budget=window + 1, buffer=40, window=window, importance="kvpress_snapkv",
+        pool_kernel=kernel))
     got = np.asarray(slot_scores(cfg, q, k, pos, jnp.int32(t)))
     np.testing.assert_allclose(got[..., : t - window], want[..., : t - window], rtol=1e-5, atol=1e-7)
     assert np.all(got[..., t - window :] == -np.inf)

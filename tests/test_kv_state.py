@@ -13,6 +13,7 @@ import pytest
 
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.kv.scores import slot_scores
 
@@ -122,12 +123,12 @@ def _reference_kept(before, cfg) -> dict:
     out = {}
     for l, b, h in np.ndindex(L, B, HKV):
         score = by_pos[l][b][h]
-        if cfg.head_mode == "shared":
+        if cfg.eviction.head_mode == "shared":
             score = {p: sum(heads[p] for heads in by_pos[l][b]) for p in score}
         resident = sorted(score)
-        window = set(resident[-cfg.window:])
+        window = set(resident[-cfg.eviction.window:])
         ranked = sorted(set(resident) - window, key=lambda p: -score[p])
-        room = cfg.budget - cfg.window
+        room = cfg.eviction.budget - cfg.eviction.window
         if len(ranked) <= room:
             out[l, b, h] = (window | set(ranked), set())
             continue
@@ -138,14 +139,17 @@ def _reference_kept(before, cfg) -> dict:
 
 
 CONFIGS = [
-    CompressionConfig(method="snapkv", budget=10, buffer=4, window=3),
-    CompressionConfig(method="rkv", budget=10, buffer=4, window=3, head_mode="shared"),
-    CompressionConfig(method="rkv", budget=9, buffer=3, window=4, importance="kvpress_snapkv"),
-    CompressionConfig(method="streaming", budget=10, buffer=4, window=3, num_sinks=2),
+    CompressionConfig(method="snapkv", eviction=EvictionConfig(budget=10, buffer=4, window=3)),
+    CompressionConfig(method="rkv", eviction=EvictionConfig(budget=10, buffer=4, window=3,
+                                                            head_mode="shared")),
+    CompressionConfig(method="rkv", eviction=EvictionConfig(budget=9, buffer=3, window=4,
+                                                            importance="kvpress_snapkv")),
+    CompressionConfig(method="streaming", eviction=EvictionConfig(budget=10, buffer=4, window=3,
+                                                                  num_sinks=2)),
 ]
 REPLAY_RUN = dict(prompt_len=12, pads=(0, 5), steps=14)
 config_ids = pytest.mark.parametrize(
-    "cfg", CONFIGS, ids=lambda c: f"{c.method}-{c.head_mode}-{c.importance}")
+    "cfg", CONFIGS, ids=lambda c: f"{c.method}-{c.eviction.head_mode}-{c.eviction.importance}")
 
 
 @config_ids
@@ -176,21 +180,21 @@ def test_each_compression_keeps_the_reference_set_and_records_the_rest(cfg):
         held, kept = _positions(before), _positions(after)
         for key, (sure, tied) in _reference_kept(before, cfg).items():
             assert sure <= kept[key] <= sure | tied, key
-            assert len(kept[key]) == min(cfg.budget, len(held[key])), key
+            assert len(kept[key]) == min(cfg.eviction.budget, len(held[key])), key
             # each evicted token's record is the row's next query position at that time
             newest = max(max(held[k]) for k in held if k[:2] == key[:2])
             for p in held[key] - kept[key]:
                 assert record[key][p] == newest + 1, (key, p)
-        if cfg.head_mode == "shared":
+        if cfg.eviction.head_mode == "shared":
             assert all(kept[l, b, h] == kept[l, b, 0] for l, b, h in kept)
     if cfg.method == "streaming":  # sinks and recency alone decide: the sinks survive
-        sinks = {(l, b, h): set(sorted(p)[:cfg.num_sinks])
+        sinks = {(l, b, h): set(sorted(p)[:cfg.eviction.num_sinks])
                  for (l, b, h), p in _positions(compressions[0][0]).items()}
         assert all(sinks[key] <= held for key, held in _positions(state).items())
 
 
 def test_compression_cadence_and_resident_tokens():
-    cfg = CompressionConfig(method="snapkv", budget=10, buffer=4, window=3)
+    cfg = CompressionConfig(method="snapkv", eviction=EvictionConfig(budget=10, buffer=4, window=3))
     # prompt 8 <= budget: no compression at prefill; decode fills to 14 keys, then the cache
     # holds the 10 kept and the query sees them plus itself
     _, _, seen, compressions = _run(cfg, 8, (0, 3), 12)
@@ -209,20 +213,22 @@ def test_compression_cadence_and_resident_tokens():
 
 
 def test_compress_keeps_the_window_and_its_queries():
-    cfg = CompressionConfig(method="rkv", budget=10, buffer=4, window=3)
+    cfg = CompressionConfig(method="rkv", eviction=EvictionConfig(budget=10, buffer=4, window=3))
     prompt_len, pads = 14, (0, 2)
     state, _, _, compressions = _run(cfg, prompt_len, pads, 0)
     assert len(compressions) == 1
     for (l, b, h), held in _positions(state).items():
         newest = prompt_len - pads[b]  # one past the row's newest position
-        assert len(held) == cfg.budget and set(range(newest - 3, newest)) <= held, (l, b, h)
+        assert len(held) == cfg.eviction.budget, (l, b, h)
+        assert set(range(newest - 3, newest)) <= held, (l, b, h)
     # the query ring holds the window's queries, oldest first: the next compression's scores
     _, _, queries = _tokens(np.random.default_rng(0), prompt_len)
-    np.testing.assert_array_equal(np.asarray(state.cache.queries), queries[:, :, :, -cfg.window:])
+    np.testing.assert_array_equal(np.asarray(state.cache.queries),
+                                  queries[:, :, :, -cfg.eviction.window:])
 
 
 def test_repeated_compressions_compile_once():
-    cfg = CompressionConfig(method="rkv", budget=10, buffer=2, window=3)
+    cfg = CompressionConfig(method="rkv", eviction=EvictionConfig(budget=10, buffer=2, window=3))
     traces = []
 
     def step(state, k, v, positions, q):
@@ -283,7 +289,7 @@ def test_visibility_from_record_pads_and_out_of_range():
 def test_query_ring_keeps_last_window_per_layer():
     """The cache's ring holds the last ``window`` queries of each layer, oldest first; only
     the evicting methods get one."""
-    cfg = CompressionConfig(method="snapkv", budget=10, buffer=4, window=3)
+    cfg = CompressionConfig(method="snapkv", eviction=EvictionConfig(budget=10, buffer=4, window=3))
     state = kv_state.init_state(
         cfg, num_layers=2, batch=1, num_heads=2, num_kv_heads=1, head_dim=2, max_len=8
     )
@@ -308,7 +314,7 @@ def test_query_ring_keeps_last_window_per_layer():
 
 
 def test_bad_inputs_raise_clear_errors():
-    cfg = CompressionConfig(method="snapkv", budget=10, buffer=4, window=3)
+    cfg = CompressionConfig(method="snapkv", eviction=EvictionConfig(budget=10, buffer=4, window=3))
     with pytest.raises(ValueError, match=r"prompt length 15 exceeds .*budget 10 \+ buffer 4 = 14"):
         kv_state.check_prompt_fits(cfg, 15)
     kv_state.check_prompt_fits(cfg, 14)
@@ -321,7 +327,8 @@ def test_bad_inputs_raise_clear_errors():
     state = kv_state.init_state(
         cfg, num_layers=1, batch=1, num_heads=2, num_kv_heads=2, head_dim=4, max_len=8
     )
-    other = CompressionConfig(method="snapkv", budget=12, buffer=4, window=3)
+    other = CompressionConfig(method="snapkv",
+                              eviction=EvictionConfig(budget=12, buffer=4, window=3))
     with pytest.raises(ValueError, match="cache capacity 14 != budget \\+ buffer = 16"):
         kv_state.maybe_compress(state, other)
     with pytest.raises(ValueError, match="never compresses"):

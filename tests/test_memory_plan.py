@@ -12,6 +12,7 @@ from flax import nnx
 import models
 from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 from sparse_rl_jax.kv.state import init_state
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.rollout.scoring import score
@@ -40,8 +41,8 @@ def test_param_count_and_weight_bytes_equal_the_model(cfg):
 @pytest.mark.parametrize("method,layout", [("none", None), ("none", "dense"), ("rkv", None)])
 def test_rollout_kv_terms_equal_the_sampler_state(method, layout):
     cfg = CONFIGS[0]
-    comp = CompressionConfig(method=method, layout=layout, budget=8, buffer=4, window=2,
-                             page_size=5)
+    comp = CompressionConfig(method=method, layout=layout, page_size=5,
+                             eviction=EvictionConfig(budget=8, buffer=4, window=2))
     n, p, m = 6, 8, 24
     state = jax.eval_shape(lambda: init_state(
         comp, num_layers=cfg.num_layers, batch=n, num_heads=cfg.num_heads,
@@ -79,7 +80,8 @@ def test_score_estimate_covers_the_compiled_page_replay():
     model = models.Decoder(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     n, p, m = 4, 16, 48
-    sparrow = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 3),))
+    sparrow = CompressionConfig(method="sparrow", page_size=4,
+                                sparrow=SparrowConfig(budget_schedule=((0, 3),)))
     selected = 3 + 3  # top-3 + sink + 2 newest, with 16 pages of 4 tokens
     record = jax.ShapeDtypeStruct((n, cfg.num_layers, cfg.num_kv_heads, m, selected), jnp.int32)
     ints = jax.ShapeDtypeStruct((n, p), jnp.int32)

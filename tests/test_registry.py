@@ -20,6 +20,7 @@ from models.paged_cache import init_paged_cache
 from models.registry import Registry
 from sparse_rl_jax.core.config_checks import FieldError
 from sparse_rl_jax.kv.compression_config import CompressionConfig, methods
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.kv.scores import EVICTION_SCORES, slot_scores
 from sparse_rl_jax.rl.advantages import ESTIMATORS, AdvantageConfig, compute_advantages, \
     register_estimator
@@ -184,12 +185,12 @@ def test_a_registered_eviction_score_is_selectable_and_used():
     queries = jax.random.normal(jax.random.PRNGKey(1), (b, hq, w, d))
     pos = np.tile(np.asarray([0, 3, 1, -1, 5, 6, -1, -1], np.int32), (b, hkv, 1))
     with registered(EVICTION_SCORES, "oldest_first", oldest_first):
-        cfg = CompressionConfig(method="oldest_first", budget=4, buffer=4, window=w)
+        cfg = CompressionConfig(method="oldest_first", eviction=EvictionConfig(budget=4, buffer=4, window=w))
         assert cfg.compresses and cfg.cache_layout == "budget"
         z = np.asarray(slot_scores(cfg, queries, keys, jnp.asarray(pos), jnp.int32(index)))
         with pytest.raises(FieldError, match=r"layout='paged' does not fit method "
                                              r"'oldest_first' \(needs 'budget'\)"):
-            CompressionConfig(method="oldest_first", layout="paged", window=w)
+            CompressionConfig(method="oldest_first", layout="paged", eviction=EvictionConfig(window=w))
     slot = np.arange(c)
     keep = (pos >= 0) & (slot < index) & (slot < index - w)
     np.testing.assert_array_equal(z, np.where(keep, -pos.astype(np.float32), -np.inf))

@@ -20,7 +20,8 @@ def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     out = tmp_path / "repro"
     # 4 prompts x 4 samples per rollout and per eval batch (one sampler shape for both)
     tiny = [*TINY_WARM_START, "data.task.n_min=2", "data.task.n_max=3",
-            "sampling.max_new_tokens=16", "compression.buffer=4", "compression.window=2",
+            "sampling.max_new_tokens=16", "compression.eviction.buffer=4",
+            "compression.eviction.window=2",
             "trainer.logp_chunk=16", "warm_start.steps=10", "trainer.prompts_per_step=4",
             "sampling.num_samples=4", "trainer.minibatch_size=16", "eval.num_prompts=4",
             "eval.batch_size=4", "eval.samples=4"]
@@ -98,7 +99,8 @@ def test_first_difference_counts_changed_tokens_and_early_stops():
 @pytest.mark.slow
 def test_regime_sweep_quick_couples_dense_and_sparse_samples(tmp_path):
     out = tmp_path / "sweep"
-    tiny = [*TINY_WARM_START, "warm_start.steps=10", "compression.buffer=4", "compression.window=2",
+    tiny = [*TINY_WARM_START, "warm_start.steps=10", "compression.eviction.buffer=4",
+            "compression.eviction.window=2",
             "trainer.logp_chunk=16"]
     sweep = _load_script("regime_sweep")  # its main() in this process: no second interpreter
     assert sweep.main(["--quick", "--methods", "snapkv", "--n", "2", "--budgets", "8", "64",
@@ -155,4 +157,4 @@ def test_control_arms_train_on_dense_rollouts_with_the_anomaly():
         "compression.method=none", "data.control_missed_increment=0.1",
         "correction.kind=sparse_rl"]
     assert "trainer.low_r_grad_share=true" in overrides["naive control 0.1"]
-    assert "compression.budget=48" in overrides["naive rkv 48"]
+    assert "compression.eviction.budget=48" in overrides["naive rkv 48"]

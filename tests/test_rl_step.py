@@ -159,7 +159,7 @@ def test_sparrow_shadow_mask_step_replays_the_rollouts_pages(policy):
     replays the sampler's log-probs (the PPO ratio's behaviour policy), and the first update
     is on-policy (ratio 1)."""
     ctx = step_context(policy, "compression.method=sparrow", "compression.page_size=4",
-                       "compression.budget_schedule=[[0, 1]]", "compression.dense_layers=[]",
+                       "compression.sparrow.budget_schedule=[[0, 1]]", "compression.sparrow.dense_layers=[]",
                        "correction.kind=shadow_mask", "loss.distill_coef=0.1",
                        f"trainer.minibatch_size={N}")
     graphdef, params = policy[2:]

@@ -15,6 +15,7 @@ from flax import nnx
 import models
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.rollout.sampler import bucket_prompts, generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
@@ -97,7 +98,8 @@ def test_sparse_logprobs_equal_replayed_scorer_not_dense(tiny, method):
     _, graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=40, num_samples=2, prompt_bucket=4,
                               record_evictions=True)
-    compression = CompressionConfig(method=method, budget=12, buffer=4, window=4)
+    compression = CompressionConfig(method=method,
+                                    eviction=EvictionConfig(budget=12, buffer=4, window=4))
     rollout = generate(graphdef, params, prompt, mask, jax.random.key(2), sampling, compression)
     assert int(rollout.num_compressions) >= 5
     record = rollout.record
@@ -118,7 +120,8 @@ def test_default_keeps_no_record_same_rollout_and_replay_is_refused(tiny):
     _, graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4,
                               record_evictions=True)
-    compression = CompressionConfig(method="rkv", budget=12, buffer=4, window=4)
+    compression = CompressionConfig(method="rkv",
+                                    eviction=EvictionConfig(budget=12, buffer=4, window=4))
     key = jax.random.key(5)
     kept = generate(graphdef, params, prompt, mask, key, sampling, compression)
     dropped = generate(graphdef, params, prompt, mask, key,
@@ -137,7 +140,7 @@ def test_default_keeps_no_record_same_rollout_and_replay_is_refused(tiny):
 
 
 @pytest.mark.parametrize("compression", [
-    CompressionConfig(method="snapkv", budget=12, buffer=4, window=4),
+    CompressionConfig(method="snapkv", eviction=EvictionConfig(budget=12, buffer=4, window=4)),
     CompressionConfig(method="none", page_size=4)], ids=["snapkv", "none-paged"])
 def test_repeated_calls_with_same_bucket_do_not_recompile(tiny, compression):
     _, graphdef, params, prompt, mask = tiny
@@ -155,7 +158,8 @@ def test_prompt_longer_than_capacity_is_an_error(tiny):
     _, graphdef, params, prompt, mask = tiny
     with pytest.raises(ValueError, match=r"prompt length 11 exceeds the KV cache capacity \(budget 6 \+ buffer 4 = 10"):
         generate(graphdef, params, prompt, mask, jax.random.key(0), SamplingConfig(),
-                 CompressionConfig(method="rkv", budget=6, buffer=4, window=2))
+                 CompressionConfig(method="rkv",
+                                   eviction=EvictionConfig(budget=6, buffer=4, window=2)))
 
 
 def test_bucket_prompts_pads_left_and_rejects_right_padding():

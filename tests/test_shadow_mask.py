@@ -20,6 +20,7 @@ from flax import nnx
 import models
 
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 from sparse_rl_jax.core.config_io import ConfigError, load_config
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
@@ -50,8 +51,8 @@ def tiny(tmp_path_factory):
 
 
 # Sparrow on the 1-layer tiny policy: pages of 4 tokens, k = 1 (sink + 1 + 2 newest pages).
-SPARROW = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 1),),
-                            dense_layers=())
+SPARROW = CompressionConfig(method="sparrow", page_size=4,
+                            sparrow=SparrowConfig(budget_schedule=((0, 1),), dense_layers=()))
 
 
 def _rollout(tiny, method, temperature=1.0, prompts=None):
@@ -60,8 +61,8 @@ def _rollout(tiny, method, temperature=1.0, prompts=None):
         prompt, mask = prompts
     sampling = SamplingConfig(max_new_tokens=24, num_samples=2, prompt_bucket=4,
                               record_evictions=True, temperature=temperature)
-    compression = (SPARROW if method == "sparrow"
-                   else CompressionConfig(method=method, budget=12, buffer=4, window=4))
+    compression = (SPARROW if method == "sparrow" else CompressionConfig(
+        method=method, eviction=EvictionConfig(budget=12, buffer=4, window=4)))
     return generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
 
 
@@ -290,7 +291,7 @@ def test_entropy_bonus_gradient_through_the_chunked_scorer(tiny):
     ([], False),  # rkv rollouts, sparse_rl corrections: dense scoring reads no record
     (["compression.method=none"], False),
     (["compression.method=sparrow"], True),  # the acceptance alpha replays the page record
-    (["compression.method=sparrow", "compression.alpha_metric='off'"], False),
+    (["compression.method=sparrow", "compression.alpha.metric='off'"], False),
     (["correction.kind=shadow_mask"], True),
     (["correction.kind=shadow_mask", "compression.method=snapkv"], True),
     (["correction.kind=shadow_mask", "compression.method=sparrow"], True),

@@ -17,7 +17,8 @@ from models.attention import reference_attention
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
 from sparse_rl_jax.rollout.acceptance import score_acceptance
 from benchmarks.compile_count import count_compiles
-from sparse_rl_jax.kv.compression_config import SPARROW_PRESETS, CompressionConfig
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import SPARROW_PRESETS, SparrowConfig
 from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.core.config_io import ConfigError, from_dict
 from sparse_rl_jax.kv.state import init_state
@@ -32,42 +33,42 @@ from tiny_hf import left_padded_batch, make_tiny_hf
 
 
 def test_config_resolves_presets_and_yaml_lists():
-    cfg = CompressionConfig(method="sparrow", budget_schedule="qwen3-4b-0.86")
-    assert len(cfg.budget_schedule) == 20
-    assert cfg.budget_schedule[3] == (6000, 77) and cfg.max_pages_k == 509
+    cfg = CompressionConfig(method="sparrow",
+                            sparrow=SparrowConfig(budget_schedule="qwen3-4b-0.86"))
+    assert len(cfg.sparrow.budget_schedule) == 20
+    assert cfg.sparrow.budget_schedule[3] == (6000, 77) and cfg.max_pages_k == 509
     assert not cfg.compresses and cfg.page_sparse and cfg.cache_capacity(100) == 112  # pages
-    yaml = from_dict(CompressionConfig, {"method": "sparrow", "budget_schedule": [[0, 2], [64, 5]],
-                                         "page_size": 8, "dense_layers": [0]})
-    assert yaml.budget_schedule == ((0, 2), (64, 5)) and yaml.dense_layers == (0,)
+    yaml = from_dict(CompressionConfig, {"method": "sparrow", "page_size": 8, "sparrow": {
+        "budget_schedule": [[0, 2], [64, 5]], "dense_layers": [0]}})
+    assert yaml.sparrow.budget_schedule == ((0, 2), (64, 5)) and yaml.sparrow.dense_layers == (0,)
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(budget_schedule=((0, 4), (320, 5), (160, 6))),
-     "budget_schedule[2]=(160, 6) must start after budget_schedule[1] (starts strictly"),
-    (dict(budget_schedule=((16, 4),)), "budget_schedule[0]=(16, 4) must start at 0"),
-    (dict(budget_schedule=((0, 20), (320, 5))),
-     "budget_schedule[0]=(0, 20) has k larger than the 16 middle pages"),
-    (dict(budget_schedule=((0, 2), (40, 3))), "multiple of page_size"),
-    (dict(budget_schedule="qwen9"), "not a preset"),
-    (dict(alpha_threshold=0.0), "alpha_threshold"),
-    (dict(alpha_threshold=1.5), "alpha_threshold"),
-    (dict(dense_layers=(1, 1)), "dense_layers"),
-    (dict(page_size=0), "page_size"),
+@pytest.mark.parametrize("data, message", [
+    ({"sparrow": {"budget_schedule": [[0, 4], [320, 5], [160, 6]]}},
+     "sparrow.budget_schedule[2]=(160, 6) must start after budget_schedule[1] (starts strictly"),
+    ({"sparrow": {"budget_schedule": [[16, 4]]}},
+     "sparrow.budget_schedule[0]=(16, 4) must start at 0"),
+    ({"sparrow": {"budget_schedule": [[0, 20], [320, 5]]}},
+     "sparrow.budget_schedule[0]=(0, 20) has k larger than the 16 middle pages"),
+    ({"sparrow": {"budget_schedule": [[0, 2], [40, 3]]}},
+     "sparrow.budget_schedule[1]=(40, 3) must start at a multiple of page_size=16"),
+    ({"sparrow": {"budget_schedule": "qwen9"}}, "sparrow.budget_schedule='qwen9' is not a preset"),
+    ({"alpha": {"threshold": 0.0}}, "alpha.threshold=0.0 must be in (0, 1]"),
+    ({"alpha": {"threshold": 1.5}}, "alpha.threshold=1.5 must be in (0, 1]"),
+    ({"sparrow": {"dense_layers": [1, 1]}}, "sparrow.dense_layers=(1, 1) must be distinct"),
+    ({"page_size": 0}, "page_size=0 must be an int >= 1"),
 ])
-def test_config_errors_name_the_field(fields, message):
-    with pytest.raises(ValueError) as err:
-        CompressionConfig(method="sparrow", page_size=fields.pop("page_size", 16), **fields)
-    assert str(err.value).startswith("CompressionConfig.") and message in str(err.value)
-
-
-def test_config_error_through_yaml_names_the_field():
-    with pytest.raises((ConfigError, ValueError), match="budget_schedule"):
-        from_dict(CompressionConfig, {"method": "sparrow", "budget_schedule": [[0, 2], [0, 3]]})
+def test_config_errors_name_the_dotted_key(data, message):
+    """Within a section or across sections (a schedule against ``page_size``), the error names
+    the key's full place."""
+    with pytest.raises(ConfigError) as err:
+        from_dict(CompressionConfig, {"method": "sparrow", **data}, prefix="compression")
+    assert str(err.value).startswith("compression." + message)
 
 
 def test_schedule_lookup_matches_official_bins():
     for name, ks in SPARROW_PRESETS.items():
-        cfg = CompressionConfig(method="sparrow", budget_schedule=name)
+        cfg = CompressionConfig(method="sparrow", sparrow=SparrowConfig(budget_schedule=name))
         lengths = np.array([1, 15, 16, 17, 1999, 2000, 2001, 2016, 2017, 3999, 4000, 4001,
                             37999, 38000, 38001, 60000, 100000])
         got = np.asarray(schedule_budget(cfg, jnp.asarray(lengths)))
@@ -80,9 +81,9 @@ def test_schedule_lookup_matches_official_bins():
 def test_every_preset_is_a_valid_schedule(name):
     """Each preset resolves through the config to 20 bins starting at 0 and 2000 tokens apart
     (strictly increasing), with positive int k."""
-    cfg = CompressionConfig(method="sparrow", budget_schedule=name)
-    starts = [start for start, _ in cfg.budget_schedule]
-    ks = [k for _, k in cfg.budget_schedule]
+    cfg = CompressionConfig(method="sparrow", sparrow=SparrowConfig(budget_schedule=name))
+    starts = [start for start, _ in cfg.sparrow.budget_schedule]
+    ks = list(cfg.sparrow.ks)
     assert starts == [2000 * i for i in range(20)]
     assert all(b > a for a, b in zip(starts, starts[1:]))
     assert all(isinstance(k, int) and k > 0 for k in ks)
@@ -97,8 +98,9 @@ def test_presets_match_upstream_spot_checks():
     assert SPARROW_PRESETS["qwen3-1.7b-0.75"] == (29, 29, 45, 45, 61, 61, 77, 77) + (93,) * 12
     assert SPARROW_PRESETS["qwen3-14b-0.86"] == ((29, 45, 77, 125, 253) + (381,) * 10
                                                  + (509, 637, 637, 893, 893))
-    cfg = CompressionConfig(method="sparrow", budget_schedule="qwen3-4b-0.92")
-    assert cfg.budget_schedule[9] == (18000, 1021) and cfg.max_pages_k == 1149
+    cfg = CompressionConfig(method="sparrow",
+                            sparrow=SparrowConfig(budget_schedule="qwen3-4b-0.92"))
+    assert cfg.sparrow.budget_schedule[9] == (18000, 1021) and cfg.max_pages_k == 1149
 
 # ---------------------------------------------------------------- selection vs NumPy
 
@@ -182,8 +184,8 @@ def _tiny(tmp_path_factory, heads, kv_heads, layers=2):
     return nnx.split(models.load_pretrained(path, dtype=jnp.float32))
 
 
-SPARROW = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 1), (32, 3)),
-                            dense_layers=(0,))
+SPARROW = CompressionConfig(method="sparrow", page_size=4, sparrow=SparrowConfig(
+    budget_schedule=((0, 1), (32, 3)), dense_layers=(0,)))
 SAMPLING = SamplingConfig(max_new_tokens=30, num_samples=2, prompt_bucket=4, record_evictions=True)
 
 
@@ -227,8 +229,8 @@ def test_dense_regime_equals_dense_sampler(tmp_path_factory):
     """Every row short enough (ceil(L / 16) <= k + 3): sparrow == the dense cache."""
     graphdef, params = _tiny(tmp_path_factory, 4, 2)
     prompt, mask = left_padded_batch(np.random.default_rng(0), [11, 5, 8], width=11)
-    wide = CompressionConfig(method="sparrow", page_size=4, budget_schedule=((0, 9),),
-                             dense_layers=())
+    wide = CompressionConfig(method="sparrow", page_size=4,
+                             sparrow=SparrowConfig(budget_schedule=((0, 9),), dense_layers=()))
     sampling = SamplingConfig(max_new_tokens=12, num_samples=2, prompt_bucket=4,
                               record_evictions=True)
     sparse = generate(graphdef, params, prompt, mask, jax.random.key(5), sampling, wide)

@@ -134,7 +134,7 @@ def test_run_config_selects_the_walk_and_keeps_the_default():
     batch = PromptSource(data, batch_size=3).batch(2)
     assert batch.prompts == [walk_at(CONFIGS[2], i).prompt for i in (6, 7, 8)]
     assert DataSection(source="walk").synthetic == WalkTaskConfig()
-    with pytest.raises(ValueError, match="compression.budget.*data.walk.distractors_max"):
+    with pytest.raises(ValueError, match="compression.eviction.budget.*data.walk.distractors_max"):
         RunConfig(data=data)  # the default's KV budget is smaller than a walk prompt
     cfg = load_config(RunConfig, None, ["data.source=walk", "compression.method=none",
                                         "data.walk.echo_every=4", "data.walk.seed=3"])

@@ -54,7 +54,7 @@ def run_env(tmp_path_factory):
 model: {{path: {policy}}}
 data: {{task: {{n_min: 2, n_max: 4}}}}
 sampling: {{max_new_tokens: 20, num_samples: 2, prompt_bucket: 8}}
-compression: {{method: rkv, budget: 16, buffer: 4, window: 2}}
+compression: {{method: rkv, eviction: {{budget: 16, buffer: 4, window: 2}}}}
 optim: {{lr: 1.0e-3}}
 trainer: {{steps: {STEPS}, prompts_per_step: 4, minibatch_size: 4, micro_batch_size: 2,
           checkpoint_every: 1,
@@ -293,7 +293,7 @@ def test_sharded_update_equals_single_device():
     ("loss.eps_low=0", "eps_low"),
     ("sampling.num_samples=1", "sampling.num_samples"),
     ("trainer.minibatch_size=48", "trainer.minibatch_size"),
-    ("compression.budget=2", "budget"),
+    ("compression.eviction.budget=2", "budget"),
     ("mesh.tensor=0", "mesh.tensor"),
     ("advantage.estimator=ppo", "advantage.estimator"),
     ("advantage.scale=token", "advantage.scale"),

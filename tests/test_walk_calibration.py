@@ -71,9 +71,9 @@ def test_quick_run_uncompressed_cell_equals_dense(tmp_path):
 def test_a_bad_cell_is_a_usage_error_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "cal"
     with pytest.raises(SystemExit) as exit_info:
-        _script().main(["--out", str(out), "--budgets", "64", "8", "compression.window=8"])
+        _script().main(["--out", str(out), "--budgets", "64", "8", "compression.eviction.window=8"])
     assert exit_info.value.code == 2
-    assert "--methods/--budgets: CompressionConfig.budget=8 must be an int > window (8)" in (
+    assert "--methods/--budgets: EvictionConfig.budget=8 must be an int > window (8)" in (
         capsys.readouterr().err)
     assert not out.exists()
 
@@ -83,7 +83,7 @@ def test_a_prompt_longer_than_a_cells_cache_is_a_usage_error_before_sampling(tmp
     with pytest.raises(SystemExit) as exit_info:
         _script().main(["--out", str(out), "--methods", "rkv", "--budgets", "64", "9",
                         "--prompts", "4", f"model.path={ROOT / 'data/warm_starts/walk_ft'}",
-                        "compression.buffer=1"])
+                        "compression.eviction.buffer=1"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--budgets 9 (rkv): prompt length" in err

@@ -47,8 +47,9 @@ def step_context(policy, *overrides: str, update=None, mesh=None) -> StepContext
     cfg = load_config(RunConfig, None, [
         f"model.path={path}", "data.task.n_min=2", "data.task.n_max=4",
         f"sampling.max_new_tokens={MAX_NEW}", f"sampling.num_samples={G}",
-        "sampling.prompt_bucket=8", "compression.method=rkv", "compression.budget=16",
-        "compression.buffer=4", "compression.window=2", f"trainer.prompts_per_step={PROMPTS}",
+        "sampling.prompt_bucket=8", "compression.method=rkv", "compression.eviction.budget=16",
+        "compression.eviction.buffer=4", "compression.eviction.window=2",
+        f"trainer.prompts_per_step={PROMPTS}",
         "trainer.minibatch_size=4", "trainer.logp_chunk=8", *overrides])
     return StepContext(cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
                        tokenizer=tokenizer, source=PromptSource(cfg.data, PROMPTS, tokenizer.hf),

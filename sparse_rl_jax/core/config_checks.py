@@ -3,10 +3,10 @@
 Every check takes the config and a field name and raises :class:`FieldError`, whose message
 names the dotted field, its value and the rule::
 
-    CompressionConfig.budget=8 must be an int > window (8)
+    EvictionConfig.budget=8 must be an int > window (8)
 
 Loaded from YAML (``config_io``), the owner is replaced by the field's place in the run
-config, so the same error reads ``compression.budget=8 must be an int > window (8)``.
+config, so the same error reads ``compression.eviction.budget=8 must be an int > window (8)``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,16 @@ def reject(config: Any, field: str, rule: str, value: Any = _OWN_VALUE) -> NoRet
     if value is _OWN_VALUE:
         value = getattr(config, field)
     raise FieldError(type(config).__name__, field, rule, value)
+
+
+def reject_moved(owner: str, keys, moved: dict[str, str]) -> None:
+    """Raises :class:`ConfigError` naming the new place of each of ``keys`` that ``moved``
+    maps (``{old key: its place now}``): ``compression.budget moved to
+    compression.eviction.budget``."""
+    found = [key for key in keys if key in moved]
+    if found:
+        raise ConfigError("; ".join(f"{owner}.{key} moved to {owner}.{moved[key]}"
+                                    for key in found))
 
 
 def check(ok: bool, config: Any, field: str, rule: str, value: Any = _OWN_VALUE) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from sparse_rl_jax.core.config_checks import ConfigError, FieldError
+from sparse_rl_jax.core.config_checks import ConfigError, FieldError, reject_moved
 
 T = TypeVar("T")
 
@@ -119,12 +119,15 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
 
     A :class:`FieldError` raised by ``cls``'s own ``__post_init__`` is re-raised named by the
     section path (``loss.eps_low``); any other validation error becomes a
-    :class:`ConfigError` prefixed with it.
+    :class:`ConfigError` prefixed with it. An unknown key that ``cls.MOVED_KEYS`` (when it
+    has one) maps is refused with its new place (``compression.budget moved to
+    compression.eviction.budget``).
     """
     types_ = _field_types(cls)
     unknown = sorted(set(data) - set(types_))
     if unknown:
         where = prefix or cls.__name__
+        reject_moved(where, unknown, getattr(cls, "MOVED_KEYS", {}))
         dotted = [f"{prefix}.{k}" if prefix else k for k in unknown]
         raise ConfigError(
             f"{where}: unknown key(s) {dotted}; allowed: {sorted(types_)}"
@@ -192,12 +195,21 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def to_dict(config: Any) -> Any:
-    """The plain nested-dict (YAML-ready) form of a dataclass config."""
+def to_dict(config: Any, used_only: bool = False) -> Any:
+    """The plain nested-dict (YAML-ready) form of a dataclass config: every field, or with
+    ``used_only`` only the sections of a config with ``used_sections`` (the sections its
+    settings read, ``CompressionConfig.used_sections``) that it names; the full form is the
+    one that loads back."""
     if dataclasses.is_dataclass(config):
-        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+        used = getattr(config, "used_sections", None) if used_only else None
+        out = {}
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if used is None or f.name in used or not dataclasses.is_dataclass(value):
+                out[f.name] = to_dict(value, used_only)
+        return out
     if isinstance(config, tuple):
-        return [to_dict(v) for v in config]
+        return [to_dict(v, used_only) for v in config]
     return config
 
 

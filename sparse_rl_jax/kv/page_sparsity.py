@@ -25,11 +25,11 @@ def schedule_bin(cfg: CompressionConfig, lengths: jax.Array) -> jax.Array:
     (current token included): the last entry with ``start_i <= ceil(L / page_size) *
     page_size`` (with 16-token pages and 2000-token starts this is Sparrow's
     ``bin = ceil(L / 16) // 125``, the last bin open-ended)."""
-    starts = jnp.asarray([s for s, _ in cfg.budget_schedule], jnp.int32)
+    starts = jnp.asarray([s for s, _ in cfg.sparrow.budget_schedule], jnp.int32)
     ps = cfg.page_size
     covered = (jnp.asarray(lengths).astype(jnp.int32) + ps - 1) // ps * ps
     idx = jnp.sum(covered[:, None] >= starts[None, :], axis=1) - 1
-    return jnp.clip(idx, 0, len(cfg.budget_schedule) - 1)
+    return jnp.clip(idx, 0, len(cfg.sparrow.budget_schedule) - 1)
 
 
 def schedule_budget(cfg: CompressionConfig, lengths: jax.Array,
@@ -38,7 +38,7 @@ def schedule_budget(cfg: CompressionConfig, lengths: jax.Array,
     :func:`schedule_bin`, from ``ks [len(budget_schedule)]`` (a traced schedule, e.g. the
     closed loop's) or else the schedule's own."""
     if ks is None:
-        ks = jnp.asarray([k for _, k in cfg.budget_schedule], jnp.int32)
+        ks = jnp.asarray(cfg.sparrow.ks, jnp.int32)
     return jnp.asarray(ks, jnp.int32)[schedule_bin(cfg, lengths)]
 
 

@@ -30,6 +30,8 @@ from models.attention import masked_softmax
 from models.registry import Registry
 from sparse_rl_jax.core.masked_math import masked_mean
 
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
+
 if TYPE_CHECKING:  # the config takes its method names from this module's registry
     from sparse_rl_jax.kv.compression_config import CompressionConfig
 
@@ -85,7 +87,7 @@ def _group_logits(queries: jax.Array, keys: jax.Array) -> jax.Array:
 
 @EVICTION_SCORES.register("snapkv")
 def importance(
-    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+    cfg: EvictionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
 ) -> jax.Array:
     """Attention importance ``I [B, Hkv, C]`` of the non-window slots (0 on the others); the
     ``snapkv`` score.
@@ -158,7 +160,7 @@ def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: flo
 
 @EVICTION_SCORES.register("rkv")
 def rkv_scores(
-    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+    cfg: EvictionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
 ) -> jax.Array:
     """R-KV ``Z = lambda * I - (1 - lambda) * R`` ``[B, Hkv, C]`` (:func:`importance`,
     :func:`redundancy`)."""
@@ -169,7 +171,7 @@ def rkv_scores(
 
 @EVICTION_SCORES.register("streaming")
 def streaming_scores(
-    cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
+    cfg: EvictionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
 ) -> jax.Array:
     """StreamingLLM ``[B, Hkv, C]``: the first ``cfg.num_sinks`` valid slots of each row score
     above everything, the rest their position (newer = higher); empty slots ``-inf``. Reads
@@ -185,7 +187,7 @@ def slot_scores(
     cfg: CompressionConfig, queries: jax.Array, keys: jax.Array, pos: jax.Array, index: jax.Array
 ) -> jax.Array:
     """The eviction score ``Z [B, Hkv, C]`` float32 of ``cfg.method`` for one layer: the
-    registered score (:data:`EVICTION_SCORES`; ``snapkv``: ``Z = I``; ``rkv``: ``Z = lambda *
+    registered score (:data:`EVICTION_SCORES`, called with ``cfg.eviction``; ``snapkv``: ``Z = I``; ``rkv``: ``Z = lambda *
     I - (1 - lambda) * R``; ``streaming``: sinks + recency), finite on valid non-window slots,
     ``-inf`` on window and empty slots. A method without a score (``none``, ``sparrow``: they
     never evict) is a ValueError.
@@ -194,5 +196,5 @@ def slot_scores(
         raise ValueError(f"CompressionConfig.method={cfg.method!r} never evicts and has no slot "
                          f"scores; the eviction scores are {EVICTION_SCORES.names()}")
     valid, non_window = _slot_masks(pos, index, queries.shape[2])
-    z = EVICTION_SCORES.get(cfg.method)(cfg, queries, keys, pos, index)
+    z = EVICTION_SCORES.get(cfg.method)(cfg.eviction, queries, keys, pos, index)
     return jnp.where(valid & non_window, z, -jnp.inf)

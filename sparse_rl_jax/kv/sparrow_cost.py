@@ -107,7 +107,7 @@ def rollout_seconds(
 ) -> float:
     """Predicted seconds of ``new_tokens - 1`` decode steps after a ``prompt_len`` prompt.
 
-    ``schedule`` is ``CompressionConfig.budget_schedule`` (``None``: dense); step ``t`` has
+    ``schedule`` is ``CompressionConfig.sparrow.budget_schedule`` (``None``: dense); step ``t`` has
     ``L = prompt_len + t + 1`` cached tokens and k from the schedule's bin of ``L`` (the same
     rule as ``page_sparsity.schedule_budget``).
     """

@@ -70,8 +70,8 @@ def init_state(
 
     The cache gets ``cfg.cache_capacity(max_len)`` slots (``budget + buffer``; ``max_len``,
     rounded up to whole pages when paged, for ``none`` and ``sparrow``, whose paged cache is
-    wrapped in a page-sparse one) and, when it compresses, a ring of ``cfg.window`` queries
-    and an eviction record over positions ``[0, max_len)`` unless ``record`` is False
+    wrapped in a page-sparse one) and, when it compresses, a ring of ``cfg.eviction.window``
+    queries and an eviction record over positions ``[0, max_len)`` unless ``record`` is False
     (compression then skips the bookkeeping); a method that never evicts keeps no record.
     """
     for name, value in (
@@ -94,9 +94,9 @@ def init_state(
     else:
         cache = init_cache(num_layers, batch, num_kv_heads, cfg.cache_capacity(max_len),
                            head_dim, dtype, num_heads=num_heads,
-                           window=cfg.window if cfg.compresses else 0)
+                           window=cfg.eviction.window if cfg.compresses else 0)
     if cfg.page_sparse:
-        cache = page_sparse_cache(cache, max_k=cfg.max_pages_k, dense_layers=cfg.dense_layers)
+        cache = page_sparse_cache(cache, max_k=cfg.max_pages_k, dense_layers=cfg.sparrow.dense_layers)
     return SparseKVState(
         cache=cache,
         evicted_at=jnp.full((num_layers, batch, num_kv_heads,
@@ -116,7 +116,7 @@ def check_prompt_fits(cfg: CompressionConfig, prompt_len: int, capacity: int | N
         capacity = cfg.capacity
     if prompt_len > capacity:
         where = (
-            f"budget {cfg.budget} + buffer {cfg.buffer} = {capacity} slots"
+            f"budget {cfg.eviction.budget} + buffer {cfg.eviction.buffer} = {capacity} slots"
             if cfg.compresses
             else f"the dense cache capacity of {capacity} slots"
         )
@@ -133,10 +133,10 @@ def _check_matches(state: SparseKVState, cfg: CompressionConfig) -> None:
             f"of the CompressionConfig"
         )
     ring = state.cache.queries
-    if ring is None or ring.shape[3] != cfg.window:
+    if ring is None or ring.shape[3] != cfg.eviction.window:
         raise ValueError(
             f"query ring holds {0 if ring is None else ring.shape[3]} queries, "
-            f"CompressionConfig.window={cfg.window}"
+            f"CompressionConfig.eviction.window={cfg.eviction.window}"
         )
 
 
@@ -147,7 +147,8 @@ def _compress_layer(cfg: CompressionConfig, index: jax.Array, layer: tuple) -> t
     c = pos.shape[-1]
     z = slot_scores(cfg, queries, k, pos, index)
     kept = select_slots(
-        z, pos, index, budget=cfg.budget, window=cfg.window, head_mode=cfg.head_mode
+        z, pos, index, budget=cfg.eviction.budget, window=cfg.eviction.window,
+        head_mode=cfg.eviction.head_mode
     )  # [B, Hkv, budget]
     is_kept = jax.vmap(jax.vmap(lambda idx: jnp.zeros(c, bool).at[idx].set(True)))(kept)
     evicted = (pos >= 0) & (jnp.arange(c) < index) & ~is_kept
@@ -210,7 +211,7 @@ def compress(state: SparseKVState, cfg: CompressionConfig) -> SparseKVState:
         k=_overwrite_slots(cache.k, k, 0),
         v=_overwrite_slots(cache.v, v, 0),
         pos=_overwrite_slots(cache.pos, pos, -1),
-        index=jnp.asarray(cfg.budget, jnp.int32),
+        index=jnp.asarray(cfg.eviction.budget, jnp.int32),
     )
     return state.replace(cache=cache, evicted_at=evicted_at)
 
@@ -231,7 +232,7 @@ def maybe_compress(
         return state
     _check_matches(state, cfg)
     index = state.cache.index
-    due = index > cfg.budget if after_prefill else index >= cfg.capacity
+    due = index > cfg.eviction.budget if after_prefill else index >= cfg.capacity
     return lax.cond(due, lambda s: compress(s, cfg), lambda s: s, state)
 
 

@@ -156,20 +156,14 @@ def prefill_rows(model, prompt, prompt_mask, key, rows, *, sampling: SamplingCon
     check_shape("prompt_mask", prompt_mask, B=b, P=p)
     check_shape("rows", rows, dtype=int, N=b * fan_out)
     cfg = model.config
-    if compression.page_sparse and any(i >= cfg.num_layers for i in compression.dense_layers):
-        raise ValueError(f"CompressionConfig.dense_layers={compression.dense_layers} names a "
-                         f"layer the model ({cfg.num_layers} layers) does not have")
+    dense_layers = compression.sparrow.dense_layers
+    if compression.page_sparse and any(i >= cfg.num_layers for i in dense_layers):
+        raise ValueError(f"CompressionConfig.sparrow.dense_layers={dense_layers} names a layer "
+                         f"the model ({cfg.num_layers} layers) does not have")
     state = kv_state.init_state(
-        compression,
-        num_layers=cfg.num_layers,
-        batch=b,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_len=max_len,
-        dtype=model.dtype,
-        record=bool(sampling.record_evictions),
-    )
+        compression, num_layers=cfg.num_layers, batch=b, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len, dtype=model.dtype,
+        record=bool(sampling.record_evictions))
     positions = jnp.where(prompt_mask > 0, jnp.cumsum(prompt_mask, axis=1) - 1, -1)
     out = model(prompt, positions, kv=state.cache, return_logits=False)
     state = state.replace(cache=out.kv)
@@ -295,7 +289,7 @@ def checked_budget_ks(budget_ks, compression: CompressionConfig) -> jax.Array | 
     if budget_ks is None:
         return None
     ks = np.asarray(budget_ks)
-    bins, largest = len(compression.budget_schedule), compression.max_pages_k
+    bins, largest = len(compression.sparrow.budget_schedule), compression.max_pages_k
     if not compression.page_sparse or ks.shape != (bins,) or ks.dtype.kind not in "iu" or (
             ks.min() < 0 or ks.max() > largest):
         raise ValueError(f"budget_ks: expected {bins} ints in [0, max_pages_k={largest}] (one "

@@ -1,5 +1,5 @@
 """Sparrow's closed loop (beyond the paper): k per schedule bin adapted online from the live
-acceptance p5 (``CompressionConfig.adapt_k``).
+acceptance p5 (``compression.adapt``).
 
 After each RL step the acceptance ``alpha`` of every sampled token (sparse rollout vs the
 dense policy, ``acceptance``) is pooled per ``budget_schedule`` bin of the cached length the
@@ -9,11 +9,11 @@ chose its pages; position 1 comes from the dense prefill and masked tokens are l
 each bin's 5th percentile ``p5_i`` of alpha clipped to ``[0, 1]`` (``np.percentile``, linear)
 moves its k:
 
-  ``p5_i < alpha_threshold``                   -> ``k_i + adapt_step`` (more pages)
-  ``p5_i >= alpha_threshold + adapt_margin``   -> ``k_i - adapt_step`` (slack: fewer pages)
+  ``p5_i < alpha.threshold``                   -> ``k_i + adapt.step`` (more pages)
+  ``p5_i >= alpha.threshold + adapt.margin``   -> ``k_i - adapt.step`` (slack: fewer pages)
   otherwise, or no token in the bin            -> ``k_i``
 
-clipped to ``[adapt_min_k, upper_i]``, ``upper_i`` the smaller of ``max_pages_k`` (the compiled
+clipped to ``[adapt.min_k, upper_i]``, ``upper_i`` the smaller of ``max_pages_k`` (the compiled
 selection size) and the middle pages a length of bin ``i`` can have. The ks go to the sampler
 as a traced value (``sampler.generate(budget_ks=...)``), so adapting never recompiles.
 """
@@ -37,14 +37,14 @@ K_METRIC = "sparrow_k_bin{}"  # k per schedule bin the step's rollouts used
 
 def initial_ks(cfg: CompressionConfig) -> tuple[int, ...]:
     """The schedule's own k per bin: where the loop starts."""
-    return tuple(k for _, k in cfg.budget_schedule)
+    return cfg.sparrow.ks
 
 
 def upper_ks(cfg: CompressionConfig) -> tuple[int, ...]:
     """The largest k of each bin: ``max_pages_k``, and for every bin but the last (which is
     open-ended) the middle pages of its longest length (``ceil(L / page_size) - 3`` with
     ``L`` one below the next start)."""
-    starts = [start for start, _ in cfg.budget_schedule]
+    starts = [start for start, _ in cfg.sparrow.budget_schedule]
     ends = [max(nxt // cfg.page_size - 4, 0) for nxt in starts[1:]] + [cfg.max_pages_k]
     return tuple(min(cfg.max_pages_k, end) for end in ends)
 
@@ -72,19 +72,19 @@ def bin_p5(cfg: CompressionConfig, alpha, response_mask, prompt_lengths) -> np.n
     lengths = np.asarray(prompt_lengths)[:, None] + positions - 1
     bins = np.asarray(schedule_bin(cfg, jnp.asarray(lengths.reshape(-1)))).reshape(n, m)
     decoded = np.asarray(response_mask).astype(bool) & (positions >= 2)
-    return percentile_per_bin_id(alpha, decoded, bins, len(cfg.budget_schedule))
+    return percentile_per_bin_id(alpha, decoded, bins, len(cfg.sparrow.budget_schedule))
 
 
 def next_ks(cfg: CompressionConfig, ks: tuple[int, ...], p5: np.ndarray) -> tuple[int, ...]:
     """The loop's update of ``ks`` from each bin's ``p5`` (NaN: hold), see the module
     docstring."""
-    out = []
+    out, adapt, threshold = [], cfg.adapt, cfg.alpha.threshold
     for k, value, upper in zip(ks, p5, upper_ks(cfg)):
-        if value < cfg.alpha_threshold:
-            k += cfg.adapt_step
-        elif value >= cfg.alpha_threshold + cfg.adapt_margin:
-            k -= cfg.adapt_step
-        out.append(int(min(max(k, cfg.adapt_min_k), upper)))
+        if value < threshold:
+            k += adapt.step
+        elif value >= threshold + adapt.margin:
+            k -= adapt.step
+        out.append(int(min(max(k, adapt.min_k), upper)))
     return tuple(out)
 
 
@@ -96,7 +96,7 @@ def p5_metrics(p5: np.ndarray) -> dict[str, float]:
 def observed_p5(cfg: CompressionConfig, metrics: Mapping[str, float]) -> np.ndarray:
     """The per-bin p5 a step's metrics hold (:func:`p5_metrics`), NaN where absent."""
     return np.asarray([metrics.get(P5_METRIC.format(i), np.nan)
-                       for i in range(len(cfg.budget_schedule))], np.float64)
+                       for i in range(len(cfg.sparrow.budget_schedule))], np.float64)
 
 
 def restored_ks(cfg: CompressionConfig, saved) -> tuple[int, ...]:
@@ -107,16 +107,16 @@ def restored_ks(cfg: CompressionConfig, saved) -> tuple[int, ...]:
     ks = tuple(saved)
     uppers = upper_ks(cfg)
     if len(ks) != len(uppers) or not all(
-            isinstance(k, int) and cfg.adapt_min_k <= k <= u for k, u in zip(ks, uppers)):
+            isinstance(k, int) and cfg.adapt.min_k <= k <= u for k, u in zip(ks, uppers)):
         raise ValueError(f"checkpoint budget_ks={list(ks)} does not fit "
-                         f"compression.budget_schedule ({len(uppers)} bins, k in "
-                         f"[adapt_min_k={cfg.adapt_min_k}, {list(uppers)}])")
+                         f"compression.sparrow.budget_schedule ({len(uppers)} bins, k in "
+                         f"[adapt.min_k={cfg.adapt.min_k}, {list(uppers)}])")
     return ks
 
 
 @dataclasses.dataclass
 class BudgetLoop:
-    """The trainer's closed-loop state: the ks of the next RL step (None when ``adapt_k`` is
+    """The trainer's closed-loop state: the ks of the next RL step (None when ``adapt.enabled`` is
     off, and then every method is a no-op).
 
     Attributes:
@@ -131,7 +131,7 @@ class BudgetLoop:
     def start(cls, cfg: CompressionConfig, meta: Mapping | None) -> "BudgetLoop":
         """The loop at the start of a run: the ks a resumed checkpoint's ``meta`` saved
         (:meth:`meta`), else the schedule's own."""
-        if not cfg.adapt_k:
+        if not cfg.adapt.enabled:
             return cls(cfg, None)
         return cls(cfg, restored_ks(cfg, None if meta is None else meta.get("budget_ks")))
 

@@ -92,7 +92,7 @@ class Collected(NamedTuple):
       logp_old: ``[N, M]`` dense teacher-forced log-probs of the responses; None unscored.
       corrections: the sampler/learner ``Corrections`` of ``logp_old`` vs the sampler's
         log-probs on ``loss_mask``; None unscored.
-      alpha: ``[N, M]`` sparse-vs-dense acceptance, or None (unscored, ``alpha_metric: off``
+      alpha: ``[N, M]`` sparse-vs-dense acceptance, or None (unscored, ``compression.alpha.metric: off``
         or no record kept).
       seconds: time spent in ``rollout``, ``reward`` and ``score``.
     """
@@ -157,12 +157,12 @@ def score_all(policy: RolloutPolicy, params, prompt, prompt_mask, response,
 def acceptance_all(policy: RolloutPolicy, params, rollout: Rollout, size: int,
                    comp: CompressionConfig, temperature: float) -> jax.Array | None:
     """alpha ``[N, M]`` of a rollout (sampled under ``comp`` at ``temperature``) from its
-    ``record``, ``size`` sequences a call; None when ``comp.alpha_metric`` is off or the
+    ``record``, ``size`` sequences a call; None when ``comp.alpha.metric`` is off or the
     rollout kept no record."""
     record = rollout.record
-    if comp.alpha_metric == "off" or record is None:
+    if comp.alpha.metric == "off" or record is None:
         return None
-    top_k = 20 if comp.alpha_metric == "top20" else None
+    top_k = 20 if comp.alpha.metric == "top20" else None
     parts = []
     for start in range(0, rollout.response.shape[0], size):
         rows = slice(start, start + size)

@@ -163,8 +163,8 @@ def _metrics(rounds: list[Collected], ctx) -> dict[str, jax.Array]:
             np.asarray(mask).sum(1), ctx.sampling.max_new_tokens, ctx.cfg.overlong))
     if all(out.alpha is not None for out in rounds):
         alpha = jnp.concatenate([out.alpha for out in rounds])
-        metrics.update(acceptance_metrics(alpha, mask, ctx.cfg.compression.alpha_threshold))
-        if ctx.cfg.compression.adapt_k:  # the closed loop's input: p5 per schedule bin
+        metrics.update(acceptance_metrics(alpha, mask, ctx.cfg.compression.alpha.threshold))
+        if ctx.cfg.compression.adapt.enabled:  # the closed loop's input: p5 per schedule bin
             plen = np.concatenate([np.asarray(out.rollout.prompt_mask).sum(1) for out in rounds])
             metrics.update(p5_metrics(bin_p5(ctx.cfg.compression, alpha, mask, plen)))
     return metrics

@@ -48,7 +48,7 @@ def mode_name(compression: CompressionConfig) -> str:
     """The eval-table name of an inference setting: ``dense`` or ``sparse (<method> <budget>)``."""
     if not compression.compresses:
         return "dense"
-    return f"sparse ({compression.method} {compression.budget})"
+    return f"sparse ({compression.method} {compression.eviction.budget})"
 
 
 def _mean_reward(policy: RolloutPolicy, params, prompts, answers, sampling, compression, key,

@@ -118,7 +118,7 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     read = min(slots, default_chunk_pages() * compression.page_size) if paged else slots
     prompts = -(-batch // num_samples)
     kv, heads = cfg.num_kv_heads, cfg.num_heads
-    ring = (cfg.num_layers * batch * heads * compression.window * cfg.head_dim * itemsize
+    ring = (cfg.num_layers * batch * heads * compression.eviction.window * cfg.head_dim * itemsize
             if compression.compresses else 0)  # the cache's query ring: evicting methods only
     similarity = 2 * batch * kv * slots * slots * _F32 if compression.compresses else 0
     pages = num_pages(total_len, compression.page_size) if compression.page_sparse else 0

@@ -79,13 +79,13 @@ def _prompts(source: PromptSource, steps: int) -> Iterator[tuple[str, str]]:
 def check_prompt_lengths(prompts: Iterable[tuple[str, str]], tokenizer: models.Tokenizer, cfg,
                          context: int) -> int:
     """Tokenizes every ``(where, prompt)`` and refuses (naming ``where``) an empty prompt or
-    one longer than the compressed KV cache (``compression.budget + buffer``; prompts are
+    one longer than the compressed KV cache (``compression.eviction.budget + buffer``; prompts are
     never truncated) or the model's context (``context`` positions). Returns the longest
     prompt's length."""
     limits = [(context, "the model context (max_position_embeddings)")]
     if cfg.compression.compresses:
         limits.append((cfg.compression.capacity,
-                       f"the KV cache (compression.budget + buffer = {cfg.compression.capacity})"))
+                       f"the KV cache (compression.eviction.budget + buffer = {cfg.compression.capacity})"))
     longest, batch = 0, []
 
     def flush():

@@ -14,6 +14,7 @@ from models.decoder import REMAT_POLICIES
 from models.partitioning import mesh_size_error
 from sparse_rl_jax.rl.advantages import AdvantageConfig
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.core.config_checks import (check, check_bool, check_choice, check_int, check_number,
                                          check_text, reject)
 from sparse_rl_jax.tasks.datasets import DatasetConfig, TfdsConfig
@@ -235,7 +236,8 @@ class EvalConfig:
 # record_evictions None = auto (memory).
 DEFAULT_SAMPLING = SamplingConfig(max_new_tokens=40, num_samples=8, prompt_bucket=16,
                                   record_evictions=None)
-DEFAULT_COMPRESSION = CompressionConfig(method="rkv", budget=32, buffer=8, window=4)
+DEFAULT_COMPRESSION = CompressionConfig(method="rkv",
+                                        eviction=EvictionConfig(budget=32, buffer=8, window=4))
 DEFAULT_LOSS = GRPOLossConfig()
 DEFAULT_OPTIM = OptimConfig(lr=5e-5, weight_decay=0.0)
 DEFAULT_TRAINER = TrainerConfig(steps=100, prompts_per_step=32, minibatch_size=128,
@@ -272,8 +274,8 @@ class RunConfig:
         sampling, trainer, correction = self.sampling, self.trainer, self.correction
         check(sampling.num_samples >= 2, self, "sampling.num_samples", "must be >= 2 (the GRPO "
               "group: advantages compare samples of one prompt)", sampling.num_samples)
-        check(not (self.compression.adapt_k and sampling.record_evictions is False), self,
-              "sampling.record_evictions", "cannot be false with compression.adapt_k (the "
+        check(not (self.compression.adapt.enabled and sampling.record_evictions is False), self,
+              "sampling.record_evictions", "cannot be false with compression.adapt.enabled (the "
               "closed loop reads alpha from the rollout's record); leave it unset (auto) or true",
               sampling.record_evictions)
         check(self.overlong.buffer_len < sampling.max_new_tokens, self, "overlong.buffer_len",
@@ -317,10 +319,11 @@ class RunConfig:
         task, compression, sampling = self.data.synthetic, self.compression, self.sampling
         knob = (f"data.task.n_max={task.n_max}" if self.data.source == "task" else
                 f"data.walk.distractors_max={task.distractors_max}")
-        check(compression.capacity >= task.max_prompt_tokens, self, "compression.budget",
+        check(compression.capacity >= task.max_prompt_tokens, self,
+              "compression.eviction.budget",
               f"+ buffer ({compression.capacity}) must hold the task's longest prompt "
               f"({task.max_prompt_tokens} tokens, {knob})",
-              compression.budget)
+              compression.eviction.budget)
         needed = task.max_response_tokens
         check(sampling.max_new_tokens >= needed, self, "sampling.max_new_tokens",
               f"must fit the task's longest solution + EOS ({needed} tokens)",

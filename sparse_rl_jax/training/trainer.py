@@ -30,6 +30,7 @@ from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.records.checkpoint_state import (BASE_KEY, base_record, check_base, restore_target,
                                             restored_params, train_state)
 from sparse_rl_jax.core.config_io import save_config, to_dict
+from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.training.evaluation import eval_metrics
 from sparse_rl_jax.rl.kl_reference import kl_reference
 from sparse_rl_jax.records.metrics_writer import MetricsWriter, WandbRun, read_metrics
@@ -103,9 +104,14 @@ def config_hash(cfg: RunConfig) -> str:
     relevant["model"] = {k: v for k, v in relevant["model"].items() if k != "remat"}
     # compression.layout changes only speed and memory (every layout a method takes runs the
     # same policy), so it is left out: runs of older configs (no field, or method none's
-    # former own layout dense) still resume
-    relevant["compression"] = {k: v for k, v in relevant["compression"].items()
-                               if k != "layout"}
+    # former own layout dense) still resume; the sections are hashed in the flat form of
+    # before them (CompressionConfig.MOVED_KEYS), so runs from before the split resume too
+    compression = relevant["compression"]
+    relevant["compression"] = {"method": compression["method"],
+                               "page_size": compression["page_size"]}
+    for old, new in CompressionConfig.MOVED_KEYS.items():
+        section, key = new.split(".")
+        relevant["compression"][old] = compression[section][key]
     relevant["trainer"] = {k: getattr(cfg.trainer, k)
                            for k in ("seed", "prompts_per_step", "minibatch_size")}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
@@ -271,7 +277,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         base = base_record(policy_path(cfg, lambda _: None)) if cfg.model.lora else None
         params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
                                                              log, base)
-        resumed = start and cfg.compression.adapt_k
+        resumed = start and cfg.compression.adapt.enabled
         budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
         writer = closing.enter_context(MetricsWriter(
             run_dir, resume_step=start if start else None,
@@ -287,7 +293,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                 ckpt.check()  # a save that has already failed stops the run before another step
                 params, opt_state, metrics = rl_step(budget.context(ctx), params, opt_state, step,
                                                      position)
-                budget.observe(metrics)  # sparrow's closed loop (adapt_k): log k, move it by p5
+                budget.observe(metrics)  # sparrow's closed loop (compression.adapt): log k, move it by p5
                 position += int(metrics["collect_rounds"])
                 done = step + 1
                 if evaluate_now is not None and cfg.eval.every_steps and (
