@@ -17,7 +17,7 @@ from sparse_rl_jax.training.run_config import RunConfig
     "data,pattern",
     [
         ({"method": "h2o"},
-         r"method: 'h2o' is not one of \['none', 'snapkv', 'rkv', 'streaming', 'sparrow'\]"),
+         r"method='h2o' must be one of \('none', 'snapkv', 'rkv', 'streaming', 'sparrow'\)"),
         ({"eviction": {"head_mode": "all"}},
          r"eviction\.head_mode: 'all' is not one of \['per_head', 'shared'\]"),
         ({"eviction": {"gqa_pool": "sum"}},
