@@ -65,3 +65,13 @@ def test_no_module_is_longer_than_one_sitting():
             for p in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "models").glob("*.py")])
             if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_layout_page_names_every_module():
+    """``docs/layout.md`` names every module of the library and of ``models`` (so a new
+    module lands with its line there)."""
+    page = (ROOT / "docs" / "layout.md").read_text()
+    missing = [str(p.relative_to(ROOT))
+               for p in sorted([*PACKAGE.glob("*/*.py"), *(ROOT / "models").glob("*.py")])
+               if p.name != "__init__.py" and f"{p.name}`" not in page]
+    assert not missing, f"modules docs/layout.md does not name: {missing}"
