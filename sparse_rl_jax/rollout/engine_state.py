@@ -10,7 +10,10 @@ depend on its prompt width and its step, not on its neighbours).
 
 Every leaf of a slot state has one batch axis (``k [L, S, ...]``, ``pos [S, C]`` of the paged
 cache, ``index [S]``, ...): :func:`batch_axes` finds it, and :func:`set_rows` /
-:func:`compress_full_rows` move rows along it.
+:func:`compress_full_rows` move rows along it. Dense rows of the paged layout may instead
+share a page pool (``models.page_pool.PagePoolCache``, ``pool_pages`` of :func:`slot_state`):
+its keys/values have no batch axis (``None``), and :func:`set_rows` copies a row's pages to
+the pool pages its table maps.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models.page_pool import PagePoolCache, init_page_pool
 from models.page_sparse import PageSparseCache
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
@@ -45,10 +49,23 @@ def per_row_index(state: kv_state.SparseKVState, batch: int) -> kv_state.SparseK
     return with_row_index(state, jnp.broadcast_to(row_index(state), (batch,)).astype(jnp.int32))
 
 
+def pooled(cfg: CompressionConfig) -> bool:
+    """Whether an engine's rows of ``cfg`` share a page pool: dense rows of the paged layout
+    (evicting methods keep their fixed budget per slot; ``sparrow`` its paged cache per slot)."""
+    return cfg.cache_layout == "paged" and not cfg.compresses and not cfg.page_sparse
+
+
 def slot_state(cfg: CompressionConfig, model_cfg, *, slots: int, max_len: int, dtype,
-               record: bool) -> kv_state.SparseKVState:
+               record: bool, pool_pages: int = 0) -> kv_state.SparseKVState:
     """An empty state of ``slots`` rows (``kv_state.init_state`` for sequences of ``max_len``
-    positions) with a per-row write index ``[slots]``."""
+    positions) with a per-row write index ``[slots]``; where :func:`pooled`, with
+    ``pool_pages > 0``, the rows share a ``models.page_pool.PagePoolCache`` of that many pages
+    (every table entry unmapped)."""
+    if pool_pages and pooled(cfg):
+        cache = init_page_pool(model_cfg.num_layers, slots, model_cfg.num_kv_heads, max_len,
+                               model_cfg.head_dim, pool_pages, dtype, page_size=cfg.page_size)
+        return kv_state.SparseKVState(cache=cache, evicted_at=jnp.zeros(
+            (model_cfg.num_layers, slots, model_cfg.num_kv_heads, 0), jnp.int32))
     state = kv_state.init_state(
         cfg, num_layers=model_cfg.num_layers, batch=slots, num_heads=model_cfg.num_heads,
         num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim, max_len=max_len,
@@ -57,22 +74,28 @@ def slot_state(cfg: CompressionConfig, model_cfg, *, slots: int, max_len: int, d
 
 
 def batch_axes(make: Callable[[int], Any]) -> Any:
-    """The batch axis of every leaf of ``make(batch)`` (a pytree of ints, same structure),
-    found by comparing the shapes of ``make(1)`` and ``make(2)`` (nothing is allocated)."""
+    """The batch axis of every leaf of ``make(batch)`` (a pytree of ints, same structure;
+    None for a leaf shared by the rows, a pool's pages), found by comparing the shapes of
+    ``make(1)`` and ``make(2)`` (nothing is allocated)."""
     one, two = (jax.eval_shape(lambda b=b: make(b)) for b in (1, 2))
 
     def axis(x, y):
-        return next(i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q)
+        return next((i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q), None)
 
     return jax.tree.map(axis, one, two)
 
 
-def set_rows(dst: Any, src: Any, slots: jax.Array, axes: Any) -> Any:
-    """``dst`` with rows ``slots [I]`` replaced by the ``I`` rows of ``src`` (same structure;
-    a slot out of range, e.g. ``S``, drops its row)."""
+def set_rows(dst: kv_state.SparseKVState, src: kv_state.SparseKVState, slots: jax.Array,
+             axes: Any) -> kv_state.SparseKVState:
+    """``dst`` with rows ``slots [I]`` replaced by the ``I`` rows of ``src`` (same structure,
+    or a paged ``src`` cache into a pool, ``PagePoolCache.put_rows``; a slot out of range,
+    e.g. ``S``, drops its row)."""
     def put(d, s, ax):
         return d.at[(slice(None),) * ax + (slots,)].set(s.astype(d.dtype), mode="drop")
 
+    if isinstance(dst.cache, PagePoolCache):
+        return dst.replace(cache=dst.cache.put_rows(src.cache, slots),
+                           evicted_at=put(dst.evicted_at, src.evicted_at, axes.evicted_at))
     return jax.tree.map(put, dst, src, axes)
 
 
