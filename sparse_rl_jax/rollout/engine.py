@@ -352,7 +352,7 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
         if schedule.done:
             break
         slots, out, steps = decode_chunk(graphdef, params, slots, out, key, ks, **static)
-        live, step = np.asarray(slots.live), np.asarray(slots.step)
+        live, step = np.array(slots.live), np.asarray(slots.step)
         decode_steps += int(steps)
     rollout = finish_rollout(
         prompt, prompt_mask, sampling.num_samples, compression, response=out.response,
