@@ -37,16 +37,19 @@ class SamplingConfig:
       engine: ``static`` (``sampler.generate``: one batch decoded until its longest row
         ends) or ``continuous`` (``engine.generate_continuous``: ``slots`` decode slots
         refilled as rows end; row for row the same rollout for the same key).
-      slots: decode slots ``S`` of the continuous engine; 0 = one per row of the call.
+      slots: decode slots ``S`` of the continuous engine; 0 = sized by the memory plan
+        where the device reports a memory limit (``memory_plan.engine_sizes``), else one per
+        row of the call.
       chunk: decode steps per jitted chunk ``c`` of the continuous engine (between chunks
         the host retires finished rows and refills their slots).
       pool_pages: KV pages of the continuous engine's shared page pool for dense rows
         (``method: none``, ``layout: paged``), ``compression.page_size`` positions each: a
         row draws pages as it fills them and a retired row's pages go back, so the pool
-        holds the resident tokens, not ``slots * max_len``. 0 = one max-length row per slot
-        (``slots * ceil((P + max_new_tokens) / page_size)``). A pool must hold one
-        max-length row (``ceil((P + max_new_tokens) / page_size)`` pages, ``P`` the bucketed
-        prompt width): smaller is an error naming the smallest size.
+        holds the resident tokens, not ``slots * max_len``. 0 = sized by the memory plan
+        where the device reports a limit (``memory_plan.engine_sizes``), else one
+        max-length row per slot (``slots * ceil((P + max_new_tokens) / page_size)``). A
+        pool must hold one max-length row (``ceil((P + max_new_tokens) / page_size)``
+        pages, ``P`` the bucketed prompt width): smaller is an error naming the smallest.
     """
 
     max_new_tokens: int = 256
