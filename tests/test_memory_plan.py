@@ -3,6 +3,8 @@ and the before-compile error naming the estimate and the largest batch that fits
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,3 +170,25 @@ def test_engine_sizes_fill_the_limit_with_twice_the_slots_and_a_pool():
         min(64, rkv_dense), 0)
     with pytest.raises(memory_plan.MemoryPlanError, match="no batch fits"):
         memory_plan.engine_sizes(cfg, 1000, rows=64, compression=comp, **kw)
+
+
+def test_collect_sizes_the_unset_engine_from_the_device_limit(monkeypatch):
+    """``collect_prompts``' sizing (``collect._sized_engine``): where the device reports a
+    limit, unset ``slots`` / ``pool_pages`` of the continuous engine are ``engine_sizes``'s;
+    set ones, the static engine and a device without a limit are left as given."""
+    from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+    from sparse_rl_jax.training import collect
+    cfg, comp = CONFIGS[0], CompressionConfig(method="none", page_size=4)
+    plan = dict(prompt_len=16, new_tokens=48, dtype=jnp.float32, logp_chunk=16)
+    limit = memory_plan.estimate("rollout", cfg, batch=8, compression=comp, **plan).total
+    sampling = SamplingConfig(max_new_tokens=48, num_samples=4, engine="continuous",
+                              record_evictions=False)
+    assert collect._sized_engine(sampling, comp, cfg, plan, 64) is sampling  # CPU: no limit
+    monkeypatch.setattr(memory_plan, "device_memory_limit", lambda: limit)
+    sized = collect._sized_engine(sampling, comp, cfg, plan, 64)
+    assert (sized.slots, sized.pool_pages) == memory_plan.engine_sizes(
+        cfg, limit, rows=64, compression=comp, num_samples=4, record_evictions=False, **plan)
+    given = dataclasses.replace(sampling, slots=3, pool_pages=20)
+    assert collect._sized_engine(given, comp, cfg, plan, 64) is given
+    static = dataclasses.replace(sampling, engine="static")
+    assert collect._sized_engine(static, comp, cfg, plan, 64) is static
