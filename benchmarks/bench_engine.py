@@ -14,10 +14,11 @@ until its longest row: it cannot stop a row early); the continuous engine
 Reported per method: seconds (after a warm-up call of the same shapes: no compile time),
 useful tokens/s, decode row-steps wasted (computed slot-steps that produced no useful
 token), KV bytes allocated and the peak held (a pool's pages in use), peak rows in flight,
-and the ratios to static of useful tokens/s and rows in flight. Dense rows of the
-continuous engine share a KV page pool (``sampling.pool_pages``) of the static engine's
-``S`` max-length rows; the cell ``none (pool, 4S slots)`` is dense at equal KV memory with
-``4 * S`` slots: how many rows the pool keeps in flight when rows hold only their pages. Model: a random Qwen2-shaped
+and the ratios to static of useful tokens/s and rows in flight. Dense (and Sparrow) rows
+of the continuous engine share a KV page pool (``sampling.pool_pages``) of the static
+engine's ``S`` max-length rows; the cell ``none (pool, 4S slots)`` is dense at equal KV
+memory with ``4 * S`` slots: how many rows the pool keeps in flight when rows hold only
+their pages. Model: a random Qwen2-shaped
 decoder (hidden 256, 4 layers, 8 query / 2 KV heads, vocab 2048, fp32), CPU-sized.
 """
 

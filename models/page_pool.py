@@ -72,12 +72,12 @@ class PagePoolCache(PositionSlots):
         check_shape("PagePoolCache.pos", self.pos, B=batch, C=self.capacity)
         self.check_room(t, backend)
 
-    def _locate(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(page [B, T], offset [B, T])`` in the pool of positions ``[B, T]`` (padding and
-        unmapped pages: page ``N``, dropped by writes)."""
-        slots = _slots(positions, self.capacity)
-        logical = jnp.minimum(slots // self.page_size, self.pages.shape[1] - 1)
-        page = jnp.where(slots < self.capacity, self.pages[_rows(positions), logical],
+    def slot_index(self, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(page, offset)`` in the pool of logical slots ``slots`` of rows ``rows``
+        (broadcasting int arrays; a slot out of ``[0, C)`` or on an unmapped page: page
+        ``N``, dropped by writes, read as zeros by ``mode="fill"`` gathers)."""
+        logical = jnp.clip(slots // self.page_size, 0, self.pages.shape[1] - 1)
+        page = jnp.where((slots >= 0) & (slots < self.capacity), self.pages[rows, logical],
                          self.num_pages)
         return page, slots % self.page_size
 
@@ -85,7 +85,7 @@ class PagePoolCache(PositionSlots):
               q_pos: jax.Array) -> PagePoolCache:
         """Write ``k, v [B, Hkv, T, D]`` of ``layer`` at the pool slots of their positions
         ``q_pos [B, T]`` (padding and unmapped pages are dropped): one scatter per buffer."""
-        page, offset = self._locate(q_pos)
+        page, offset = self.slot_index(_rows(q_pos), _slots(q_pos, self.capacity))
         # advanced indices (layer, page, offset) around a slice put [B, T] first: [B, T, Hkv, D]
         return self.replace(
             k=self.k.at[layer, page, :, offset].set(

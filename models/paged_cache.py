@@ -60,6 +60,12 @@ class PositionSlots(WriteIndexCache):
         """``[B]`` int32 resident (non-empty) slots of each row."""
         return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
 
+    def slot_index(self, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Where logical slots ``slots`` of rows ``rows`` (broadcasting int arrays, slots in
+        ``[0, C)``) live in ``k, v``: indices into their axes 1 and 3 (``k[layer, i1, head,
+        i3]``); here the row and the slot themselves."""
+        return rows, slots
+
 
 @struct.dataclass
 class PagedKVCache(PositionSlots):

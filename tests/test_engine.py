@@ -128,14 +128,16 @@ def test_engine_rows_equal_static_generate_and_replayed_score(tiny, method, mode
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("pool_pages", [10, 14])
-def test_dense_rows_through_a_small_page_pool_equal_static_generate(tiny, mode, pool_pages):
-    """Dense rows sharing a pool of 10 pages (one max-length row: 12 + 26 positions in pages
-    of 4; rows wait for pages, and the newest is preempted and re-run when the pool is
-    short) or 14,
-    against 4 slots x 10 pages of per-slot KV: the static rows, the replayed score."""
+@pytest.mark.parametrize("method,pool_pages", [("none", 10), ("none", 14), ("sparrow", 12)])
+def test_paged_rows_through_a_small_page_pool_equal_static_generate(tiny, mode, method,
+                                                                   pool_pages):
+    """Rows sharing a pool of 10 pages (one max-length row: 12 + 26 positions in pages of
+    4; rows wait for pages, and the newest is preempted and re-run when the pool is short)
+    or more, against 4 slots x 10 pages of per-slot KV: the static rows (Sparrow's selected
+    pages included: it selects among its row's pages, read through the table), the replayed
+    score."""
     graphdef, params, prompt, mask = tiny
-    compression = METHODS["none"]
+    compression = METHODS[method]
     sampling = dataclasses.replace(SAMPLING, pool_pages=pool_pages, **MODES[mode])
     key = jax.random.key(2)
     static = generate(graphdef, params, prompt, mask, key, sampling, compression)
@@ -144,8 +146,8 @@ def test_dense_rows_through_a_small_page_pool_equal_static_generate(tiny, mode, 
     assert schedule.peak_pages <= pool_pages < slots * 10
     assert schedule.peak_live >= 2 and schedule.preemptions > 0  # some rows ran twice
     assert_rows_match(graphdef, params, static, engine, compression)
-    replay = score(graphdef, params, engine.prompt, engine.prompt_mask, engine.response, None,
-                   temperature=sampling.temperature)
+    replay = score(graphdef, params, engine.prompt, engine.prompt_mask, engine.response,
+                   engine.record, temperature=sampling.temperature)
     err = jnp.max(jnp.abs(replay.logp - engine.logp) * engine.response_mask)
     assert float(err) <= 1e-4
 

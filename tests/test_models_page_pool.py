@@ -1,8 +1,9 @@
 """The page pool (``models.page_pool``) against the paged cache (``models.paged_cache``, itself
 tested against NumPy attention): the same forwards, each row's logical pages mapped to
 scattered pool pages only as it fills them, give the same attention bit for bit (chunked and
-reference backends); a prefilled paged cache put into the pool reads the same; unmapped pages
-take no writes; and the inputs it rejects."""
+reference backends), and Sparrow over the pool selects and reads the same pages as over the
+paged cache; a prefilled paged cache put into the pool reads the same; unmapped pages take
+no writes; and the inputs it rejects."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models.kv_view import join_layers, split_layers
 from models.page_pool import init_page_pool
+from models.page_sparse import page_sparse_cache
 from models.paged_cache import init_paged_cache
 from test_models_paged_cache import LAYER, B, D, L, _config, _forward
 
@@ -62,6 +65,42 @@ def test_pool_attention_equals_the_paged_cache(page_size, chunk_pages, hq, hkv, 
             np.testing.assert_array_equal(
                 k_pool[table[b, p]], k_paged[b, :, p * page_size:(p + 1) * page_size])
     assert not np.asarray(pool.k)[:, np.setdiff1d(np.arange(pool_pages), table)].any()
+
+
+def _all_layers(view, q_pos, tokens):
+    """One forward of every layer through ``view`` as the decoder runs it (per-layer fields
+    scanned): ``(outputs [L] of [B, T, Hq, D], view)``."""
+    view = view.begin_forward(jnp.asarray(q_pos))
+    carried, per_layer = split_layers(view)
+    outs = []
+    for layer, (q, k, v) in enumerate(tokens):
+        one = {name: x[layer] for name, x in per_layer.items()}
+        out, new = join_layers(carried, one).attend(
+            jnp.asarray(layer), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+            jnp.asarray(q_pos), "blockwise")
+        carried = split_layers(new)[0]
+        outs.append(np.asarray(out))
+    return outs, join_layers(carried, per_layer).end_forward(q_pos.shape[1])
+
+
+def test_sparrow_over_the_pool_selects_and_reads_as_over_the_paged_cache():
+    rng = np.random.default_rng(5)
+    hq, hkv, ps, max_len = 4, 2, 2, 24
+    r = max_len // ps
+    views = [page_sparse_cache(init, max_k=2, dense_layers=(0,)).replace(
+        budget=jnp.asarray([2, 1], jnp.int32)) for init in (
+        init_paged_cache(L, B, hkv, max_len, D, page_size=ps),
+        init_page_pool(L, B, hkv, max_len, D, 2 * r, page_size=ps).replace(
+            pages=jnp.asarray(rng.permutation(2 * r).reshape(B, r), jnp.int32)))]
+    for _, _, _, q_pos in _steps(rng, 9, np.array([9, 4]), [1] * 8, hq, hkv):
+        tokens = [(rng.normal(size=(B, q_pos.shape[1], hq, D)).astype(np.float32),
+                   *(rng.normal(size=(B, hkv, q_pos.shape[1], D)).astype(np.float32)
+                     for _ in range(2))) for _ in range(L)]
+        (want, views[0]), (got, views[1]) = (_all_layers(v, q_pos, tokens) for v in views)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(views[1].selected, views[0].selected)
+        np.testing.assert_array_equal(views[1].page_keys, views[0].page_keys)
+    assert (np.asarray(views[1].selected)[1:] >= 0).sum() > 0  # sparse layers selected pages
 
 
 def test_put_rows_copies_a_prefill_into_the_mapped_pages():

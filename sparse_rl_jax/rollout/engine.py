@@ -12,11 +12,11 @@ slots; :func:`decode_chunk` decodes every live slot for up to ``c`` (``sampling.
 steps in one jitted loop, retiring rows at EOS or their cap; the host reads the ``[S]`` live
 flags and refills. Between chunks the host touches only the queue and those flags, never the
 KV. Shapes are fixed by ``(S, I, c, N, P)``, so each function compiles once per run.
-Dense rows of the paged layout share one KV page pool (``models.page_pool``,
-``sampling.pool_pages``): the host's ``slot_schedule.SlotSchedule`` maps the pages each row
-may fill in the next chunk into its slot's page table before the chunk, admits a queued row
-only when its pages fit, and takes a retired row's pages back; the tables are the only thing
-besides the flags it uploads.
+Rows of the paged layout (``none``, ``sparrow``) share one KV page pool
+(``models.page_pool``, ``sampling.pool_pages``): the host's ``slot_schedule.SlotSchedule``
+maps the pages each row may fill in the next chunk into its slot's page table before the
+chunk, admits a queued row only when its pages fit, and takes a retired row's pages back;
+the tables are the only thing besides the flags it uploads.
 
 Outputs are indexed by row (``[N, ...]``, written as the rows decode); the slot state is
 indexed by slot (``[S, ...]``). A slot whose row is done keeps the row's id (and does not
@@ -96,8 +96,8 @@ class Outputs(NamedTuple):
 def _slot_state_fn(model, compression: CompressionConfig, sampling: SamplingConfig,
                    max_len: int):
     """``batch -> empty slot state`` for this model and call (also gives the batch axes);
-    dense paged rows share a pool of ``sampling.pool_pages`` pages (resolved by
-    :func:`run_continuous`)."""
+    paged rows (``engine_state.pooled``) share a pool of ``sampling.pool_pages`` pages
+    (resolved by :func:`run_continuous`)."""
     record = bool(sampling.record_evictions) and not compression.page_sparse
     return lambda b: engine_state.slot_state(compression, model.config, slots=b,
                                              max_len=max_len, dtype=model.dtype, record=record,
@@ -340,8 +340,8 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
             live[preempted] = False
             slots = slots._replace(live=_placed_like(jnp.asarray(live), params))
         if sampling.pool_pages:
-            slots = slots._replace(kv=slots.kv.replace(cache=slots.kv.cache.replace(
-                pages=_placed_like(jnp.asarray(schedule.table), params))))
+            slots = slots._replace(kv=engine_state.with_page_table(
+                slots.kv, _placed_like(jnp.asarray(schedule.table), params)))
         for start in range(0, len(admitted), batch):
             take = admitted[start:start + batch]
             rows = np.full((batch,), -1, np.int32)

@@ -42,8 +42,8 @@ class SamplingConfig:
         row of the call.
       chunk: decode steps per jitted chunk ``c`` of the continuous engine (between chunks
         the host retires finished rows and refills their slots).
-      pool_pages: KV pages of the continuous engine's shared page pool for dense rows
-        (``method: none``, ``layout: paged``), ``compression.page_size`` positions each: a
+      pool_pages: KV pages of the continuous engine's shared page pool for the rows of
+        the paged layout (``none``, ``sparrow``), ``compression.page_size`` positions each: a
         row draws pages as it fills them and a retired row's pages go back, so the pool
         holds the resident tokens, not ``slots * max_len``. 0 = sized by the memory plan
         where the device reports a limit (``memory_plan.engine_sizes``), else one

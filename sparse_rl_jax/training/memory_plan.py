@@ -117,7 +117,7 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
                    compression: CompressionConfig | None, dtype, num_samples: int,
                    record_evictions: bool, pool_pages: int = 0) -> dict[str, int]:
     """The parts of a rollout's peak (:func:`estimate` ``kind="rollout"``), in bytes; with
-    ``pool_pages`` (dense paged rows of the continuous engine), ``kv_pool`` is the pool and
+    ``pool_pages`` (paged rows of the continuous engine), ``kv_pool`` is the pool and
     ``kv_cache`` the prefill's rows plus each slot's positions and page table."""
     itemsize = np.dtype(dtype).itemsize
     total_len = prompt_len + new_tokens
@@ -244,7 +244,7 @@ def estimate(
       remat: the update's ``model.remat`` policy: what each layer keeps for its backward
         (``none``: its activations; ``full``: its input only; ``dots_saveable``: its matmul
         outputs, the attention scores included).
-      pool_pages: a rollout through the continuous engine whose dense paged rows share a
+      pool_pages: a rollout through the continuous engine whose paged rows share a
         pool of this many pages (``sampling.pool_pages``; ``batch`` is then its slots ``S``):
         the pool is the ``kv_pool`` part (:func:`engine_sizes` sizes both).
     """
@@ -292,8 +292,8 @@ def engine_sizes(cfg: ModelConfig, limit: int, *, rows: int, prompt_len: int,
     bytes (``sampling.slots`` / ``sampling.pool_pages`` when unset).
 
     Without a pool (evicting methods, ``sparrow``, the dense layout: ``engine_state.pooled``)
-    the slots are the largest :func:`largest_batch` (at most ``rows``), pool 0. Dense paged
-    rows hold only the pages they fill, so the engine gets twice the slots whose max-length
+    the slots are the largest :func:`largest_batch` (at most ``rows``), pool 0. Paged rows
+    (``none``, ``sparrow``) hold only the pages they fill, so the engine gets twice the slots whose max-length
     KV would fit (at most ``rows``; a row's mean length is at most its max) and the pool the
     memory left (at most every slot at max length); where that pool cannot hold one
     max-length row, the slots fall back to those that fit at max length.
