@@ -291,12 +291,12 @@ def engine_sizes(cfg: ModelConfig, limit: int, *, rows: int, prompt_len: int,
     """``(slots, pool_pages)`` of a continuous-engine rollout of ``rows`` rows in ``limit``
     bytes (``sampling.slots`` / ``sampling.pool_pages`` when unset).
 
-    Without a pool (evicting methods, ``sparrow``, the dense layout: ``engine_state.pooled``)
-    the slots are the largest :func:`largest_batch` (at most ``rows``), pool 0. Paged rows
-    (``none``, ``sparrow``) hold only the pages they fill, so the engine gets twice the slots whose max-length
-    KV would fit (at most ``rows``; a row's mean length is at most its max) and the pool the
-    memory left (at most every slot at max length); where that pool cannot hold one
-    max-length row, the slots fall back to those that fit at max length.
+    Without a pool (evicting methods, the dense layout: ``engine_state.pooled``) the slots
+    are the largest :func:`largest_batch` (at most ``rows``), pool 0. Paged rows (``none``,
+    ``sparrow``) hold only the pages they fill, so the engine gets twice the slots whose
+    max-length KV would fit (at most ``rows``; a row's mean length is at most its max) and
+    the pool the memory left (at most every slot at max length); where that pool cannot
+    hold one max-length row, the slots fall back to those that fit at max length.
 
     Raises:
       MemoryPlanError: not one row fits (:func:`check_fits`'s message).
