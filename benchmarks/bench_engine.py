@@ -13,7 +13,12 @@ until its longest row: it cannot stop a row early); the continuous engine
 
 Reported per method: seconds (after a warm-up call of the same shapes: no compile time),
 useful tokens/s, decode row-steps wasted (computed slot-steps that produced no useful
-token), and the continuous/static ratio of useful tokens/s. Model: a random Qwen2-shaped
+token), KV bytes allocated and the peak held (a pool's pages in use), peak rows in flight,
+and the ratios to static of useful tokens/s and rows in flight. Dense (and Sparrow) rows
+of the continuous engine share a KV page pool (``sampling.pool_pages``) of the static
+engine's ``S`` max-length rows; the cell ``none (pool, 4S slots)`` is dense at equal KV
+memory with ``4 * S`` slots: how many rows the pool keeps in flight when rows hold only
+their pages. Model: a random Qwen2-shaped
 decoder (hidden 256, 4 layers, 8 query / 2 KV heads, vocab 2048, fp32), CPU-sized.
 """
 
@@ -38,6 +43,7 @@ from sparse_rl_jax.kv.compression_sections import EvictionConfig  # noqa: E402
 from sparse_rl_jax.rollout.engine import run_continuous  # noqa: E402
 from sparse_rl_jax.rollout.sampler import generate  # noqa: E402
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
+from sparse_rl_jax.training.memory_plan import page_bytes  # noqa: E402
 
 SAMPLES, PROMPT = 4, 32
 METHODS = {"none": CompressionConfig(method="none"),
@@ -49,6 +55,15 @@ def long_tail_caps(rng: np.random.Generator, n: int, max_new: int) -> np.ndarray
     sigma = 1.0
     mu = np.log(max_new / 3) - sigma ** 2 / 2
     return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, max_new).astype(np.int32)
+
+
+def kv_bytes(cfg, comp, slots: int, max_len: int, pool_pages: int = 0) -> int:
+    """Keys + values allocated for ``slots`` rows of ``max_len`` positions: a pool of
+    ``pool_pages`` pages, or each row's own cache (``budget + buffer`` slots when evicting)."""
+    if pool_pages:
+        return pool_pages * page_bytes(cfg, comp.page_size, np.float32)
+    per_row = comp.cache_capacity(max_len)
+    return slots * per_row * page_bytes(cfg, 1, np.float32)
 
 
 def timed(fn):
@@ -97,32 +112,46 @@ def main(argv=None) -> None:
     print(f"rows {args.rows}, slots {args.slots}, chunk {args.chunk}, max_new {args.max_new}, "
           f"caps mean {caps.mean():.1f} median {np.median(caps):.0f} max {caps.max()}, "
           f"useful tokens {useful}; platform {jax.default_backend()}")
-    print("| method | engine | seconds | useful tok/s | row-steps computed | wasted | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for name in args.methods:
+    print("| method | engine | seconds | useful tok/s | row-steps computed | wasted | "
+          "KV MiB alloc | KV MiB peak | rows in flight | tok/s ratio | rows ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    max_len, mib = PROMPT + args.max_new, 2 ** 20
+    row_pages = -(-max_len // METHODS["none"].page_size)
+    cells = [(name, engine, args.slots) for name in args.methods
+             for engine in ("static", "continuous")]
+    if "none" in args.methods:  # dense at equal KV memory: 4S slots over S rows' pages
+        cells.append(("none", "continuous", 4 * args.slots))
+    results = {}
+    for name, engine, slots in cells:
         comp = METHODS[name]
-        key = jax.random.key(1)
-        results = {}
-        for engine in ("static", "continuous"):
-            if engine == "static":
-                def call(k):
-                    return run_static(graphdef, params, prompt, mask, k, sampling, comp,
-                                      args.slots)
-            else:
-                def call(k):
-                    (_, slots, steps), seconds = timed(lambda: run_continuous(
-                        graphdef, params, prompt, mask, k, dataclasses.replace(
-                            sampling, engine="continuous"), comp, row_caps=caps))
-                    return seconds, slots * steps
-            call(jax.random.key(0))  # warm-up: compiles
-            seconds, slot_steps = call(key)
-            # The prefill draws token 0 of every row: decode row-steps make the other ones.
-            wasted = 1 - (useful - args.rows) / slot_steps
-            results[engine] = useful / seconds
-            ratio = results[engine] / results["static"]
-            print(f"| {name} | {engine} | {seconds:.2f} | {results[engine]:.0f} | "
-                  f"{slot_steps} | {wasted:.0%} | {ratio:.2f}x |")
+        if engine == "static":
+            def call(k):
+                seconds, slot_steps = run_static(graphdef, params, prompt, mask, k, sampling,
+                                                 comp, args.slots)
+                alloc = kv_bytes(cfg, comp, args.slots, max_len)
+                return seconds, slot_steps, alloc, alloc, args.slots, 0
+        else:
+            pool = args.slots * row_pages if name == "none" else 0
+            run = dataclasses.replace(sampling, engine="continuous", slots=slots,
+                                      pool_pages=pool)
 
+            def call(k):
+                (_, s, steps, sched), seconds = timed(lambda: run_continuous(
+                    graphdef, params, prompt, mask, k, run, comp, row_caps=caps))
+                alloc = kv_bytes(cfg, comp, s, max_len, pool)
+                peak = sched.peak_pages * page_bytes(cfg, comp.page_size, np.float32) \
+                    if pool else alloc
+                return seconds, s * steps, alloc, peak, sched.peak_live, sched.preemptions
+        call(jax.random.key(0))  # warm-up: compiles
+        seconds, slot_steps, alloc, peak, in_flight, preempted = call(jax.random.key(1))
+        # The prefill draws token 0 of every row: decode row-steps make the other ones.
+        wasted = 1 - (useful - args.rows) / slot_steps
+        base = results.setdefault(name, (useful / seconds, in_flight))
+        label = engine if slots == args.slots else (
+            f"continuous (pool, {slots} slots, {preempted} rows preempted)")
+        print(f"| {name} | {label} | {seconds:.2f} | {useful / seconds:.0f} | {slot_steps} | "
+              f"{wasted:.0%} | {alloc / mib:.2f} | {peak / mib:.2f} | {in_flight} | "
+              f"{useful / seconds / base[0]:.2f}x | {in_flight / base[1]:.2f}x |")
 
 if __name__ == "__main__":
     main()

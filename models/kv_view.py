@@ -35,7 +35,10 @@ cache: ``models.cache.KVCache`` (the slot cache; dense and budget layouts are ca
 it; optionally holding the ring of the last ``W`` queries an eviction policy scores with),
 ``models.paged_cache.PagedKVCache`` (the paged layout of dense and Sparrow rollouts: one
 position array for all layers, decode reads only the filled pages) and
-``models.page_sparse.PageSparseCache`` (Sparrow: a paged cache and its page-mean keys).
+``models.page_sparse.PageSparseCache`` (Sparrow: a paged cache and its page-mean keys) and
+``models.page_pool.PagePoolCache`` (the paged layout's pages drawn from one pool shared by
+the rows, through per-row page tables: a continuous-batching engine's rows;
+``PageSparseCache`` may wrap it).
 """
 
 from __future__ import annotations

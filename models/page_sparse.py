@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention_backends import attention, visibility_backend
-from models.paged_cache import PagedKVCache
+from models.paged_cache import PositionSlots
 from models.kv_view import FullForward, layer_field, self_keys
 from models.shapes import check_shape
 
@@ -45,7 +45,9 @@ class PageSparseCache:
     always describe the cache's contents.
 
     Attributes:
-      cache: the :class:`models.paged_cache.PagedKVCache` (its pages are the selectable pages).
+      cache: the :class:`models.paged_cache.PagedKVCache` (its pages are the selectable
+        pages), or a ``models.page_pool.PagePoolCache`` (the same logical pages, drawn from
+        a pool through the row's page table).
       page_keys: ``[L, B, Hkv, P, D]`` mean of each page's written keys (zero for a page with
         none), ``P = C / page_size``; a page's mean is final once the page is full, which is
         before any selection scores it.
@@ -59,7 +61,7 @@ class PageSparseCache:
       dense_layers: layers that attend densely (static).
     """
 
-    cache: PagedKVCache
+    cache: PositionSlots
     page_keys: jax.Array = layer_field()
     budget: jax.Array
     first_position: jax.Array
@@ -126,7 +128,8 @@ class PageSparseCache:
         def sparse(_):
             return page_sparse_attention(q, cache.k, cache.v, cache.pos, q_pos, layer,
                                          self.page_keys, self.budget,
-                                         page_size=self.page_size, max_k=self.max_k)
+                                         page_size=self.page_size, max_k=self.max_k,
+                                         slot_index=cache.slot_index)
 
         def dense(_):
             shape = (q.shape[0], k.shape[1], self.num_selected)
@@ -164,13 +167,13 @@ class PageSparseCache:
                             selected=jnp.repeat(self.selected, n, axis=1))
 
 
-def page_sparse_cache(cache: PagedKVCache, *, max_k: int,
+def page_sparse_cache(cache: PositionSlots, *, max_k: int,
                       dense_layers: tuple[int, ...]) -> PageSparseCache:
-    """A :class:`PageSparseCache` over an empty paged ``cache`` (``k [L, B, Hkv, C, D]``):
-    zero page keys ``[L, B, Hkv, C / page_size, D]``, budget and first positions 0,
-    ``selected`` all ``NO_PAGE``."""
-    n_layers, b, hkv, c, d = cache.k.shape
-    p = c // cache.page_size
+    """A :class:`PageSparseCache` over an empty paged ``cache`` (a ``PagedKVCache`` or a
+    ``models.page_pool.PagePoolCache``: ``pos [B, C]``): zero page keys ``[L, B, Hkv,
+    C / page_size, D]``, budget and first positions 0, ``selected`` all ``NO_PAGE``."""
+    n_layers, hkv, d = cache.k.shape[0], cache.k.shape[2], cache.k.shape[-1]
+    b, p = cache.pos.shape[0], cache.capacity // cache.page_size
     return PageSparseCache(
         cache=cache, page_keys=jnp.zeros((n_layers, b, hkv, p, d), cache.k.dtype),
         budget=jnp.zeros((b,), jnp.int32), first_position=jnp.zeros((b,), jnp.int32),
@@ -178,12 +181,14 @@ def page_sparse_cache(cache: PagedKVCache, *, max_k: int,
         max_k=max_k, dense_layers=tuple(dense_layers))
 
 
-def refresh_page_keys(page_keys: jax.Array, cache: PagedKVCache, pages: jax.Array) -> jax.Array:
+def refresh_page_keys(page_keys: jax.Array, cache: PositionSlots,
+                      pages: jax.Array) -> jax.Array:
     """Recompute the mean key of ``pages [B, n]`` of each row (every layer and KV head).
 
     Args:
       page_keys: ``[L, B, Hkv, P, D]`` page-mean keys.
-      cache: the paged cache (``k [L, B, Hkv, C, D]``, ``pos [B, C]``, ``C = P * page_size``).
+      cache: the paged cache (``pos [B, C]``, ``C = P * page_size``; its keys read through
+        its ``slot_index``: a ``PagedKVCache`` or a ``models.page_pool.PagePoolCache``).
       pages: ``[B, n]`` int page indices to refresh (``P`` or more = skipped).
 
     Returns ``page_keys`` with those pages set to the mean of their written keys (zero for a
@@ -194,8 +199,10 @@ def refresh_page_keys(page_keys: jax.Array, cache: PagedKVCache, pages: jax.Arra
     want = (pages[:, :, None] * ps + jnp.arange(ps)).reshape(b, -1)  # [B, n*ps]
     slots = jnp.clip(want, 0, c - 1)
     got = jnp.take_along_axis(cache.pos, slots, axis=-1) == want  # [B, n*ps]
-    idx = jnp.broadcast_to(slots[None, :, None, :], (n_layers, b, h, slots.shape[1]))
-    keys = jnp.take_along_axis(cache.k, idx[..., None], axis=3).astype(jnp.float32)
+    at, within = cache.slot_index(jnp.arange(b)[:, None, None], slots[:, None, :])
+    # advanced indices (at, head, within) next to each other: [L, B, Hkv, n*ps, D]
+    keys = cache.k.at[:, at, jnp.arange(h)[None, :, None], within].get(
+        mode="fill", fill_value=0).astype(jnp.float32)
     keys = jnp.where(got[None, :, None, :, None], keys, 0.0).reshape(n_layers, b, h, -1, ps, d)
     count = jnp.sum(got.reshape(b, -1, ps), axis=-1)[None, :, None, :, None]
     means = jnp.sum(keys, axis=-2) / jnp.maximum(count, 1)  # [L, B, Hkv, n, D]
@@ -282,15 +289,18 @@ def select_pages(
 
 def gather_pages(
     k: jax.Array, v: jax.Array, k_pos: jax.Array, pages: jax.Array, layer: jax.Array,
-    page_size: int,
+    page_size: int, slot_index=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Keys, values and positions of the selected pages of one layer only.
 
     Args:
-      k, v: ``[L, B, Hkv, C, D]`` a paged cache's buffers (slot = position); k_pos: ``[B, C]``
-        (``-1`` empty).
+      k, v: ``[L, B, Hkv, C, D]`` a paged cache's buffers (slot = position), or a pool's
+        ``[L, N, Hkv, page_size, D]`` with its ``slot_index``; k_pos: ``[B, C]`` (``-1``
+        empty).
       pages: ``[B, Hkv, K]`` page indices (``NO_PAGE`` unused).
       layer: ``[]`` int the layer to read.
+      slot_index: ``(rows, slots) -> (i1, i3)``, where a row's logical slot lives in ``k,
+        v`` (``PositionSlots.slot_index``); None = the slot itself.
 
     Returns:
       ``k, v [B, Hkv, K * page_size, D]`` and positions ``[B, Hkv, K * page_size]`` with ``-1``
@@ -299,16 +309,20 @@ def gather_pages(
     b, h = pages.shape[:2]
     within = jnp.arange(page_size, dtype=jnp.int32)
     want = (pages[..., None] * page_size + within).reshape(b, h, -1)  # [B, Hkv, K*ps]
-    slots = jnp.clip(want, 0, k.shape[3] - 1)
+    slots = jnp.clip(want, 0, k_pos.shape[1] - 1)
     rows, heads = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
     got = k_pos[rows, slots]
     used = jnp.repeat(pages >= 0, page_size, axis=-1) & (got == want)
-    return k[layer, rows, heads, slots], v[layer, rows, heads, slots], jnp.where(used, got, -1)
+    at, within = (rows, slots) if slot_index is None else slot_index(rows, slots)
+    return (k.at[layer, at, heads, within].get(mode="fill", fill_value=0),
+            v.at[layer, at, heads, within].get(mode="fill", fill_value=0),
+            jnp.where(used, got, -1))
 
 
 def page_sparse_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array, q_pos: jax.Array,
     layer: jax.Array, page_keys: jax.Array, budget: jax.Array, *, page_size: int, max_k: int,
+    slot_index=None,
 ) -> tuple[jax.Array, jax.Array]:
     """One decode step of page-sparse attention for one layer of a paged cache.
 
@@ -318,6 +332,7 @@ def page_sparse_attention(
         k_pos ``[B, C]``; layer ``[]`` the layer to read.
       page_keys: ``[B, Hkv, P, D]`` this layer's page-mean keys; budget ``[B]`` (see
         :class:`PageSparseCache`).
+      slot_index: as :func:`gather_pages` (a page pool's).
 
     Returns:
       ``(out [B, 1, Hq, D], pages [B, Hkv, K])``.
@@ -329,5 +344,5 @@ def page_sparse_attention(
     q_mean = jnp.mean(q[:, 0].reshape(b, hkv, hq // hkv, d).astype(jnp.float32), axis=2)
     num_pages = (q_pos[:, 0] + page_size) // page_size  # ceil((pos + 1) / page_size)
     pages = select_pages(q_mean, page_keys.astype(jnp.float32), num_pages, budget, max_k)
-    gk, gv, gpos = gather_pages(k, v, k_pos, pages, layer, page_size)
+    gk, gv, gpos = gather_pages(k, v, k_pos, pages, layer, page_size, slot_index)
     return attention(q, gk, gv, q_pos, gpos), pages

@@ -40,8 +40,35 @@ OTHER_CHUNK_PAGES = 32  # elsewhere (not measured): few iterations, each costs k
 QUERY_BLOCK = 512  # queries of a long forward (prefill) handled per block
 
 
+class PositionSlots(WriteIndexCache):
+    """Shared parts of the caches whose slot ``j`` of a row holds its position ``j`` (``pos
+    [B, C]``, one array for every layer and KV head; ``write`` / ``read`` place the slots):
+    :class:`PagedKVCache` and ``models.page_pool.PagePoolCache``."""
+
+    def begin_forward(self, positions: jax.Array):
+        """Write the forward's positions ``[B, T]`` at their own slots (position ``j`` of a
+        row at slot ``j``; padding, ``-1``, is not written), once for every layer."""
+        return self.replace(pos=self.pos.at[_rows(positions), _slots(positions, self.capacity)]
+                            .set(positions.astype(jnp.int32), mode="drop"))
+
+    def attend(self, layer, q, k, v, q_pos, backend):
+        """``write`` the layer's keys/values, then ``read`` over the filled chunks."""
+        cache = self.write(layer, k, v, q_pos)
+        return cache.read(layer, q, q_pos, backend), cache
+
+    def row_tokens(self) -> jax.Array:
+        """``[B]`` int32 resident (non-empty) slots of each row."""
+        return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
+
+    def slot_index(self, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Where logical slots ``slots`` of rows ``rows`` (broadcasting int arrays, slots in
+        ``[0, C)``) live in ``k, v``: indices into their axes 1 and 3 (``k[layer, i1, head,
+        i3]``); here the row and the slot themselves."""
+        return rows, slots
+
+
 @struct.dataclass
-class PagedKVCache(WriteIndexCache):
+class PagedKVCache(PositionSlots):
     """Paged key/value buffers for every layer (a ``models.kv_view`` view).
 
     Attributes:
@@ -76,12 +103,6 @@ class PagedKVCache(WriteIndexCache):
                              f"of pages of page_size={self.page_size}")
         self.check_room(t, backend)
 
-    def begin_forward(self, positions: jax.Array) -> PagedKVCache:
-        """Write the forward's positions ``[B, T]`` at their own slots (position ``j`` of a
-        row at slot ``j``; padding, ``-1``, is not written), once for every layer."""
-        return self.replace(pos=self.pos.at[_rows(positions), _slots(positions, self.capacity)]
-                            .set(positions.astype(jnp.int32), mode="drop"))
-
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array,
               q_pos: jax.Array) -> PagedKVCache:
         """Write ``k, v [B, Hkv, T, D]`` of ``layer`` at the slots of their positions
@@ -107,15 +128,6 @@ class PagedKVCache(WriteIndexCache):
         return paged_attention(q, self.k, self.v, self.pos, q_pos, layer,
                                filled=jnp.max(q_pos) + 1,
                                chunk=min(self.chunk_pages * self.page_size, self.capacity))
-
-    def attend(self, layer, q, k, v, q_pos, backend):
-        """:meth:`write` the layer's keys/values, then :meth:`read` over the filled chunks."""
-        cache = self.write(layer, k, v, q_pos)
-        return cache.read(layer, q, q_pos, backend), cache
-
-    def row_tokens(self) -> jax.Array:
-        """``[B]`` int32 resident (non-empty) slots of each row."""
-        return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
 
     def repeat_rows(self, n: int) -> PagedKVCache:
         """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
@@ -162,7 +174,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,
                     q_pos: jax.Array, layer: jax.Array, *, filled: jax.Array,
                     chunk: int) -> jax.Array:
     """Attention of ``q`` over the first ``filled`` slots of ``layer``, ``chunk`` slots at a
-    time (an fp32 online softmax; slots past ``filled`` are never read).
+    time (:func:`chunked_attention` reading each chunk with dynamic slices).
 
     Args:
       q: ``[B, T, Hq, D]`` queries (after RoPE), ``Hq`` a multiple of ``Hkv``.
@@ -176,8 +188,36 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``.
     """
+    b, hkv, c, d = k.shape[1:]
+
+    def fetch(start):
+        kb = jax.lax.dynamic_slice(k, (layer, 0, 0, start, 0), (1, b, hkv, chunk, d))[0]
+        vb = jax.lax.dynamic_slice(v, (layer, 0, 0, start, 0), (1, b, hkv, chunk, d))[0]
+        return kb, vb
+
+    return chunked_attention(q, k_pos, q_pos, fetch, hkv=hkv, filled=filled, chunk=chunk)
+
+
+def chunked_attention(q: jax.Array, k_pos: jax.Array, q_pos: jax.Array, fetch, *, hkv: int,
+                      filled: jax.Array, chunk: int) -> jax.Array:
+    """Attention of ``q`` over the first ``filled`` slots of a row-major slot space, ``chunk``
+    slots at a time (an fp32 online softmax; slots past ``filled`` are never read).
+
+    Args:
+      q: ``[B, T, Hq, D]`` queries (after RoPE), ``Hq`` a multiple of ``Hkv``.
+      k_pos: ``[B, C]`` int32 slot positions (``-1`` empty), shared by layers and heads.
+      q_pos: ``[B, T]`` int32 query positions (``-1`` padding: zero output).
+      fetch: ``start -> (k, v)``, each ``[B, Hkv, chunk, D]``: the keys/values of slots
+        ``[start, start + chunk)`` (``start`` traced).
+      hkv: KV heads (static).
+      filled: ``[]`` int slots ``[0, filled)`` may hold keys (traced: sets the trip count).
+      chunk: slots per iteration (static, ``<= C``).
+
+    Returns:
+      ``[B, T, Hq, D]`` in ``q.dtype``.
+    """
     b, t, hq, d = q.shape
-    hkv, c = k.shape[2], k.shape[3]
+    c = k_pos.shape[1]
     g = hq // hkv
     bq = min(t, QUERY_BLOCK)
     pad = -t % bq
@@ -193,8 +233,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,
 
         def one_chunk(i, carry):
             start = jnp.minimum(i * chunk, c - chunk)  # the last chunk may overlap the one before
-            kb = jax.lax.dynamic_slice(k, (layer, 0, 0, start, 0), (1, b, hkv, chunk, d))[0]
-            vb = jax.lax.dynamic_slice(v, (layer, 0, 0, start, 0), (1, b, hkv, chunk, d))[0]
+            kb, vb = fetch(start)
             kp = jax.lax.dynamic_slice(k_pos, (0, start), (b, chunk))[:, None, :]  # [B, 1, S]
             fresh = (start + jnp.arange(chunk)) >= i * chunk  # slots not folded in before
             visible = (kp >= 0) & (kp <= qpb[:, :, None]) & fresh  # [B, bq, S]

@@ -17,7 +17,7 @@ from sparse_rl_jax.training.collect import collect_prompts
 from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
-from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout
+from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout, run_continuous
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.kv.state import NEVER, EvictionRecord
 from sparse_rl_jax.rollout.sampler import generate
@@ -127,6 +127,42 @@ def test_engine_rows_equal_static_generate_and_replayed_score(tiny, method, mode
     assert float(err) <= 1e-4
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method,pool_pages", [("none", 10), ("none", 14), ("sparrow", 12)])
+def test_paged_rows_through_a_small_page_pool_equal_static_generate(tiny, mode, method,
+                                                                   pool_pages):
+    """Rows sharing a pool of 10 pages (one max-length row: 12 + 26 positions in pages of
+    4; rows wait for pages, and the newest is preempted and re-run when the pool is short)
+    or more, against 4 slots x 10 pages of per-slot KV: the static rows (Sparrow's selected
+    pages included: it selects among its row's pages, read through the table), the replayed
+    score."""
+    graphdef, params, prompt, mask = tiny
+    compression = METHODS[method]
+    sampling = dataclasses.replace(SAMPLING, pool_pages=pool_pages, **MODES[mode])
+    key = jax.random.key(2)
+    static = generate(graphdef, params, prompt, mask, key, sampling, compression)
+    engine, slots, _, schedule = run_continuous(graphdef, params, prompt, mask, key, sampling,
+                                                compression)
+    assert schedule.peak_pages <= pool_pages < slots * 10
+    assert schedule.peak_live >= 2 and schedule.preemptions > 0  # some rows ran twice
+    assert_rows_match(graphdef, params, static, engine, compression)
+    replay = score(graphdef, params, engine.prompt, engine.prompt_mask, engine.response,
+                   engine.record, temperature=sampling.temperature)
+    err = jnp.max(jnp.abs(replay.logp - engine.logp) * engine.response_mask)
+    assert float(err) <= 1e-4
+
+
+def test_a_pool_that_cannot_hold_one_row_is_an_error_naming_the_smallest(tiny):
+    graphdef, params, prompt, mask = tiny
+    with pytest.raises(ValueError, match=r"sampling.pool_pages=9 cannot hold one max-length "
+                                         r"row of 38 positions .* smallest pool that works is "
+                                         r"10 pages"):
+        generate_continuous(graphdef, params, prompt, mask, jax.random.key(0),
+                            dataclasses.replace(SAMPLING, pool_pages=9), METHODS["none"])
+    with pytest.raises(ValueError, match="pool_pages"):
+        dataclasses.replace(SAMPLING, pool_pages=-1)
+
+
 def test_slot_count_and_chunk_do_not_change_rows(tiny):
     """One slot (every row waits for the previous one) and 6 slots (no refill), a chunk of 1
     and of 7: the same rows as the static rollout."""
@@ -160,12 +196,16 @@ def test_row_caps_stop_rows_early_with_the_static_prefix(tiny):
                             compression, row_caps=caps * 2)
 
 
-def test_multi_call_run_compiles_each_function_once(tiny):
+@pytest.mark.parametrize("method,pool_pages", [("rkv", 0), ("none", 6)])
+def test_multi_call_run_compiles_each_function_once(tiny, method, pool_pages):
     """Three calls with new keys and new prompts of the same bucket: the engine's jitted
-    functions compile on the first call only (and nothing compiles on the later ones)."""
+    functions compile on the first call only (and nothing compiles on the later ones); dense
+    rows through a page pool of one max-length row (6 pages of 4), whose tables and
+    preemptions the host uploads between chunks."""
     graphdef, params, prompt, mask = tiny
-    compression = METHODS["rkv"]
-    sampling = dataclasses.replace(SAMPLING, max_new_tokens=12, slots=3, chunk=4)
+    compression = METHODS[method]
+    sampling = dataclasses.replace(SAMPLING, max_new_tokens=12, slots=3, chunk=4,
+                                   pool_pages=pool_pages)
     with count_compiles() as first:
         generate_continuous(graphdef, params, prompt, mask, jax.random.key(0), sampling,
                             compression)

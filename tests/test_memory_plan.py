@@ -3,6 +3,8 @@ and the before-compile error naming the estimate and the largest batch that fits
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 from sparse_rl_jax.kv.state import init_state
+from sparse_rl_jax.rollout.engine_state import slot_state
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.rollout.scoring import score
 
@@ -125,3 +128,67 @@ def test_cpu_reports_no_device_limit_and_bad_arguments_are_named():
         memory_plan.estimate("score", CONFIGS[0], batch=1, prompt_len=1, new_tokens=0)
     assert np.isfinite(memory_plan.estimate("score", CONFIGS[0], batch=0, prompt_len=1,
                                             new_tokens=1).total)
+
+
+def test_engine_pool_terms_equal_the_engine_state():
+    """``kv_pool`` is the pool's keys/values; ``kv_cache`` the prefill rows' paged cache plus
+    each slot's positions and page table (``engine_state.slot_state`` with a pool)."""
+    cfg, comp = CONFIGS[0], CompressionConfig(method="none", page_size=5)
+    s, p, m, pool_pages = 6, 8, 24, 13
+    state = jax.eval_shape(lambda: slot_state(comp, cfg, slots=s, max_len=p + m,
+                                              dtype=jnp.float32, record=False,
+                                              pool_pages=pool_pages))
+    prefill = jax.eval_shape(lambda: init_state(
+        comp, num_layers=cfg.num_layers, batch=s // 2, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=p + m)).cache
+    est = memory_plan.estimate("rollout", cfg, batch=s, prompt_len=p, new_tokens=m,
+                               compression=comp, num_samples=2, pool_pages=pool_pages)
+    nbytes = lambda *xs: sum(x.size * x.dtype.itemsize for x in xs)  # noqa: E731
+    assert est.parts["kv_pool"] == nbytes(state.cache.k, state.cache.v)
+    assert est.parts["kv_cache"] == (nbytes(prefill.k, prefill.v, prefill.pos)
+                                     + nbytes(state.cache.pos, state.cache.pages))
+    rkv = CompressionConfig(method="rkv", eviction=EvictionConfig(budget=8, buffer=4, window=2))
+    assert memory_plan.estimate("rollout", cfg, batch=s, prompt_len=p, new_tokens=m,
+                                compression=rkv, pool_pages=9).parts["kv_pool"] == 0
+
+
+def test_engine_sizes_fill_the_limit_with_twice_the_slots_and_a_pool():
+    cfg, comp = CONFIGS[0], CompressionConfig(method="none", page_size=4)
+    kw = dict(prompt_len=16, new_tokens=48, dtype=jnp.float32, num_samples=4)
+    row_pages = 16
+    limit = memory_plan.estimate("rollout", cfg, batch=8, compression=comp, **kw).total
+    dense = memory_plan.largest_batch("rollout", cfg, limit, compression=comp, **kw)
+    slots, pool = memory_plan.engine_sizes(cfg, limit, rows=64, compression=comp, **kw)
+    assert slots == 2 * dense and row_pages <= pool <= slots * row_pages
+    fits = lambda n: memory_plan.estimate("rollout", cfg, batch=slots, compression=comp,  # noqa: E731
+                                          pool_pages=n, **kw).total <= limit
+    assert fits(pool) and (pool == slots * row_pages or not fits(pool + 1))
+    assert memory_plan.engine_sizes(cfg, limit, rows=3, compression=comp, **kw)[0] == 3
+    rkv = CompressionConfig(method="rkv", eviction=EvictionConfig(budget=8, buffer=4, window=2))
+    rkv_dense = memory_plan.largest_batch("rollout", cfg, limit, compression=rkv, **kw)
+    assert memory_plan.engine_sizes(cfg, limit, rows=64, compression=rkv, **kw) == (
+        min(64, rkv_dense), 0)
+    with pytest.raises(memory_plan.MemoryPlanError, match="no batch fits"):
+        memory_plan.engine_sizes(cfg, 1000, rows=64, compression=comp, **kw)
+
+
+def test_collect_sizes_the_unset_engine_from_the_device_limit(monkeypatch):
+    """``collect_prompts``' sizing (``collect._sized_engine``): where the device reports a
+    limit, unset ``slots`` / ``pool_pages`` of the continuous engine are ``engine_sizes``'s;
+    set ones, the static engine and a device without a limit are left as given."""
+    from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+    from sparse_rl_jax.training import collect
+    cfg, comp = CONFIGS[0], CompressionConfig(method="none", page_size=4)
+    plan = dict(prompt_len=16, new_tokens=48, dtype=jnp.float32, logp_chunk=16)
+    limit = memory_plan.estimate("rollout", cfg, batch=8, compression=comp, **plan).total
+    sampling = SamplingConfig(max_new_tokens=48, num_samples=4, engine="continuous",
+                              record_evictions=False)
+    assert collect._sized_engine(sampling, comp, cfg, plan, 64) is sampling  # CPU: no limit
+    monkeypatch.setattr(memory_plan, "device_memory_limit", lambda: limit)
+    sized = collect._sized_engine(sampling, comp, cfg, plan, 64)
+    assert (sized.slots, sized.pool_pages) == memory_plan.engine_sizes(
+        cfg, limit, rows=64, compression=comp, num_samples=4, record_evictions=False, **plan)
+    given = dataclasses.replace(sampling, slots=3, pool_pages=20)
+    assert collect._sized_engine(given, comp, cfg, plan, 64) is given
+    static = dataclasses.replace(sampling, engine="static")
+    assert collect._sized_engine(static, comp, cfg, plan, 64) is static

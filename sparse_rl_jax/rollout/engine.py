@@ -12,6 +12,11 @@ slots; :func:`decode_chunk` decodes every live slot for up to ``c`` (``sampling.
 steps in one jitted loop, retiring rows at EOS or their cap; the host reads the ``[S]`` live
 flags and refills. Between chunks the host touches only the queue and those flags, never the
 KV. Shapes are fixed by ``(S, I, c, N, P)``, so each function compiles once per run.
+Rows of the paged layout (``none``, ``sparrow``) share one KV page pool
+(``models.page_pool``, ``sampling.pool_pages``): the host's ``slot_schedule.SlotSchedule``
+maps the pages each row may fill in the next chunk into its slot's page table before the
+chunk, admits a queued row only when its pages fit, and takes a retired row's pages back;
+the tables are the only thing besides the flags it uploads.
 
 Outputs are indexed by row (``[N, ...]``, written as the rows decode); the slot state is
 indexed by slot (``[S, ...]``). A slot whose row is done keeps the row's id (and does not
@@ -20,6 +25,7 @@ advance) until it is refilled.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Sequence
 
@@ -36,6 +42,7 @@ from sparse_rl_jax.rollout.result import Rollout, finish_rollout
 from sparse_rl_jax.rollout.sampler import (_is_eos, bucket_prompts, checked_budget_ks, generate,
                                    prefill_rows)
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.rollout.slot_schedule import SlotSchedule
 from sparse_rl_jax.rollout.token_sampling import row_keys, sample_rows
 
 
@@ -88,10 +95,13 @@ class Outputs(NamedTuple):
 
 def _slot_state_fn(model, compression: CompressionConfig, sampling: SamplingConfig,
                    max_len: int):
-    """``batch -> empty slot state`` for this model and call (also gives the batch axes)."""
+    """``batch -> empty slot state`` for this model and call (also gives the batch axes);
+    paged rows (``engine_state.pooled``) share a pool of ``sampling.pool_pages`` pages
+    (resolved by :func:`run_continuous`)."""
     record = bool(sampling.record_evictions) and not compression.page_sparse
     return lambda b: engine_state.slot_state(compression, model.config, slots=b,
-                                             max_len=max_len, dtype=model.dtype, record=record)
+                                             max_len=max_len, dtype=model.dtype, record=record,
+                                             pool_pages=sampling.pool_pages)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "compression", "max_len",
@@ -300,9 +310,12 @@ def generate_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
 def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
                    prompt_mask: np.ndarray, key: jax.Array, sampling: SamplingConfig,
                    compression: CompressionConfig, budget_ks: Sequence[int] | None = None, *,
-                   row_caps: np.ndarray | None = None) -> tuple[Rollout, int, int]:
-    """:func:`generate_continuous` and its schedule: ``(rollout, slots, decode_steps)``, the
-    decode steps summed over chunks (``slots * decode_steps`` slot-steps were computed)."""
+                   row_caps: np.ndarray | None = None
+                   ) -> tuple[Rollout, int, int, SlotSchedule]:
+    """:func:`generate_continuous` and its schedule: ``(rollout, slots, decode_steps,
+    schedule)``, the decode steps summed over chunks (``slots * decode_steps`` slot-steps
+    were computed) and the host's ``slot_schedule.SlotSchedule`` (its peak rows in flight,
+    peak pool pages held, preemptions)."""
     ks = checked_budget_ks(budget_ks, compression)
     prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     n, m = prompt.shape[0] * sampling.num_samples, sampling.max_new_tokens
@@ -312,32 +325,60 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
                          f"shape {caps.shape} dtype {caps.dtype}")
     s = sampling.slots or n
     batch, max_len = insert_batch(s), prompt.shape[1] + m
+    sampling, row_pages = _with_pool(sampling, compression, s, max_len)
     static = dict(sampling=sampling, compression=compression, max_len=max_len)
     slots, out = _placed_like(init_engine(graphdef, params, slots=s, rows=n, **static), params)
     device_prompt, device_mask = jnp.asarray(prompt), jnp.asarray(prompt_mask)
     device_caps = jnp.asarray(caps, jnp.int32)
-    queued, live, decode_steps = 0, np.zeros((s,), bool), 0
+    schedule = SlotSchedule(s, np.repeat(prompt_mask.sum(1), sampling.num_samples), caps,
+                            chunk=sampling.chunk, page_size=compression.page_size,
+                            row_pages=row_pages, pool_pages=sampling.pool_pages)
+    live, step, decode_steps = np.zeros((s,), bool), np.zeros((s,), np.int32), 0
     while True:
-        free = np.flatnonzero(~live)
-        while queued < n and free.size:
-            take = min(batch, free.size, n - queued)
+        preempted, admitted = schedule.plan(live, step)
+        if preempted:  # the host's [S] flags: those rows run again from their prompt
+            live[preempted] = False
+            slots = slots._replace(live=_placed_like(jnp.asarray(live), params))
+        if sampling.pool_pages:
+            slots = slots._replace(kv=engine_state.with_page_table(
+                slots.kv, _placed_like(jnp.asarray(schedule.table), params)))
+        for start in range(0, len(admitted), batch):
+            take = admitted[start:start + batch]
             rows = np.full((batch,), -1, np.int32)
             targets = np.full((batch,), s, np.int32)
-            rows[:take], targets[:take] = np.arange(queued, queued + take), free[:take]
+            rows[:len(take)], targets[:len(take)] = np.asarray(take).T
             slots, out = insert(graphdef, params, slots, out, device_prompt, device_mask,
                                 device_caps, key, rows, targets, **static)
-            queued, free = queued + take, free[take:]
-        slots, out, steps = decode_chunk(graphdef, params, slots, out, key, ks, **static)
-        live, decode_steps = np.asarray(slots.live), decode_steps + int(steps)
-        if queued == n and not live.any():
+        if schedule.done:
             break
+        slots, out, steps = decode_chunk(graphdef, params, slots, out, key, ks, **static)
+        live, step = np.array(slots.live), np.asarray(slots.step)
+        decode_steps += int(steps)
     rollout = finish_rollout(
         prompt, prompt_mask, sampling.num_samples, compression, response=out.response,
         logp=out.logp, finished=out.finished, response_len=out.length, kv_sum=out.kv_sum,
         kv_peak=out.kv_peak, forwards=out.forwards,
         num_compressions=jnp.max(out.compressions), evicted_at=out.evicted_at,
         page_record=out.page_record)
-    return rollout, s, decode_steps
+    return rollout, s, decode_steps, schedule
+
+
+def _with_pool(sampling: SamplingConfig, compression: CompressionConfig, slots: int,
+               max_len: int) -> tuple[SamplingConfig, int]:
+    """``(sampling, R)``: ``sampling.pool_pages`` resolved for this call (0 where rows share
+    no pool, ``engine_state.pooled``; 0 given = ``slots * R``) and ``R``, the pages of one
+    max-length row. ValueError naming the field when the pool cannot hold one such row."""
+    row_pages = -(-max_len // compression.page_size)
+    if not engine_state.pooled(compression):
+        return dataclasses.replace(sampling, pool_pages=0), row_pages
+    if 0 < sampling.pool_pages < row_pages:
+        raise ValueError(
+            f"sampling.pool_pages={sampling.pool_pages} cannot hold one max-length row of "
+            f"{max_len} positions (prompt width {max_len - sampling.max_new_tokens} + "
+            f"max_new_tokens {sampling.max_new_tokens}) in pages of {compression.page_size}: "
+            f"the smallest pool that works is {row_pages} pages")
+    return dataclasses.replace(sampling, pool_pages=sampling.pool_pages or slots * row_pages
+                               ), row_pages
 
 
 def generate_rollout(graphdef: nnx.GraphDef, params, prompt: np.ndarray,

@@ -10,7 +10,10 @@ depend on its prompt width and its step, not on its neighbours).
 
 Every leaf of a slot state has one batch axis (``k [L, S, ...]``, ``pos [S, C]`` of the paged
 cache, ``index [S]``, ...): :func:`batch_axes` finds it, and :func:`set_rows` /
-:func:`compress_full_rows` move rows along it.
+:func:`compress_full_rows` move rows along it. Rows of the paged layout (``none``,
+``sparrow``) may instead share a page pool (``models.page_pool.PagePoolCache``,
+``pool_pages`` of :func:`slot_state`): its keys/values have no batch axis (``None``), and
+:func:`set_rows` copies a row's pages to the pool pages its table maps.
 """
 
 from __future__ import annotations
@@ -21,23 +24,38 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.page_sparse import PageSparseCache
+from models.page_pool import PagePoolCache, init_page_pool
+from models.page_sparse import PageSparseCache, page_sparse_cache
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 
 
 def row_index(state: kv_state.SparseKVState) -> jax.Array:
     """The write index of the state's cache (``[]`` shared or ``[B]`` per row)."""
+    return _written(state.cache).index
+
+
+def _written(cache):
+    """The cache that holds the keys: ``cache`` itself, or the one a page-sparse cache wraps."""
+    return cache.cache if isinstance(cache, PageSparseCache) else cache
+
+
+def _with_written(state: kv_state.SparseKVState, **fields) -> kv_state.SparseKVState:
+    """The state with ``fields`` of the cache that holds the keys (:func:`_written`) replaced."""
     cache = state.cache
-    return (cache.cache if isinstance(cache, PageSparseCache) else cache).index
+    if isinstance(cache, PageSparseCache):
+        return state.replace(cache=cache.replace(cache=cache.cache.replace(**fields)))
+    return state.replace(cache=cache.replace(**fields))
 
 
 def with_row_index(state: kv_state.SparseKVState, index: jax.Array) -> kv_state.SparseKVState:
     """The state with its cache's write index replaced by ``index``."""
-    cache = state.cache
-    if isinstance(cache, PageSparseCache):
-        return state.replace(cache=cache.replace(cache=cache.cache.replace(index=index)))
-    return state.replace(cache=cache.replace(index=index))
+    return _with_written(state, index=index)
+
+
+def with_page_table(state: kv_state.SparseKVState, table: jax.Array) -> kv_state.SparseKVState:
+    """A pooled state (:func:`pooled`) with its page tables ``[S, R]`` replaced by ``table``."""
+    return _with_written(state, pages=table)
 
 
 def per_row_index(state: kv_state.SparseKVState, batch: int) -> kv_state.SparseKVState:
@@ -45,10 +63,27 @@ def per_row_index(state: kv_state.SparseKVState, batch: int) -> kv_state.SparseK
     return with_row_index(state, jnp.broadcast_to(row_index(state), (batch,)).astype(jnp.int32))
 
 
+def pooled(cfg: CompressionConfig) -> bool:
+    """Whether an engine's rows of ``cfg`` share a page pool: the rows of the paged layout
+    that keep every token (``none``, and ``sparrow``, which selects among its row's pages);
+    evicting methods keep their fixed budget per slot."""
+    return cfg.cache_layout == "paged" and not cfg.compresses
+
+
 def slot_state(cfg: CompressionConfig, model_cfg, *, slots: int, max_len: int, dtype,
-               record: bool) -> kv_state.SparseKVState:
+               record: bool, pool_pages: int = 0) -> kv_state.SparseKVState:
     """An empty state of ``slots`` rows (``kv_state.init_state`` for sequences of ``max_len``
-    positions) with a per-row write index ``[slots]``."""
+    positions) with a per-row write index ``[slots]``; where :func:`pooled`, with
+    ``pool_pages > 0``, the rows share a ``models.page_pool.PagePoolCache`` of that many pages
+    (every table entry unmapped; ``sparrow``'s page-sparse cache wraps it)."""
+    if pool_pages and pooled(cfg):
+        cache = init_page_pool(model_cfg.num_layers, slots, model_cfg.num_kv_heads, max_len,
+                               model_cfg.head_dim, pool_pages, dtype, page_size=cfg.page_size)
+        if cfg.page_sparse:
+            cache = page_sparse_cache(cache, max_k=cfg.max_pages_k,
+                                      dense_layers=cfg.sparrow.dense_layers)
+        return kv_state.SparseKVState(cache=cache, evicted_at=jnp.zeros(
+            (model_cfg.num_layers, slots, model_cfg.num_kv_heads, 0), jnp.int32))
     state = kv_state.init_state(
         cfg, num_layers=model_cfg.num_layers, batch=slots, num_heads=model_cfg.num_heads,
         num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim, max_len=max_len,
@@ -57,23 +92,35 @@ def slot_state(cfg: CompressionConfig, model_cfg, *, slots: int, max_len: int, d
 
 
 def batch_axes(make: Callable[[int], Any]) -> Any:
-    """The batch axis of every leaf of ``make(batch)`` (a pytree of ints, same structure),
-    found by comparing the shapes of ``make(1)`` and ``make(2)`` (nothing is allocated)."""
+    """The batch axis of every leaf of ``make(batch)`` (a pytree of ints, same structure;
+    None for a leaf shared by the rows, a pool's pages), found by comparing the shapes of
+    ``make(1)`` and ``make(2)`` (nothing is allocated)."""
     one, two = (jax.eval_shape(lambda b=b: make(b)) for b in (1, 2))
 
     def axis(x, y):
-        return next(i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q)
+        return next((i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q), None)
 
     return jax.tree.map(axis, one, two)
 
 
-def set_rows(dst: Any, src: Any, slots: jax.Array, axes: Any) -> Any:
-    """``dst`` with rows ``slots [I]`` replaced by the ``I`` rows of ``src`` (same structure;
-    a slot out of range, e.g. ``S``, drops its row)."""
+def set_rows(dst: kv_state.SparseKVState, src: kv_state.SparseKVState, slots: jax.Array,
+             axes: Any) -> kv_state.SparseKVState:
+    """``dst`` with rows ``slots [I]`` replaced by the ``I`` rows of ``src`` (same structure,
+    or a paged ``src`` cache into a pool, ``PagePoolCache.put_rows``, page-sparse or not; a
+    slot out of range, e.g. ``S``, drops its row)."""
     def put(d, s, ax):
         return d.at[(slice(None),) * ax + (slots,)].set(s.astype(d.dtype), mode="drop")
 
-    return jax.tree.map(put, dst, src, axes)
+    pool = _written(dst.cache)
+    if not isinstance(pool, PagePoolCache):
+        return jax.tree.map(put, dst, src, axes)
+    pool = pool.put_rows(_written(src.cache), slots)
+    evicted_at = put(dst.evicted_at, src.evicted_at, axes.evicted_at)
+    if isinstance(dst.cache, PageSparseCache):  # its own per-row fields move as above
+        outer = jax.tree.map(put, *(c.replace(cache=None) for c in (dst.cache, src.cache,
+                                                                    axes.cache)))
+        return dst.replace(cache=outer.replace(cache=pool), evicted_at=evicted_at)
+    return dst.replace(cache=pool, evicted_at=evicted_at)
 
 
 def compress_full_rows(state: kv_state.SparseKVState, cfg: CompressionConfig, axes: Any

@@ -37,9 +37,19 @@ class SamplingConfig:
       engine: ``static`` (``sampler.generate``: one batch decoded until its longest row
         ends) or ``continuous`` (``engine.generate_continuous``: ``slots`` decode slots
         refilled as rows end; row for row the same rollout for the same key).
-      slots: decode slots ``S`` of the continuous engine; 0 = one per row of the call.
+      slots: decode slots ``S`` of the continuous engine; 0 = sized by the memory plan
+        where the device reports a memory limit (``memory_plan.engine_sizes``), else one per
+        row of the call.
       chunk: decode steps per jitted chunk ``c`` of the continuous engine (between chunks
         the host retires finished rows and refills their slots).
+      pool_pages: KV pages of the continuous engine's shared page pool for the rows of
+        the paged layout (``none``, ``sparrow``), ``compression.page_size`` positions each: a
+        row draws pages as it fills them and a retired row's pages go back, so the pool
+        holds the resident tokens, not ``slots * max_len``. 0 = sized by the memory plan
+        where the device reports a limit (``memory_plan.engine_sizes``), else one
+        max-length row per slot (``slots * ceil((P + max_new_tokens) / page_size)``). A
+        pool must hold one max-length row (``ceil((P + max_new_tokens) / page_size)``
+        pages, ``P`` the bucketed prompt width): smaller is an error naming the smallest.
     """
 
     max_new_tokens: int = 256
@@ -55,6 +65,7 @@ class SamplingConfig:
     engine: str = "static"
     slots: int = 0
     chunk: int = 16
+    pool_pages: int = 0
 
     def __post_init__(self):
         check_int(self, "max_new_tokens", 1)
@@ -69,5 +80,7 @@ class SamplingConfig:
         check_int(self, "slots", 0, "must be an int >= 1 (the smallest that holds one row), "
                   "or 0 for one slot per row")
         check_int(self, "chunk", 1, "must be an int >= 1 (the smallest that decodes a row)")
+        check_int(self, "pool_pages", 0, "must be an int >= 1 (pages of one max-length row at "
+                  "least), or 0 for one max-length row per slot")
         check(isinstance(self.eos_ids, tuple) and all(is_int(i) and i >= 0 for i in self.eos_ids),
               self, "eos_ids", "must be a tuple of non-negative ints")

@@ -121,6 +121,22 @@ def _plan(policy: RolloutPolicy, sampling: SamplingConfig, params, prompt_width:
                 dtype=jax.tree.leaves(params)[0].dtype, logp_chunk=policy.logp_chunk)
 
 
+def _sized_engine(sampling: SamplingConfig, compression: CompressionConfig, model_cfg,
+                  plan: dict, rows: int) -> SamplingConfig:
+    """``sampling`` with the continuous engine's unset ``slots`` / ``pool_pages`` (0) sized
+    by ``memory_plan.engine_sizes`` where the device reports a memory limit (else as given:
+    the engine's own defaults)."""
+    limit = memory_plan.device_memory_limit()
+    if sampling.engine != "continuous" or limit is None or (
+            sampling.slots and sampling.pool_pages):
+        return sampling
+    slots, pool = memory_plan.engine_sizes(
+        model_cfg, limit, rows=rows, compression=compression,
+        num_samples=sampling.num_samples, record_evictions=sampling.record_evictions, **plan)
+    return dataclasses.replace(sampling, slots=sampling.slots or slots,
+                               pool_pages=sampling.pool_pages or pool)
+
+
 def _score_batch(policy: RolloutPolicy, params, plan: dict, rows: int) -> int:
     """``policy.score_batch`` (0: ``rows``), lowered with ``fit_score_batch`` to the largest
     divisor of ``rows`` that the memory plan fits when the device reports a memory limit."""
@@ -203,10 +219,14 @@ def collect_prompts(policy: RolloutPolicy, params, prompts: Sequence[str],
         list(prompts), add_special_tokens=policy.add_special_tokens)
     plan = _plan(policy, sampling, params, prompt.shape[1])
     samples = sampling.num_samples
+    model_cfg = nnx.merge(policy.graphdef, params).config
+    sampling = _sized_engine(sampling, comp, model_cfg, plan, len(prompt) * samples)
+    continuous = sampling.engine == "continuous"
     memory_plan.check_fits(  # before compiling: a clear error instead of an XLA OOM trace
-        "rollout", nnx.merge(policy.graphdef, params).config, batch=len(prompt) * samples,
-        compression=comp, num_samples=samples, step=samples,
-        record_evictions=sampling.record_evictions, **plan)
+        "rollout", model_cfg, batch=(continuous and sampling.slots) or len(prompt) * samples,
+        compression=comp, num_samples=samples, step=1 if continuous else samples,
+        record_evictions=sampling.record_evictions,
+        pool_pages=sampling.pool_pages if continuous else 0, **plan)
     rollout, seconds["rollout"] = timed(generate_rollout, policy.graphdef, params, prompt,
                                         prompt_mask, key, sampling, comp,
                                         policy.budget_ks if compression is None else None)

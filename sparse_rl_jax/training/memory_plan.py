@@ -22,6 +22,7 @@ from models.page_sparse import selected_slots
 from models.paged_cache import default_chunk_pages
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.page_sparsity import num_pages
+from sparse_rl_jax.rollout.engine_state import pooled
 
 KINDS = ("rollout", "score", "update")
 _ONE_BLOCK_PAIRS = 2**20  # mirrors models.attention: T * S up to this is one block
@@ -100,15 +101,24 @@ def _check_args(kind: str, remat: str, **sizes) -> None:
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat: must be one of {REMAT_POLICIES}, got {remat!r}")
     for name, value in sizes.items():
-        smallest = 0 if name == "batch" else 1
+        smallest = 0 if name in ("batch", "pool_pages") else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
             raise ValueError(f"{name}: must be an int >= {smallest}, got {value!r}")
 
 
+def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes of one page of a ``models.page_pool.PagePoolCache``: keys + values of
+    ``page_size`` positions in every layer and KV head."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * (
+        np.dtype(dtype).itemsize)
+
+
 def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
                    compression: CompressionConfig | None, dtype, num_samples: int,
-                   record_evictions: bool) -> dict[str, int]:
-    """The parts of a rollout's peak (:func:`estimate` ``kind="rollout"``), in bytes."""
+                   record_evictions: bool, pool_pages: int = 0) -> dict[str, int]:
+    """The parts of a rollout's peak (:func:`estimate` ``kind="rollout"``), in bytes; with
+    ``pool_pages`` (paged rows of the continuous engine), ``kv_pool`` is the pool and
+    ``kv_cache`` the prefill's rows plus each slot's positions and page table."""
     itemsize = np.dtype(dtype).itemsize
     total_len = prompt_len + new_tokens
     compression = compression or CompressionConfig(method="none")
@@ -127,9 +137,13 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     selected = selected_slots(compression.max_pages_k, pages) if pages else 0
     per_row = total_len if compression.compresses else new_tokens * selected
     record = cfg.num_layers * batch * kv * per_row * 4 if record_evictions else 0
+    pool = pool_pages if pooled(compression) else 0
+    kv_rows = prompts if pool else batch + prompts
     return {
         "weights": param_count(cfg) * itemsize,
-        "kv_cache": kv_cache_bytes(cfg, batch + prompts, slots, dtype, paged=paged),
+        "kv_cache": kv_cache_bytes(cfg, kv_rows, slots, dtype, paged=paged)
+        + (batch * (slots + slots // compression.page_size) * 4 if pool else 0),
+        "kv_pool": pool * page_bytes(cfg, compression.page_size, dtype),
         "page_keys": cfg.num_layers * (batch + prompts) * kv * pages * cfg.head_dim * itemsize,
         "query_ring": ring,
         "record": record,
@@ -209,6 +223,7 @@ def estimate(
     logp_chunk: int = 128,
     record_evictions: bool = True,
     remat: str = "none",
+    pool_pages: int = 0,
 ) -> MemoryEstimate:
     """Estimated peak bytes of one call of ``kind`` over ``batch`` sequences.
 
@@ -229,13 +244,16 @@ def estimate(
       remat: the update's ``model.remat`` policy: what each layer keeps for its backward
         (``none``: its activations; ``full``: its input only; ``dots_saveable``: its matmul
         outputs, the attention scores included).
+      pool_pages: a rollout through the continuous engine whose paged rows share a
+        pool of this many pages (``sampling.pool_pages``; ``batch`` is then its slots ``S``):
+        the pool is the ``kv_pool`` part (:func:`engine_sizes` sizes both).
     """
     _check_args(kind, remat, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-                num_samples=num_samples, logp_chunk=logp_chunk)
+                num_samples=num_samples, logp_chunk=logp_chunk, pool_pages=pool_pages)
     itemsize = np.dtype(dtype).itemsize
     if kind == "rollout":
         parts = _rollout_parts(cfg, batch, prompt_len, new_tokens, compression, dtype,
-                               num_samples, record_evictions)
+                               num_samples, record_evictions, pool_pages)
     else:
         parts = _scoring_parts(cfg, batch, prompt_len + new_tokens,
                                min(logp_chunk, new_tokens), itemsize,
@@ -265,6 +283,40 @@ def largest_batch(kind: str, cfg: ModelConfig, limit: int, *, step: int = 1, **k
     if fixed > limit:
         return 0
     return (limit - fixed) // per_row * step
+
+
+def engine_sizes(cfg: ModelConfig, limit: int, *, rows: int, prompt_len: int,
+                 new_tokens: int, compression: CompressionConfig | None = None,
+                 **kw) -> tuple[int, int]:
+    """``(slots, pool_pages)`` of a continuous-engine rollout of ``rows`` rows in ``limit``
+    bytes (``sampling.slots`` / ``sampling.pool_pages`` when unset).
+
+    Without a pool (evicting methods, the dense layout: ``engine_state.pooled``) the slots
+    are the largest :func:`largest_batch` (at most ``rows``), pool 0. Paged rows (``none``,
+    ``sparrow``) hold only the pages they fill, so the engine gets twice the slots whose
+    max-length KV would fit (at most ``rows``; a row's mean length is at most its max) and
+    the pool the memory left (at most every slot at max length); where that pool cannot
+    hold one max-length row, the slots fall back to those that fit at max length.
+
+    Raises:
+      MemoryPlanError: not one row fits (:func:`check_fits`'s message).
+    """
+    kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, compression=compression, **kw)
+    dense = largest_batch("rollout", cfg, limit, **kw)
+    if dense == 0:
+        check_fits("rollout", cfg, batch=1, limit=limit, **kw)
+    compression = compression or CompressionConfig(method="none")
+    if not pooled(compression):
+        return min(rows, dense), 0
+    row_pages = -(-(prompt_len + new_tokens) // compression.page_size)
+    page = page_bytes(cfg, compression.page_size, kw.get("dtype", np.float32))
+    slots = min(rows, 2 * dense)
+    rest = limit - estimate("rollout", cfg, batch=slots, **kw, pool_pages=1).total + page
+    pool = min(rest // page, slots * row_pages)
+    if pool < row_pages:  # the doubled slots leave no pool: the slots that fit at max length
+        slots = min(rows, dense)
+        pool = slots * row_pages
+    return slots, pool
 
 
 def check_fits(kind: str, cfg: ModelConfig, *, batch: int, limit: int | None = None,

@@ -1,0 +1,165 @@
+"""A KV page pool shared by the rows of a batch: a :mod:`models.kv_view` view whose rows hold
+only the pages their page tables name.
+
+Per layer, keys and values live in ``num_pages`` pages of ``page_size`` slots, shared by every
+row. Row ``b``'s logical page ``p`` (its positions ``[p * page_size, (p + 1) * page_size)``,
+as in ``models.paged_cache.PagedKVCache``, whose layout this is with the pages indirected) is
+pool page ``pages[b, p]``; an entry ``num_pages`` maps nothing: writes to it are dropped and
+it reads as zeros (its slots are empty, ``pos == -1``, so no query sees them). The caller owns
+the tables (a continuous-batching engine draws pages from a free list as rows fill them and
+returns a retired row's pages), so a row holds the pages it has filled, not ``max_len``.
+
+Attention reads a row's pages through its table in chunks of ``chunk_pages`` logical pages
+(``models.paged_cache.chunked_attention``: the same chunks, online softmax and trip count as
+the paged cache, so a row's attention equals the paged cache's when its table maps every page
+it has written). Rollouts only (no gradient through the loop).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.attention_backends import attention, visibility_backend
+from models.paged_cache import (CHUNK_PAGES, PagedKVCache, PositionSlots, _rows, _slots,
+                                chunked_attention, default_chunk_pages)
+from models.shapes import check_shape
+
+
+@struct.dataclass
+class PagePoolCache(PositionSlots):
+    """Pool key/value pages for every layer and per-row page tables (a ``models.kv_view``
+    view).
+
+    Attributes:
+      k: ``[L, N, Hkv, page_size, D]`` keys after RoPE, ``N`` pool pages.
+      v: ``[L, N, Hkv, page_size, D]`` values.
+      pages: ``[B, R]`` int32 pool page of each row's logical page (``N`` = none); a row holds
+        ``C = R * page_size`` positions.
+      pos: ``[B, C]`` int32 original token position of each logical slot, ``-1`` = empty or
+        padding; shared by every layer and KV head.
+      index: ``[]`` or ``[B]`` int32, the next slot to write.
+      page_size, chunk_pages: as ``models.paged_cache.PagedKVCache`` (static).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    pages: jax.Array
+    pos: jax.Array
+    index: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=16)
+    chunk_pages: int = struct.field(pytree_node=False, default=CHUNK_PAGES["cpu"])
+
+    @property
+    def capacity(self) -> int:
+        """Logical slots ``C`` of a row (``R * page_size``)."""
+        return self.pages.shape[1] * self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages ``N`` of the pool."""
+        return self.k.shape[1]
+
+    def check(self, config, batch: int, t: int, backend: str) -> None:
+        """ValueError naming the field when the pool does not fit ``config`` and a forward of
+        ``[batch, t]`` tokens (shapes; room for ``t`` more tokens when the index is known; a
+        backend that takes per-key visibility)."""
+        dims = dict(L=config.num_layers, N=None, Hkv=config.num_kv_heads, P=self.page_size)
+        check_shape("PagePoolCache.k", self.k, **dims, D=config.head_dim)
+        check_shape("PagePoolCache.v", self.v, **dims, D=config.head_dim)
+        check_shape("PagePoolCache.pages", self.pages, B=batch, R=None)
+        check_shape("PagePoolCache.pos", self.pos, B=batch, C=self.capacity)
+        self.check_room(t, backend)
+
+    def slot_index(self, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(page, offset)`` in the pool of logical slots ``slots`` of rows ``rows``
+        (broadcasting int arrays; a slot out of ``[0, C)`` or on an unmapped page: page
+        ``N``, dropped by writes, read as zeros by ``mode="fill"`` gathers)."""
+        logical = jnp.clip(slots // self.page_size, 0, self.pages.shape[1] - 1)
+        page = jnp.where((slots >= 0) & (slots < self.capacity), self.pages[rows, logical],
+                         self.num_pages)
+        return page, slots % self.page_size
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array,
+              q_pos: jax.Array) -> PagePoolCache:
+        """Write ``k, v [B, Hkv, T, D]`` of ``layer`` at the pool slots of their positions
+        ``q_pos [B, T]`` (padding and unmapped pages are dropped): one scatter per buffer."""
+        page, offset = self.slot_index(_rows(q_pos), _slots(q_pos, self.capacity))
+        # advanced indices (layer, page, offset) around a slice put [B, T] first: [B, T, Hkv, D]
+        return self.replace(
+            k=self.k.at[layer, page, :, offset].set(
+                k.transpose(0, 2, 1, 3).astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, page, :, offset].set(
+                v.transpose(0, 2, 1, 3).astype(self.v.dtype), mode="drop"))
+
+    def _gather(self, buf: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
+        """``[B, Hkv, R' * page_size, D]``: logical pages ``pages [B, R']`` of ``layer``
+        gathered from ``buf`` (unmapped pages read as zeros)."""
+        got = buf.at[layer, pages].get(mode="fill", fill_value=0)  # [B, R', Hkv, P, D]
+        b, r, hkv, p, d = got.shape
+        return got.transpose(0, 2, 1, 3, 4).reshape(b, hkv, r * p, d)
+
+    def read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
+             backend: str) -> jax.Array:
+        """Attention ``[B, T, Hq, D]`` of ``q`` (positions ``q_pos [B, T]``) over each row's
+        pages: in chunks of ``chunk_pages`` pages up to the newest position when the backend
+        ``reads_pages_in_chunks`` (``"blockwise"``); otherwise the backend over every logical
+        slot (``"reference"``)."""
+        if not visibility_backend(backend, "PagePoolCache.read").reads_pages_in_chunks:
+            k, v = (self._gather(buf, layer, self.pages) for buf in (self.k, self.v))
+            k_pos = jnp.broadcast_to(self.pos[:, None], k.shape[:3])
+            return attention(q, k, v, q_pos, k_pos, backend=backend)
+        chunk_pages = min(self.chunk_pages, self.pages.shape[1])
+
+        def fetch(start):
+            pages = jax.lax.dynamic_slice_in_dim(self.pages, start // self.page_size,
+                                                 chunk_pages, axis=1)
+            return self._gather(self.k, layer, pages), self._gather(self.v, layer, pages)
+
+        return chunked_attention(q, self.pos, q_pos, fetch, hkv=self.k.shape[2],
+                                 filled=jnp.max(q_pos) + 1,
+                                 chunk=chunk_pages * self.page_size)
+
+    def put_rows(self, src: PagedKVCache, rows: jax.Array) -> PagePoolCache:
+        """The pool with rows ``rows [I]`` (``B`` = none) set to the ``I`` rows of a paged
+        cache of the same capacity and page size (``src``, e.g. their prefill): its pages
+        copied to the pages the rows' tables map (unmapped pages dropped), its positions
+        and write index taken."""
+        l, i, hkv, c, d = src.k.shape
+        r = c // self.page_size
+        pages = self.pages.at[rows].get(mode="fill", fill_value=self.num_pages)  # [I, R]
+
+        def put(dst, new):  # [L, I, Hkv, C, D] -> pages [L, I, R, Hkv, P, D]
+            new = new.reshape(l, i, hkv, r, self.page_size, d).transpose(0, 1, 3, 2, 4, 5)
+            return dst.at[:, pages].set(new.astype(dst.dtype), mode="drop")
+
+        index = jnp.broadcast_to(self.index, (self.pages.shape[0],))
+        return self.replace(k=put(self.k, src.k), v=put(self.v, src.v),
+                            pos=self.pos.at[rows].set(src.pos, mode="drop"),
+                            index=index.at[rows].set(src.index, mode="drop"))
+
+    def repeat_rows(self, n: int) -> PagePoolCache:
+        """Not defined for a pool: rows sharing pages would write each other's tokens."""
+        raise NotImplementedError("PagePoolCache.repeat_rows: give each row its own pages")
+
+
+def init_page_pool(num_layers: int, batch: int, num_kv_heads: int, max_len: int,
+                   head_dim: int, num_pages: int, dtype=jnp.float32, *, page_size: int = 16,
+                   chunk_pages: int | None = None) -> PagePoolCache:
+    """An empty pool of ``num_pages`` pages for ``batch`` rows of up to ``max_len`` positions
+    (``R = ceil(max_len / page_size)`` logical pages each): zero keys/values, every table
+    entry unmapped, every slot empty, per-row index ``[batch]`` 0; ``chunk_pages`` None =
+    ``models.paged_cache.default_chunk_pages``."""
+    chunk_pages = default_chunk_pages() if chunk_pages is None else chunk_pages
+    for name, value in (("page_size", page_size), ("chunk_pages", chunk_pages),
+                        ("max_len", max_len), ("num_pages", num_pages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_page_pool: {name}={value!r} must be an int >= 1")
+    r = -(-max_len // page_size)
+    shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+    return PagePoolCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                         pages=jnp.full((batch, r), num_pages, jnp.int32),
+                         pos=jnp.full((batch, r * page_size), -1, jnp.int32),
+                         index=jnp.zeros((batch,), jnp.int32), page_size=page_size,
+                         chunk_pages=chunk_pages)
