@@ -21,6 +21,8 @@ advance) until it is refilled.
 from __future__ import annotations
 
 import functools
+import os
+import time
 from typing import NamedTuple, Sequence
 
 import jax
@@ -134,38 +136,38 @@ def _flush_records(slots: Slots, out: Outputs) -> Outputs:
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "compression", "max_len"),
                    donate_argnums=(2, 3))
 def insert(graphdef, params, slots: Slots, out: Outputs, prompt, prompt_mask, row_caps, key,
-           rows, targets, *, sampling: SamplingConfig, compression: CompressionConfig,
+           groups, targets, *, sampling: SamplingConfig, compression: CompressionConfig,
            max_len: int) -> tuple[Slots, Outputs]:
-    """Prefill rows ``rows [I]`` into slots ``targets [I]`` and draw their token 0.
+    """Prefill prompts ``groups [J]`` once each, fan each out to its ``G = num_samples`` rows
+    (as the static ``sampler.prefill``), draw their token 0 and put row ``groups[j] * G + g``
+    into slot ``targets[j * G + g]``.
 
     Args:
       slots, out: the engine (donated).
       prompt, prompt_mask: ``[B, P]`` every prompt of the call (bucketed); row ``r`` answers
-        prompt ``r // num_samples``.
+        prompt ``r // G``.
       row_caps: ``[N]`` int32 response cap of each row.
-      key: the rollout key; rows: ``[I]`` int32 row ids (``-1`` unused); targets: ``[I]``
-        int32 free slots (``S`` unused).
+      key: the rollout key; groups: ``[J]`` int32 prompt ids (``-1`` unused); targets:
+        ``[J * G]`` int32 free slots (``S``: that row is not inserted by this call).
       max_len: ``P + max_new_tokens`` (static), as ``sampler.prefill``.
 
     Returns:
       ``(slots, out)``. A row whose token 0 ends it (EOS or cap 1) is done at once.
     """
     model = nnx.merge(graphdef, params)
-    n, s = out.response.shape[0], slots.row.shape[0]
-    used = rows >= 0
-    src = jnp.maximum(rows, 0)
-    group = src // sampling.num_samples
-    pre = prefill_rows(model, prompt[group], prompt_mask[group], key, src, sampling=sampling,
-                       compression=compression, max_len=max_len, fan_out=1)
+    n, s, g = out.response.shape[0], slots.row.shape[0], sampling.num_samples
+    src = jnp.maximum(groups, 0)
+    rows = (src[:, None] * g + jnp.arange(g)).reshape(-1)
+    pre = prefill_rows(model, prompt[src], prompt_mask[src], key, rows, sampling=sampling,
+                       compression=compression, max_len=max_len, fan_out=g)
     axes = engine_state.batch_axes(_slot_state_fn(model, compression, sampling, max_len))
-    batch = rows.shape[0]
-    at = jnp.where(used, targets, s)
-    r = jnp.where(used, rows, n)
+    at = targets
+    r = jnp.where(at < s, rows, n)
     eos = _is_eos(pre.first, sampling.eos_ids)
-    cap = row_caps[src]
+    cap = row_caps[jnp.minimum(rows, n - 1)]
     slots = Slots(
-        kv=engine_state.set_rows(slots.kv, engine_state.per_row_index(pre.state, batch), at,
-                                 axes),
+        kv=engine_state.set_rows(slots.kv, engine_state.per_row_index(pre.state, rows.shape[0]),
+                                 at, axes),
         row=slots.row.at[at].set(rows, mode="drop"),
         step=slots.step.at[at].set(1, mode="drop"),
         last=slots.last.at[at].set(pre.first, mode="drop"),
@@ -224,10 +226,11 @@ def _step(model, slots: Slots, out: Outputs, key, *, sampling: SamplingConfig,
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "compression", "max_len"),
                    donate_argnums=(2, 3))
-def decode_chunk(graphdef, params, slots: Slots, out: Outputs, key, budget_ks=None, *,
-                 sampling: SamplingConfig, compression: CompressionConfig, max_len: int
-                 ) -> tuple[Slots, Outputs, jax.Array]:
-    """Decode every live slot for up to ``sampling.chunk`` steps (fewer once none is live);
+def decode_chunk(graphdef, params, slots: Slots, out: Outputs, key, refill_at,
+                 budget_ks=None, *, sampling: SamplingConfig, compression: CompressionConfig,
+                 max_len: int) -> tuple[Slots, Outputs, jax.Array]:
+    """Decode every live slot for up to ``sampling.chunk`` steps, fewer once none is live or
+    ``refill_at`` (``[]`` int32, traced) slots are free (the host then refills them);
     returns ``(slots, out, steps [])``, ``steps`` the decode forwards it ran.
 
     As the static decode loop: steps run until some row's cache is full, then the full rows
@@ -243,7 +246,8 @@ def decode_chunk(graphdef, params, slots: Slots, out: Outputs, key, budget_ks=No
     n = out.response.shape[0]
 
     def running(c):
-        return (c[2] < sampling.chunk) & jnp.any(c[0].live)
+        live = c[0].live
+        return (c[2] < sampling.chunk) & jnp.any(live) & (jnp.sum(~live) < refill_at)
 
     def no_full_row(c):
         return ~jnp.any(engine_state.row_index(c[0].kv) >= capacity)
@@ -272,9 +276,11 @@ def _placed_like(tree, params):
                                                            jax.sharding.PartitionSpec()))
 
 
-def insert_batch(slots: int) -> int:
-    """Rows prefilled per :func:`insert` call: a quarter of the slots (at least 1)."""
-    return -(-slots // 4)
+def insert_prompts(sampling: SamplingConfig, slots: int) -> int:
+    """Prompts prefilled per :func:`insert` call (``J``, each fanned out to its
+    ``num_samples`` rows): ``sampling.insert_prompts``, or when 0 enough prompts for a
+    quarter of the slots (at least 1)."""
+    return sampling.insert_prompts or -(-slots // (4 * sampling.num_samples))
 
 
 def generate_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
@@ -300,9 +306,26 @@ def generate_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
 def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
                    prompt_mask: np.ndarray, key: jax.Array, sampling: SamplingConfig,
                    compression: CompressionConfig, budget_ks: Sequence[int] | None = None, *,
-                   row_caps: np.ndarray | None = None) -> tuple[Rollout, int, int]:
+                   row_caps: np.ndarray | None = None, profile: dict | None = None
+                   ) -> tuple[Rollout, int, int]:
     """:func:`generate_continuous` and its schedule: ``(rollout, slots, decode_steps)``, the
-    decode steps summed over chunks (``slots * decode_steps`` slot-steps were computed)."""
+    decode steps summed over chunks (``slots * decode_steps`` slot-steps were computed).
+
+    ``profile``: a dict that, when given, gets the seconds spent in :func:`insert` calls
+    (``"insert"``) and :func:`decode_chunk` calls (``"decode"``) added, and their counts
+    (``"inserts"``, ``"chunks"``); each call is then waited for (a profile, not a fast run).
+    """
+
+    def timed(name, call):
+        if profile is None:
+            return call()
+        start = time.perf_counter()
+        result = jax.block_until_ready(call())
+        profile[name] = profile.get(name, 0.0) + time.perf_counter() - start
+        count = {"insert": "inserts", "decode": "chunks"}[name]
+        profile[count] = profile.get(count, 0) + 1
+        return result
+
     ks = checked_budget_ks(budget_ks, compression)
     prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     n, m = prompt.shape[0] * sampling.num_samples, sampling.max_new_tokens
@@ -310,8 +333,8 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
     if caps.shape != (n,) or caps.dtype.kind not in "iu" or caps.min() < 1 or caps.max() > m:
         raise ValueError(f"row_caps: expected {n} ints in [1, max_new_tokens={m}], got "
                          f"shape {caps.shape} dtype {caps.dtype}")
-    s = sampling.slots or n
-    batch, max_len = insert_batch(s), prompt.shape[1] + m
+    s, g = sampling.slots or n, sampling.num_samples
+    j, max_len = insert_prompts(sampling, s), prompt.shape[1] + m
     static = dict(sampling=sampling, compression=compression, max_len=max_len)
     slots, out = _placed_like(init_engine(graphdef, params, slots=s, rows=n, **static), params)
     device_prompt, device_mask = jnp.asarray(prompt), jnp.asarray(prompt_mask)
@@ -319,15 +342,21 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
     queued, live, decode_steps = 0, np.zeros((s,), bool), 0
     while True:
         free = np.flatnonzero(~live)
-        while queued < n and free.size:
-            take = min(batch, free.size, n - queued)
-            rows = np.full((batch,), -1, np.int32)
-            targets = np.full((batch,), s, np.int32)
-            rows[:take], targets[:take] = np.arange(queued, queued + take), free[:take]
-            slots, out = insert(graphdef, params, slots, out, device_prompt, device_mask,
-                                device_caps, key, rows, targets, **static)
-            queued, free = queued + take, free[take:]
-        slots, out, steps = decode_chunk(graphdef, params, slots, out, key, ks, **static)
+        while queued < n and free.size:  # the next queued rows, of at most j prompts
+            first = queued // g
+            end = min((first + j) * g, n, queued + free.size)
+            groups = np.arange(first, first + j, dtype=np.int32)
+            groups[groups * g >= n] = -1
+            targets = np.full((j * g,), s, np.int32)
+            targets[queued - first * g:end - first * g] = free[:end - queued]
+            slots, out = timed("insert", lambda: insert(
+                graphdef, params, slots, out, device_prompt, device_mask, device_caps, key,
+                groups, targets, **static))
+            queued, free = end, free[end - queued:]
+        # stop the chunk early once an insert's worth of slots is free for queued rows
+        refill_at = np.int32(min(j * g, n - queued) if queued < n and not os.environ.get('NOEARLY') else s + 1)
+        slots, out, steps = timed("decode", lambda: decode_chunk(
+            graphdef, params, slots, out, key, refill_at, ks, **static))
         live, decode_steps = np.asarray(slots.live), decode_steps + int(steps)
         if queued == n and not live.any():
             break

@@ -39,7 +39,11 @@ class SamplingConfig:
         refilled as rows end; row for row the same rollout for the same key).
       slots: decode slots ``S`` of the continuous engine; 0 = one per row of the call.
       chunk: decode steps per jitted chunk ``c`` of the continuous engine (between chunks
-        the host retires finished rows and refills their slots).
+        the host retires finished rows and refills their slots); a chunk also ends early
+        once an insert's worth of slots is free while rows are queued.
+      insert_prompts: prompts the continuous engine prefills per insert call (each prompt
+        once, fanned out to its ``num_samples`` rows, as the static prefill); 0 = enough
+        prompts for a quarter of the slots.
     """
 
     max_new_tokens: int = 256
@@ -55,6 +59,7 @@ class SamplingConfig:
     engine: str = "static"
     slots: int = 0
     chunk: int = 16
+    insert_prompts: int = 0
 
     def __post_init__(self):
         check_int(self, "max_new_tokens", 1)
@@ -69,5 +74,7 @@ class SamplingConfig:
         check_int(self, "slots", 0, "must be an int >= 1 (the smallest that holds one row), "
                   "or 0 for one slot per row")
         check_int(self, "chunk", 1, "must be an int >= 1 (the smallest that decodes a row)")
+        check_int(self, "insert_prompts", 0, "must be an int >= 1 (the smallest that inserts "
+                  "a prompt), or 0 for a quarter of the slots")
         check(isinstance(self.eos_ids, tuple) and all(is_int(i) and i >= 0 for i in self.eos_ids),
               self, "eos_ids", "must be a tuple of non-negative ints")
