@@ -165,10 +165,9 @@ def insert(graphdef, params, slots: Slots, out: Outputs, prompt, prompt_mask, ro
     pre = prefill_rows(model, prompt[src], prompt_mask[src], key, rows, sampling=sampling,
                        compression=compression, max_len=max_len, fan_out=g)
     axes = engine_state.batch_axes(_slot_state_fn(model, compression, sampling, max_len))
-    at = targets
-    r = jnp.where(at < s, rows, n)
+    at, r = targets, jnp.where(targets < s, rows, n)
     eos = _is_eos(pre.first, sampling.eos_ids)
-    cap = row_caps[jnp.minimum(rows, n - 1)]
+    cap = row_caps[rows]
     slots = Slots(
         kv=engine_state.set_rows(slots.kv, engine_state.per_row_index(pre.state, rows.shape[0]),
                                  at, axes),
