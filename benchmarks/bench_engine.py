@@ -56,7 +56,7 @@ METHODS = {"none": CompressionConfig(method="none"),
            "rkv": CompressionConfig(method="rkv", eviction=EvictionConfig(budget=48, buffer=16, window=8))}
 SMOLLM2_SKIP = ("not run: sampling SmolLM2-135M's traces on the 2-core CPU takes ~100 s per "
                 "16 traces of 256 tokens (README, experiment 4) after a 30-220 s GGUF "
-                "conversion, beyond this benchmark's ~2 min")
+                "conversion, beyond this benchmark's few CPU minutes")
 
 
 def long_tail_caps(rng: np.random.Generator, n: int, max_new: int) -> np.ndarray:
