@@ -1,25 +1,37 @@
 """Static vs continuous rollouts on long-tail response lengths, at equal KV memory.
 
-    python benchmarks/bench_engine.py [--rows 128] [--slots 16] [--max-new 96] [--chunk 8]
-        [--methods none rkv]
+    python benchmarks/bench_engine.py [--rows 128] [--slots 16] [--chunk 8]
+        [--insert-prompts 0] [--repeats 2] [--methods none rkv]
+        [--dists lognormal walk smollm2]
 
 ``N`` rows (``--rows``; 4 samples per prompt, 32-token prompts) get per-row response caps
-drawn from a lognormal with mean a third of ``--max-new`` (sigma 1, clipped to ``[1,
-max-new]``); no EOS, so a row's useful tokens are its cap. Both engines hold ``S``
-(``--slots``) rows' KV at a time (equal KV memory): the static engine runs the rows in
-``N / S`` ``sampler.generate`` calls of ``S`` rows, each to ``max-new`` (a static batch runs
-until its longest row: it cannot stop a row early); the continuous engine
-(``engine.run_continuous``, chunk ``--chunk``) retires each row at its cap and refills the slot.
+from a length distribution; no EOS, so a row's useful tokens are its cap:
 
-Reported per method: seconds (after a warm-up call of the same shapes: no compile time),
-useful tokens/s, decode row-steps wasted (computed slot-steps that produced no useful
-token), KV bytes allocated and the peak held (a pool's pages in use), peak rows in flight,
-and the ratios to static of useful tokens/s and rows in flight. Dense (and Sparrow) rows
-of the continuous engine share a KV page pool (``sampling.pool_pages``) of the static
-engine's ``S`` max-length rows; the cell ``none (pool, 4S slots)`` is dense at equal KV
-memory with ``4 * S`` slots: how many rows the pool keeps in flight when rows hold only
-their pages. Model: a random Qwen2-shaped
-decoder (hidden 256, 4 layers, 8 query / 2 KV heads, vocab 2048, fp32), CPU-sized.
+- ``lognormal``: a lognormal (sigma 1) with mean a third of ``--max-new`` (96), clipped to
+  ``[1, max-new]``;
+- ``walk``: the walk task's trace lengths (``tasks.walk_task``, default config: its
+  solutions plus EOS, i.e. the lengths of a policy that solves every problem; the task's
+  ``max_response_tokens`` is the cap);
+- ``smollm2``: SmolLM2's sampled traces, not run here; the row says why.
+
+Both engines hold ``S`` (``--slots``) rows' KV at a time (equal KV memory): the static engine
+runs the rows in ``N / S`` ``sampler.generate`` calls of ``S`` rows, each to the cap (a static
+batch runs until its longest row: it cannot stop a row early); the continuous engine
+(``engine.run_continuous``, chunk ``--chunk``, ``--insert-prompts`` per insert) retires
+each row at its cap and refills the slot.
+
+Reported per distribution and method, in one table: seconds (after a warm-up call of the
+same shapes: no compile time; the fastest of ``--repeats`` calls, the engines taking
+turns), useful tokens/s, decode row-steps wasted (computed slot-steps that produced no
+useful token), and the continuous/static ratio of useful tokens/s. Then a
+profile per engine from a second, waited-for pass: static ``sampler.prefill`` / ``decode``
+seconds, continuous ``insert`` / ``decode_chunk`` seconds and calls, and the host's share
+(the rest of the wall time). Last, dense at equal KV memory (lognormal caps): KV bytes
+allocated and the peak held, and rows in flight, of the static engine's ``S`` max-length rows
+against the continuous engine with ``4 * S`` slots over a shared page pool
+(``sampling.pool_pages``) of those ``S`` rows' pages, where rows hold only the pages they
+filled. Model: a random Qwen2-shaped decoder (hidden 256, 4 layers, 8 query / 2 KV heads,
+vocab 2048, fp32), CPU-sized.
 """
 
 from __future__ import annotations
@@ -41,13 +53,17 @@ import models  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.kv.compression_sections import EvictionConfig  # noqa: E402
 from sparse_rl_jax.rollout.engine import run_continuous  # noqa: E402
-from sparse_rl_jax.rollout.sampler import generate  # noqa: E402
+from sparse_rl_jax.rollout.sampler import bucket_prompts, decode, prefill  # noqa: E402
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
+from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, walk_at  # noqa: E402
 from sparse_rl_jax.training.memory_plan import page_bytes  # noqa: E402
 
-SAMPLES, PROMPT = 4, 32
+SAMPLES, PROMPT, LOGNORMAL_MAX_NEW = 4, 32, 96
 METHODS = {"none": CompressionConfig(method="none"),
            "rkv": CompressionConfig(method="rkv", eviction=EvictionConfig(budget=48, buffer=16, window=8))}
+SMOLLM2_SKIP = ("not run: sampling SmolLM2-135M's traces on the 2-core CPU takes ~100 s per "
+                "16 traces of 256 tokens (README, experiment 4) after a 30-220 s GGUF "
+                "conversion, beyond this benchmark's few CPU minutes")
 
 
 def long_tail_caps(rng: np.random.Generator, n: int, max_new: int) -> np.ndarray:
@@ -57,13 +73,12 @@ def long_tail_caps(rng: np.random.Generator, n: int, max_new: int) -> np.ndarray
     return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, max_new).astype(np.int32)
 
 
-def kv_bytes(cfg, comp, slots: int, max_len: int, pool_pages: int = 0) -> int:
-    """Keys + values allocated for ``slots`` rows of ``max_len`` positions: a pool of
-    ``pool_pages`` pages, or each row's own cache (``budget + buffer`` slots when evicting)."""
-    if pool_pages:
-        return pool_pages * page_bytes(cfg, comp.page_size, np.float32)
-    per_row = comp.cache_capacity(max_len)
-    return slots * per_row * page_bytes(cfg, 1, np.float32)
+def walk_caps(n: int) -> tuple[np.ndarray, int]:
+    """``([n] caps, max_new)``: the walk task's first ``n`` solutions' lengths + EOS (one
+    token per character) and its ``max_response_tokens``."""
+    cfg = WalkTaskConfig()
+    caps = [len(walk_at(cfg, i).solution) + 1 for i in range(n)]
+    return np.asarray(caps, np.int32), cfg.max_response_tokens
 
 
 def timed(fn):
@@ -73,26 +88,111 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def run_static(graphdef, params, prompt, mask, key, sampling, compression, slots):
-    """The rows in static batches of ``slots`` rows: ``(seconds, slot-steps computed)``."""
+def run_static(graphdef, params, prompt, mask, key, sampling, compression, slots,
+               profile=None):
+    """The rows in static batches of ``slots`` rows, each ``sampler.prefill`` then
+    ``sampler.decode`` to the cap: ``(seconds, slot-steps computed)``. ``profile``: a dict
+    that gets the seconds of the two halves added (each then waited for)."""
     per_call = slots // SAMPLES
-    seconds = 0.0
-    for start in range(0, prompt.shape[0], per_call):
-        rows = slice(start, start + per_call)
-        _, t = timed(lambda: generate(graphdef, params, prompt[rows], mask[rows],
-                                      jax.random.fold_in(key, start), sampling, compression))
-        seconds += t
+    start = time.perf_counter()
+    for first in range(0, prompt.shape[0], per_call):
+        rows = slice(first, first + per_call)
+        tokens, tokens_mask = bucket_prompts(prompt[rows], mask[rows], sampling.prompt_bucket,
+                                             compression)
+        key_call = jax.random.fold_in(key, first)
+        halves = {"prefill": lambda: prefill(
+            graphdef, params, jnp.asarray(tokens), jnp.asarray(tokens_mask), key_call,
+            sampling=sampling, compression=compression,
+            max_len=tokens.shape[1] + sampling.max_new_tokens)}
+        halves["decode"] = lambda: decode(graphdef, params, done, key_call, sampling=sampling,
+                                          compression=compression)
+        for name in ("prefill", "decode"):
+            if profile is None:
+                done = halves[name]()
+            else:
+                done, seconds = timed(halves[name])
+                profile[name] = profile.get(name, 0.0) + seconds
+        jax.block_until_ready(done)
     calls = -(-prompt.shape[0] // per_call)
-    return seconds, calls * slots * (sampling.max_new_tokens - 1)
+    return time.perf_counter() - start, calls * slots * (sampling.max_new_tokens - 1)
+
+
+def profile_line(engine: str, seconds: float, profile: dict) -> str:
+    """``engine: part s (share), ..., host s (share)`` of a profiled pass of ``seconds``."""
+    parts = {k: v for k, v in profile.items() if isinstance(v, float)}
+    calls = {k: v for k, v in profile.items() if isinstance(v, int)}
+    host = max(seconds - sum(parts.values()), 0.0)
+    text = ", ".join(f"{k} {v:.2f} s ({v / seconds:.0%})" for k, v in parts.items())
+    counts = "".join(f", {v} {k}" for k, v in calls.items())
+    return f"{engine}: {text}, host {host:.2f} s ({host / seconds:.0%}){counts}"
+
+
+def bench_cell(graphdef, params, prompt, mask, caps, sampling, comp, slots, repeats):
+    """``{engine: (seconds, slot-steps, profile line)}`` for one distribution and method:
+    the fastest of ``repeats`` timed calls per engine, the engines taking turns."""
+    def static_call(k, profile=None):
+        return run_static(graphdef, params, prompt, mask, k, sampling, comp, slots, profile)
+
+    def continuous_call(k, profile=None):
+        (_, s, steps, _), seconds = timed(lambda: run_continuous(
+            graphdef, params, prompt, mask, k, dataclasses.replace(sampling, engine="continuous"),
+            comp, row_caps=caps, profile=profile))
+        return seconds, s * steps
+
+    calls = {"static": static_call, "continuous": continuous_call}
+    for call in calls.values():
+        call(jax.random.key(0))  # warm-up: compiles
+    runs = {engine: [] for engine in calls}
+    for _ in range(repeats):
+        for engine, call in calls.items():
+            runs[engine].append(call(jax.random.key(1)))
+    results = {}
+    for engine, call in calls.items():
+        profile = {}
+        profiled, _ = call(jax.random.key(1), profile)
+        seconds, slot_steps = min(runs[engine])
+        results[engine] = seconds, slot_steps, profile_line(engine, profiled, profile)
+    return results
+
+
+def kv_bytes(cfg, comp, slots: int, max_len: int, pool_pages: int = 0) -> int:
+    """Keys + values allocated for ``slots`` rows of ``max_len`` positions: a pool of
+    ``pool_pages`` pages, or each row's own cache (``budget + buffer`` slots when evicting)."""
+    if pool_pages:
+        return pool_pages * page_bytes(cfg, comp.page_size, np.float32)
+    return slots * comp.cache_capacity(max_len) * page_bytes(cfg, 1, np.float32)
+
+
+def memory_rows(cfg, graphdef, params, prompt, mask, caps, sampling, slots) -> list[str]:
+    """Dense at equal KV memory: the static engine's ``slots`` max-length rows against the
+    continuous engine with ``4 * slots`` slots over a pool of those rows' pages (table rows:
+    KV MiB allocated / peak held, rows in flight, rows preempted, their ratio)."""
+    comp, mib = METHODS["none"], 2 ** 20
+    max_len = PROMPT + sampling.max_new_tokens
+    pool = slots * -(-max_len // comp.page_size)
+    static = kv_bytes(cfg, comp, slots, max_len)
+    run = dataclasses.replace(sampling, engine="continuous", slots=4 * slots, pool_pages=pool)
+    _, s, _, sched = run_continuous(graphdef, params, prompt, mask, jax.random.key(1), run, comp,
+                                    row_caps=caps)
+    peak = sched.peak_pages * page_bytes(cfg, comp.page_size, np.float32)
+    return [f"| static, {slots} slots | {static / mib:.2f} | {static / mib:.2f} | {slots} | 0 "
+            f"| 1.00x |",
+            f"| continuous, {s} slots, pool of {pool} pages | "
+            f"{kv_bytes(cfg, comp, s, max_len, pool) / mib:.2f} | {peak / mib:.2f} | "
+            f"{sched.peak_live} | {sched.preemptions} | "
+            f"{sched.peak_live / slots:.2f}x |"]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--max-new", type=int, default=96)
-    parser.add_argument("--chunk", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=SamplingConfig.chunk)
+    parser.add_argument("--insert-prompts", type=int, default=SamplingConfig.insert_prompts)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--dists", nargs="+", default=["lognormal", "walk", "smollm2"],
+                        choices=["lognormal", "walk", "smollm2"])
     args = parser.parse_args(argv)
     if args.rows % args.slots or args.slots % SAMPLES:
         parser.error(f"--rows must be a multiple of --slots, --slots of {SAMPLES}")
@@ -102,56 +202,50 @@ def main(argv=None) -> None:
     graphdef, params = nnx.split(models.Decoder(cfg, dtype=jnp.float32,
                                                 param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
-    prompts = args.rows // SAMPLES
-    prompt = rng.integers(3, cfg.vocab_size, (prompts, PROMPT)).astype(np.int32)
+    prompt = rng.integers(3, cfg.vocab_size, (args.rows // SAMPLES, PROMPT)).astype(np.int32)
     mask = np.ones_like(prompt)
-    caps = long_tail_caps(rng, args.rows, args.max_new)
-    useful = int(caps.sum())
-    sampling = SamplingConfig(max_new_tokens=args.max_new, num_samples=SAMPLES,
-                              prompt_bucket=PROMPT, slots=args.slots, chunk=args.chunk)
-    print(f"rows {args.rows}, slots {args.slots}, chunk {args.chunk}, max_new {args.max_new}, "
-          f"caps mean {caps.mean():.1f} median {np.median(caps):.0f} max {caps.max()}, "
-          f"useful tokens {useful}; platform {jax.default_backend()}")
-    print("| method | engine | seconds | useful tok/s | row-steps computed | wasted | "
-          "KV MiB alloc | KV MiB peak | rows in flight | tok/s ratio | rows ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    max_len, mib = PROMPT + args.max_new, 2 ** 20
-    row_pages = -(-max_len // METHODS["none"].page_size)
-    cells = [(name, engine, args.slots) for name in args.methods
-             for engine in ("static", "continuous")]
-    if "none" in args.methods:  # dense at equal KV memory: 4S slots over S rows' pages
-        cells.append(("none", "continuous", 4 * args.slots))
-    results = {}
-    for name, engine, slots in cells:
-        comp = METHODS[name]
-        if engine == "static":
-            def call(k):
-                seconds, slot_steps = run_static(graphdef, params, prompt, mask, k, sampling,
-                                                 comp, args.slots)
-                alloc = kv_bytes(cfg, comp, args.slots, max_len)
-                return seconds, slot_steps, alloc, alloc, args.slots, 0
+    dists = {"lognormal": (long_tail_caps(rng, args.rows, LOGNORMAL_MAX_NEW), LOGNORMAL_MAX_NEW)}
+    if "walk" in args.dists:
+        dists["walk"] = walk_caps(args.rows)
+    print(f"rows {args.rows}, slots {args.slots}, chunk {args.chunk}, insert_prompts "
+          f"{args.insert_prompts}; platform {jax.default_backend()}")
+    for name in args.dists:
+        if name in dists:
+            caps, max_new = dists[name]
+            print(f"{name}: max_new {max_new}, caps mean {caps.mean():.1f} median "
+                  f"{np.median(caps):.0f} max {caps.max()}, useful tokens {caps.sum()}")
         else:
-            pool = args.slots * row_pages if name == "none" else 0
-            run = dataclasses.replace(sampling, engine="continuous", slots=slots,
-                                      pool_pages=pool)
+            print(f"{name}: {SMOLLM2_SKIP}")
+    print("| dist | method | static s | continuous s | static tok/s | continuous tok/s | "
+          "wasted static | wasted continuous | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    profiles = []
+    for dist in (d for d in args.dists if d in dists):
+        caps, max_new = dists[dist]
+        sampling = SamplingConfig(max_new_tokens=max_new, num_samples=SAMPLES,
+                                  prompt_bucket=PROMPT, slots=args.slots, chunk=args.chunk,
+                                  insert_prompts=args.insert_prompts)
+        useful = int(caps.sum())
+        for name in args.methods:
+            res = bench_cell(graphdef, params, prompt, mask, caps, sampling, METHODS[name],
+                             args.slots, args.repeats)
+            # The prefill draws token 0 of every row: decode row-steps make the other ones.
+            wasted = {e: 1 - (useful - args.rows) / r[1] for e, r in res.items()}
+            tps = {e: useful / r[0] for e, r in res.items()}
+            print(f"| {dist} | {name} | {res['static'][0]:.2f} | {res['continuous'][0]:.2f} | "
+                  f"{tps['static']:.0f} | {tps['continuous']:.0f} | {wasted['static']:.0%} | "
+                  f"{wasted['continuous']:.0%} | {tps['continuous'] / tps['static']:.2f}x |")
+            profiles += [f"{dist} {name} {r[2]}" for r in res.values()]
+    print("\nprofile (a second, waited-for pass):")
+    print("\n".join(profiles))
+    caps, max_new = dists["lognormal"]
+    print("\ndense (none) at equal KV memory, lognormal caps:")
+    print("| engine | KV MiB alloc | KV MiB peak | rows in flight | preempted | rows ratio |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print("\n".join(memory_rows(cfg, graphdef, params, prompt, mask, caps, SamplingConfig(
+        max_new_tokens=max_new, num_samples=SAMPLES, prompt_bucket=PROMPT, chunk=args.chunk,
+        insert_prompts=args.insert_prompts), args.slots)))
 
-            def call(k):
-                (_, s, steps, sched), seconds = timed(lambda: run_continuous(
-                    graphdef, params, prompt, mask, k, run, comp, row_caps=caps))
-                alloc = kv_bytes(cfg, comp, s, max_len, pool)
-                peak = sched.peak_pages * page_bytes(cfg, comp.page_size, np.float32) \
-                    if pool else alloc
-                return seconds, s * steps, alloc, peak, sched.peak_live, sched.preemptions
-        call(jax.random.key(0))  # warm-up: compiles
-        seconds, slot_steps, alloc, peak, in_flight, preempted = call(jax.random.key(1))
-        # The prefill draws token 0 of every row: decode row-steps make the other ones.
-        wasted = 1 - (useful - args.rows) / slot_steps
-        base = results.setdefault(name, (useful / seconds, in_flight))
-        label = engine if slots == args.slots else (
-            f"continuous (pool, {slots} slots, {preempted} rows preempted)")
-        print(f"| {name} | {label} | {seconds:.2f} | {useful / seconds:.0f} | {slot_steps} | "
-              f"{wasted:.0%} | {alloc / mib:.2f} | {peak / mib:.2f} | {in_flight} | "
-              f"{useful / seconds / base[0]:.2f}x | {in_flight / base[1]:.2f}x |")
 
 if __name__ == "__main__":
     main()

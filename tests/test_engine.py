@@ -248,3 +248,20 @@ def test_collect_prompts_samples_through_the_engine_switch(tmp_path_factory):
     np.testing.assert_array_equal(outs["continuous"].rollout.response,
                                   outs["static"].rollout.response)
     np.testing.assert_array_equal(outs["continuous"].rewards, outs["static"].rewards)
+
+
+def test_each_prompt_is_prefilled_once_and_fanned_out(tiny):
+    """With room for every row, one insert call prefills all 3 prompts once each and fans
+    each out to its 2 samples' slots (``sampling.insert_prompts``); a quarter of 6 slots is
+    1 prompt per call, 3 calls; the rows are the static ones either way."""
+    graphdef, params, prompt, mask = tiny
+    compression = METHODS["rkv"]
+    sampling = dataclasses.replace(SAMPLING, max_new_tokens=8, slots=6)
+    static = generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
+    for insert_prompts, calls in ((3, 1), (0, 3)):
+        profile = {}
+        engine = run_continuous(graphdef, params, prompt, mask, jax.random.key(3),
+                                dataclasses.replace(sampling, insert_prompts=insert_prompts),
+                                compression, profile=profile)[0]
+        assert profile["inserts"] == calls, profile
+        assert_rows_match(graphdef, params, static, engine, compression)

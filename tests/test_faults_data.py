@@ -55,6 +55,18 @@ def test_bad_eval_data_names_file_and_line_before_any_state(tiny, tmp_path, caps
     assert not (tmp_path / "run").exists()
 
 
+def test_prompt_longer_than_a_continuous_engine_slot(tiny, tmp_path, capsys):
+    """A slot of the continuous engine holds what the static cache holds (budget + buffer
+    for an evicting method), so the same preflight refuses the prompt, naming file and line."""
+    _, model, _ = tiny
+    content, expected = DATA_FAULTS["prompt_longer_than_cache"]
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    refused(capsys, run_args(model, data, tmp_path / "run") + [
+        "sampling.engine=continuous", "sampling.slots=2"], f"data{expected}")
+    assert not (tmp_path / "run").exists()
+
+
 def test_prompt_longer_than_model_context(tiny, tmp_path, capsys):
     _, model, _ = tiny
     data = tmp_path / "data.jsonl"

@@ -41,7 +41,11 @@ class SamplingConfig:
         where the device reports a memory limit (``memory_plan.engine_sizes``), else one per
         row of the call.
       chunk: decode steps per jitted chunk ``c`` of the continuous engine (between chunks
-        the host retires finished rows and refills their slots).
+        the host retires finished rows and refills their slots); a chunk also ends early
+        once an insert's worth of slots is free while rows are queued.
+      insert_prompts: prompts the continuous engine prefills per insert call (each prompt
+        once, fanned out to its ``num_samples`` rows, as the static prefill); 0 = enough
+        prompts for a quarter of the slots.
       pool_pages: KV pages of the continuous engine's shared page pool for the rows of
         the paged layout (``none``, ``sparrow``), ``compression.page_size`` positions each: a
         row draws pages as it fills them and a retired row's pages go back, so the pool
@@ -66,6 +70,7 @@ class SamplingConfig:
     slots: int = 0
     chunk: int = 16
     pool_pages: int = 0
+    insert_prompts: int = 0
 
     def __post_init__(self):
         check_int(self, "max_new_tokens", 1)
@@ -82,5 +87,7 @@ class SamplingConfig:
         check_int(self, "chunk", 1, "must be an int >= 1 (the smallest that decodes a row)")
         check_int(self, "pool_pages", 0, "must be an int >= 1 (pages of one max-length row at "
                   "least), or 0 for one max-length row per slot")
+        check_int(self, "insert_prompts", 0, "must be an int >= 1 (the smallest that inserts "
+                  "a prompt), or 0 for a quarter of the slots")
         check(isinstance(self.eos_ids, tuple) and all(is_int(i) and i >= 0 for i in self.eos_ids),
               self, "eos_ids", "must be a tuple of non-negative ints")

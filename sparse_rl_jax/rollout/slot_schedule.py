@@ -19,9 +19,14 @@ never KV. Without a pool every row fits: the schedule is plain refill.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import numpy as np
+
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.rollout import engine_state
+from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 
 
 class SlotSchedule:
@@ -124,3 +129,44 @@ class SlotSchedule:
             admitted.append((row, slot))
         self.peak_live = max(self.peak_live, len(self.order))
         return preempted, admitted
+
+
+def insert_prompts(sampling: SamplingConfig, slots: int) -> int:
+    """Prompts prefilled per :func:`insert` call (``J``, each fanned out to its
+    ``num_samples`` rows): ``sampling.insert_prompts``, or when 0 enough prompts for a
+    quarter of the slots (at least 1)."""
+    return sampling.insert_prompts or -(-slots // (4 * sampling.num_samples))
+
+
+def insert_calls(admitted: list[tuple[int, int]], j: int, g: int, s: int):
+    """The :func:`insert` arguments ``(groups [J], targets [J * G])`` that put the admitted
+    ``(row, slot)`` pairs in place, at most ``j`` prompts a call (each prefilled once for
+    every admitted sample of it; a target ``s`` leaves that sample out of the call)."""
+    prompts = list(dict.fromkeys(row // g for row, _ in admitted))
+    for start in range(0, len(prompts), j):
+        chosen = {p: i for i, p in enumerate(prompts[start:start + j])}
+        groups = np.full((j,), -1, np.int32)
+        groups[:len(chosen)] = list(chosen)
+        targets = np.full((j * g,), s, np.int32)
+        for row, slot in admitted:
+            if row // g in chosen:
+                targets[chosen[row // g] * g + row % g] = slot
+        yield groups, targets
+
+
+def resolve_pool(sampling: SamplingConfig, compression: CompressionConfig, slots: int,
+               max_len: int) -> tuple[SamplingConfig, int]:
+    """``(sampling, R)``: ``sampling.pool_pages`` resolved for this call (0 where rows share
+    no pool, ``engine_state.pooled``; 0 given = ``slots * R``) and ``R``, the pages of one
+    max-length row. ValueError naming the field when the pool cannot hold one such row."""
+    row_pages = -(-max_len // compression.page_size)
+    if not engine_state.pooled(compression):
+        return dataclasses.replace(sampling, pool_pages=0), row_pages
+    if 0 < sampling.pool_pages < row_pages:
+        raise ValueError(
+            f"sampling.pool_pages={sampling.pool_pages} cannot hold one max-length row of "
+            f"{max_len} positions (prompt width {max_len - sampling.max_new_tokens} + "
+            f"max_new_tokens {sampling.max_new_tokens}) in pages of {compression.page_size}: "
+            f"the smallest pool that works is {row_pages} pages")
+    return dataclasses.replace(sampling, pool_pages=sampling.pool_pages or slots * row_pages
+                               ), row_pages

@@ -97,15 +97,17 @@ def config_hash(cfg: RunConfig) -> str:
     which a resumed run must share with the run it continues. Where the run lives
     (``run_dir``), how long it runs, checkpointing, plots, eval, logging and what changes
     only memory or speed (``model.remat``, ``trainer.micro_batch_size``,
-    ``compression.layout``, ``sampling.engine`` / ``slots`` / ``chunk`` / ``pool_pages``) are
-    left out, so a moved or copied run directory resumes and a finished run can be extended."""
+    ``compression.layout``, ``sampling.engine`` / ``slots`` / ``chunk`` / ``pool_pages`` /
+    ``insert_prompts``) are left out, so a moved or copied run directory resumes and a
+    finished run can be extended."""
     relevant = {k: v for k, v in to_dict(cfg).items()
                 if k not in ("run_dir", "trainer", "eval", "logging")}
     relevant["model"] = {k: v for k, v in relevant["model"].items() if k != "remat"}
     # the rollout engine and its slots change only speed and memory (every row equals static
     # generate's), so they are left out like the layout: runs of older configs still resume
     relevant["sampling"] = {k: v for k, v in relevant["sampling"].items()
-                            if k not in ("engine", "slots", "chunk", "pool_pages")}
+                            if k not in ("engine", "slots", "chunk", "pool_pages",
+                                         "insert_prompts")}
     # compression.layout changes only speed and memory (every layout a method takes runs the
     # same policy), so it is left out: runs of older configs (no field, or method none's
     # former own layout dense) still resume; the sections are hashed in the flat form of
