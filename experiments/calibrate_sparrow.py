@@ -36,12 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
-from sparse_rl_jax.rollout.acceptance import acceptance_percentile_per_bin, score_acceptance  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.kv.compression_sections import SparrowConfig  # noqa: E402
+from sparse_rl_jax.kv.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402
+from sparse_rl_jax.rollout.acceptance import (acceptance_percentile_per_bin, score_acceptance)  # noqa: E402
 from sparse_rl_jax.rollout.sampler import generate  # noqa: E402
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
-from sparse_rl_jax.kv.sparrow_cost import DEVICES, rollout_seconds  # noqa: E402
 
 
 def sparrow_config(schedule, page_size: int, dense_layers: tuple[int, ...]) -> CompressionConfig:

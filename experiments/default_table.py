@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
-from sparse_rl_jax.training.evaluation import evaluate_checkpoint  # noqa: E402
 from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402
+from sparse_rl_jax.training.evaluation import evaluate_checkpoint  # noqa: E402
 from sparse_rl_jax.training.policy import policy_path  # noqa: E402
 from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
 from sparse_rl_jax.training.trainer import train  # noqa: E402

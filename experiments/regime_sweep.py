@@ -41,14 +41,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
-from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts  # noqa: E402
-from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
-from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
+from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
-from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
+from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
 from sparse_rl_jax.tasks.task import TaskDataset, prompt_length, solution_length  # noqa: E402
+from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts  # noqa: E402
 from sparse_rl_jax.training.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
+from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
 
 
 def first_difference(a: np.ndarray, b: np.ndarray, mask_a: np.ndarray,

@@ -38,12 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
-from sparse_rl_jax.training.evaluation import evaluate, eval_set, mode_name  # noqa: E402
 from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402
 from sparse_rl_jax.records.plots import plot_comparison  # noqa: E402
 from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
-from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
+from sparse_rl_jax.training.evaluation import evaluate, eval_set, mode_name  # noqa: E402
 from sparse_rl_jax.training.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
+from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
 from sparse_rl_jax.training.trainer import train  # noqa: E402
 
 DISTILL = 0.1  # shadow-mask arm's loss.distill_coef (the paper's value is not public)

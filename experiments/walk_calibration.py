@@ -49,12 +49,12 @@ from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.regime_sweep import cell_footer, write_results  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.kv.state import check_prompt_fits  # noqa: E402
+from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
 from sparse_rl_jax.rollout.acceptance import acceptance_percentile_per_bin  # noqa: E402
-from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts  # noqa: E402
-from sparse_rl_jax.training.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
 from sparse_rl_jax.tasks.prompt_source import eval_examples  # noqa: E402
 from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
-from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
+from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts  # noqa: E402
+from sparse_rl_jax.training.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
 from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
 
 LOG_R_FLOOR = np.log(1e-4)

@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
-from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer  # noqa: E402
-from sparse_rl_jax.training.supervised import sft_loss, sft_optimizer, supervised_batch  # noqa: E402
 from sparse_rl_jax.tasks.walk_task import synthetic_dataset  # noqa: E402
+from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
+from sparse_rl_jax.training.supervised import (sft_loss, sft_optimizer, supervised_batch)  # noqa: E402
 from sparse_rl_jax.training.warm_start import tiny_model_config  # noqa: E402
 
 NEVER = 2**30

@@ -12,10 +12,10 @@ from models.attention_backends import AttentionBackend, attention, register_back
 from models.cache import KVCache, init_cache
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from models.decoder import Decoder, DecoderOutput
-from models.gguf import checkpoint_dir, convert_gguf, find_gguf, smollm2_gguf
 from models.export import save_adapter, save_pretrained
-from models.loading import hf_name, load_pretrained, read_config
+from models.gguf import checkpoint_dir, convert_gguf, find_gguf, smollm2_gguf
 from models.kv_view import Causal, ExpiryRecord, KVView, MaskRecord
+from models.loading import hf_name, load_pretrained, read_config
 from models.lora import LORA_TARGETS, add_lora, has_lora, merge_lora, split_trainable
 from models.page_sparse import PageReplay, PageSparseCache
 from models.paged_cache import PagedKVCache, init_paged_cache

@@ -26,8 +26,8 @@ from models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from models.decoder import Decoder
 from models.gguf import checkpoint_dir
 from models.json_file import read_json
-from models.weight_magnitude import MAX_ABS_WEIGHT, copy_max_abs
 from models.partitioning import is_layer_stacked, make_mesh, param_shardings, path_str
+from models.weight_magnitude import MAX_ABS_WEIGHT, copy_max_abs
 
 log = logging.getLogger(__name__)
 

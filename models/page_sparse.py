@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention_backends import attention, visibility_backend
-from models.paged_cache import PositionSlots
 from models.kv_view import FullForward, layer_field, self_keys
+from models.paged_cache import PositionSlots
 from models.shapes import check_shape
 
 NO_PAGE = -1  # a slot of the selection that holds no page

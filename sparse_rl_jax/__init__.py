@@ -22,22 +22,22 @@ plots, the metrics backends) take seconds that the rest of the package does not 
 """
 
 import models.versions  # noqa: F401  (first: importing models checks the jax/flax pair)
-from sparse_rl_jax.rl.advantages import AdvantageConfig, compute_advantages, group_advantages
-from sparse_rl_jax.training.collect import Collected, RolloutPolicy, collect_prompts
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import (AdaptConfig, AlphaConfig, EvictionConfig,
                                                    SparrowConfig)
+from sparse_rl_jax.rl.advantages import AdvantageConfig, compute_advantages, group_advantages
 from sparse_rl_jax.rl.corrections import Corrections, compute_corrections
-from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
-from sparse_rl_jax.tasks.rewards import get_reward_fn, repeat_answers
-from sparse_rl_jax.training.run_config import RunConfig, TrainerConfig
+from sparse_rl_jax.rl.update_step import Minibatch, update_step
+from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout
 from sparse_rl_jax.rollout.sampler import Prefilled, Rollout, decode, generate, prefill
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import ReplayRecord, ScoreOutput, response_logprobs, score
-from sparse_rl_jax.rl.update_step import Minibatch, update_step
+from sparse_rl_jax.tasks.rewards import get_reward_fn, repeat_answers
+from sparse_rl_jax.training.collect import Collected, RolloutPolicy, collect_prompts
+from sparse_rl_jax.training.run_config import RunConfig, TrainerConfig
 
 __all__ = [
     # rollouts

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from sparse_rl_jax.core.config_io import load_config
-from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.records.run_dir import open_run_dir
+from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.training.trainer import config_hash
 from tiny_hf import make_tiny_hf
 

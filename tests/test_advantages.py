@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_rl_jax.rl.advantages import AdvantageConfig, compute_advantages, group_advantages
 from sparse_rl_jax.core.config_io import ConfigError, load_config
+from sparse_rl_jax.rl.advantages import AdvantageConfig, compute_advantages, group_advantages
 from sparse_rl_jax.training.run_config import RunConfig
 
 adv_jit = jax.jit(group_advantages, static_argnames=("group_size", "eps"))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from sparse_rl_jax.tasks.anomaly_control import control_rows, missed_increment_trace
-from sparse_rl_jax.training.collect_rounds import collect_rollouts
 from sparse_rl_jax.tasks.rewards import task_exact_reward
 from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, walk_at
+from sparse_rl_jax.training.collect_rounds import collect_rollouts
 from tiny_rl import G, PROMPTS, step_context, tiny_task_policy
 
 

@@ -11,16 +11,16 @@ import jax
 import numpy as np
 import pytest
 
-from sparse_rl_jax.training import budget_control
 from benchmarks.compile_count import count_compiles
-from sparse_rl_jax.kv.compression_config import CompressionConfig
-from sparse_rl_jax.kv.compression_sections import AdaptConfig, AlphaConfig, SparrowConfig
 from sparse_rl_jax.core.config_io import (ConfigError, apply_overrides, from_dict, load_config,
                                           to_dict)
+from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.compression_sections import AdaptConfig, AlphaConfig, SparrowConfig
 from sparse_rl_jax.records.metrics_writer import read_metrics
-from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.training import budget_control
+from sparse_rl_jax.training.run_config import RunConfig
 from tiny_hf import left_padded_batch
 from tiny_rl import tiny_task_policy
 

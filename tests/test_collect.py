@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparse_rl_jax.training.collect import collect_prompts
-from sparse_rl_jax.training.collect_rounds import collect_rollouts, group_filter
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.overlong import OverlongConfig, overlong_penalty
 from sparse_rl_jax.rollout.scoring import score
+from sparse_rl_jax.training.collect import collect_prompts
+from sparse_rl_jax.training.collect_rounds import collect_rollouts, group_filter
 from tiny_rl import G, MAX_NEW, PROMPTS, step_context, tiny_task_policy
 
 

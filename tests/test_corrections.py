@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
+from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.loss_config import CORRECTION_LEVELS, CorrectionConfig
 
 # reference comparisons run eagerly (one XLA compilation per config would dominate the suite);

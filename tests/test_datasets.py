@@ -12,15 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from sparse_rl_jax.tasks.datasets import (
-    DatasetConfig,
-    EpochShuffle,
-    Example,
-    RecordError,
-    extract_answer,
-    gather,
-    load_jsonl,
-)
+from sparse_rl_jax.tasks.datasets import (DatasetConfig, EpochShuffle, Example, RecordError,
+                                          extract_answer, gather, load_jsonl)
 from sparse_rl_jax.tasks.prompts import BOXED_INSTRUCTION, render_prompt
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 

@@ -13,16 +13,16 @@ import pytest
 from flax import nnx
 
 import models
-from sparse_rl_jax.training.collect import collect_prompts
 from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
-from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout, run_continuous
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.kv.state import NEVER, EvictionRecord
+from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout, run_continuous
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import score, sequence_positions
+from sparse_rl_jax.training.collect import collect_prompts
 from tiny_hf import left_padded_batch, make_tiny_hf
 from tiny_rl import step_context, tiny_task_policy
 

@@ -13,13 +13,13 @@ import transformers
 from flax import nnx
 
 import models
+from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig
-from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.training.evaluation import eval_metrics, evaluate
 from sparse_rl_jax.training.policy import load_policy
 from sparse_rl_jax.training.run_config import RunConfig
-from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from tiny_hf import load_hf, make_tiny_hf
 
 NEW_TOKENS = 6

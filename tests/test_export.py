@@ -12,11 +12,11 @@ from flax import nnx
 
 import models
 from sparse_rl_jax.kv.compression_config import CompressionConfig
-from sparse_rl_jax.training.run_config import WarmStartConfig
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.tasks.task import TaskConfig, problem_at
 from sparse_rl_jax.training.policy import export_policy
+from sparse_rl_jax.training.run_config import WarmStartConfig
 from sparse_rl_jax.training.warm_start import build_default_model
 
 NEW_TOKENS = 12

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from fault_helpers import ROOT, run, run_args
+from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.records.checkpoint_errors import FAILURE_ECHOES, OrbaxErrorLog, save_error
-from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.records.metrics_writer import read_metrics
 from sparse_rl_jax.training.run_config import RunConfig
 

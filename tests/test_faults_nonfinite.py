@@ -14,9 +14,9 @@ import pytest
 
 import models
 from fault_helpers import run_args
+from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.records.checkpoint import Checkpointer
 from sparse_rl_jax.records.checkpoint_errors import OrbaxErrorLog
-from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.records.metrics_writer import read_metrics
 from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.training.trainer import NonFiniteError, NonFiniteGuard, train

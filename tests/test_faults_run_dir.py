@@ -16,8 +16,8 @@ import pytest
 
 from fault_helpers import existing_run, refused, run, run_args, snapshot
 from sparse_rl_jax.core.config_io import load_config
-from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.records.run_dir import LOCK, RunDirError, check_resumable, open_run_dir
+from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.training.trainer import config_hash
 
 pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture

@@ -19,24 +19,24 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import models
+from benchmarks.compile_count import count_compiles
 from models.lora import LoRA, LoRADropoutKey
+from sparse_rl_jax.core.config_io import ConfigError, load_config
 from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.records.checkpoint_state import base_fingerprint
-from benchmarks.compile_count import count_compiles
-from sparse_rl_jax.core.config_io import ConfigError, load_config
+from sparse_rl_jax.records.metrics_writer import read_metrics
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch
 from sparse_rl_jax.rl.kl_reference import kl_reference
 from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
-from sparse_rl_jax.records.metrics_writer import read_metrics
 from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
-from sparse_rl_jax.training.policy import LORA_ADAPTER_DIR, export_policy, load_policy
-from sparse_rl_jax.tasks.rewards import available_reward_fns, register_reward_fn
-from sparse_rl_jax.training.run_config import RunConfig, WarmStartConfig
-from sparse_rl_jax.rollout.scoring import score
-from sparse_rl_jax.tasks.task import TaskConfig
 from sparse_rl_jax.rl.update_step import (Minibatch, dropout_key, init_optimizer, jit_update_step,
-                                      minibatch_loss)
+                                          minibatch_loss)
+from sparse_rl_jax.rollout.scoring import score
+from sparse_rl_jax.tasks.rewards import available_reward_fns, register_reward_fn
+from sparse_rl_jax.tasks.task import TaskConfig
+from sparse_rl_jax.training.policy import LORA_ADAPTER_DIR, export_policy, load_policy
+from sparse_rl_jax.training.run_config import RunConfig, WarmStartConfig
 from sparse_rl_jax.training.trainer import train
 from sparse_rl_jax.training.warm_start import build_default_model
 from tiny_hf import hf_logits, left_padded_batch, load_hf, make_tiny_hf

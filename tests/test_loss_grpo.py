@@ -11,16 +11,11 @@ from hypothesis import strategies as st
 
 from loss_reference import np_grad, np_loss, random_batch
 from sparse_rl_jax.rl.advantages import group_advantages
+from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
-from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
-from sparse_rl_jax.rl.loss_config import (
-    AGGREGATIONS,
-    CORRECTION_LEVELS,
-    SEQ_DENOMINATORS,
-    CorrectionConfig,
-    GRPOLossConfig,
-)
+from sparse_rl_jax.rl.loss_config import (AGGREGATIONS, CORRECTION_LEVELS, SEQ_DENOMINATORS,
+                                          CorrectionConfig, GRPOLossConfig)
 from sparse_rl_jax.rl.loss_terms import KL_ESTIMATORS, POLICY_LOSSES
 
 loss_and_grad = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnames="cfg")

@@ -12,13 +12,13 @@ import pytest
 from flax import nnx
 
 import models
-from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
+from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.kv.state import init_state
 from sparse_rl_jax.rollout.engine_state import slot_state
-from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.rollout.scoring import score
+from sparse_rl_jax.training import memory_plan
 
 CONFIGS = [
     models.ModelConfig("qwen2", 96, 32, 48, 2, num_heads=4, num_kv_heads=2, head_dim=8,

@@ -17,14 +17,14 @@ import pytest
 from flax import nnx
 
 import models
-from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.core.config_io import ConfigError, load_config
-from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.kv.state import EvictionRecord, NEVER
+from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, combine_metrics, grpo_loss, loss_norm
 from sparse_rl_jax.rl.loss_config import AGGREGATIONS, CorrectionConfig, GRPOLossConfig
-from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.rl.update_step import Minibatch, update_step
+from sparse_rl_jax.training import memory_plan
+from sparse_rl_jax.training.run_config import RunConfig
 from tiny_hf import left_padded_batch, tiny_policy
 
 SGD = optax.sgd(1.0)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from matplotlib import colors
 from matplotlib.image import imread
 
-from sparse_rl_jax.records.plots import DEFAULT_PLOT_KEYS, moving_average, plot_comparison, plot_metrics
+from sparse_rl_jax.records.plots import (DEFAULT_PLOT_KEYS, moving_average, plot_comparison,
+                                         plot_metrics)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -22,8 +22,8 @@ from sparse_rl_jax.core.config_checks import FieldError
 from sparse_rl_jax.kv.compression_config import CompressionConfig, methods
 from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.kv.scores import EVICTION_SCORES, slot_scores
-from sparse_rl_jax.rl.advantages import ESTIMATORS, AdvantageConfig, compute_advantages, \
-    register_estimator
+from sparse_rl_jax.rl.advantages import (ESTIMATORS, AdvantageConfig, compute_advantages,
+                                         register_estimator)
 from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS, CorrectionKind
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss

@@ -13,8 +13,8 @@ from flax import nnx
 import models
 from models.decoder import REMAT_POLICIES
 from sparse_rl_jax.core.config_io import load_config
-from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.rollout.scoring import response_logprobs
+from sparse_rl_jax.training.run_config import RunConfig
 from tiny_hf import left_padded_batch, make_tiny_hf
 
 

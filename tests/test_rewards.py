@@ -17,19 +17,10 @@ from math_verify.errors import TimeoutException
 
 from sparse_rl_jax.tasks import rewards
 from sparse_rl_jax.tasks.datasets import DatasetConfig, load_jsonl
-from sparse_rl_jax.tasks.rewards import (
-    MathVerifyReward,
-    available_reward_fns,
-    compute_rewards,
-    final_number_reward,
-    get_reward_fn,
-    last_boxed,
-    last_number,
-    math_verify_score,
-    register_reward_fn,
-    task_exact_reward,
-    unregister_reward_fn,
-)
+from sparse_rl_jax.tasks.rewards import (MathVerifyReward, available_reward_fns, compute_rewards,
+                                         final_number_reward, get_reward_fn, last_boxed, last_number,
+                                         math_verify_score, register_reward_fn, task_exact_reward,
+                                         unregister_reward_fn)
 from sparse_rl_jax.tasks.task import TaskConfig, problem_at
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -16,9 +16,9 @@ from flax import nnx
 import models
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.rl.grpo_loss import grpo_loss, loss_norm
-from sparse_rl_jax.training.rl_step import batch_sharding, collect, update
-from sparse_rl_jax.rollout.scoring import response_logprobs, score
 from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
+from sparse_rl_jax.rollout.scoring import response_logprobs, score
+from sparse_rl_jax.training.rl_step import batch_sharding, collect, update
 from tiny_rl import G, MAX_NEW, PROMPTS, hash_reward, step_context, tiny_task_policy
 
 N = PROMPTS * G

@@ -13,10 +13,10 @@ import torch
 from flax import nnx
 
 import models
+from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig
-from benchmarks.compile_count import count_compiles
 from sparse_rl_jax.rollout.sampler import bucket_prompts, generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import score

@@ -19,21 +19,21 @@ from flax import nnx
 
 import models
 
+from sparse_rl_jax.core.config_io import ConfigError, load_config
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
-from sparse_rl_jax.core.config_io import ConfigError, load_config
-from sparse_rl_jax.rl.corrections import compute_corrections
-from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.kv.state import NEVER, EvictionRecord
+from sparse_rl_jax.rl.corrections import compute_corrections
+from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
-from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.rl.update_step import Minibatch, update_step
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import (concatenate_records, score, sequence_positions,
                                            shadow_logprobs)
-from sparse_rl_jax.rl.update_step import Minibatch, update_step
 from sparse_rl_jax.training.policy import resolve_sampling
+from sparse_rl_jax.training.run_config import RunConfig
 from tiny_hf import left_padded_batch, tiny_policy
 
 CHUNK = 7  # does not divide the response length: padded chunks are exercised

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from models.shapes import check_shape
-from sparse_rl_jax.rl.grpo_loss import LossBatch
 from sparse_rl_jax.kv.state import EvictionRecord, visibility_from_record
-from sparse_rl_jax.training.rl_step import check_minibatch
-from sparse_rl_jax.rollout.sampler import bucket_prompts
+from sparse_rl_jax.rl.grpo_loss import LossBatch
 from sparse_rl_jax.rl.update_step import Minibatch
+from sparse_rl_jax.rollout.sampler import bucket_prompts
+from sparse_rl_jax.training.rl_step import check_minibatch
 
 
 def test_message_names_the_tensor_its_axes_and_both_shapes():

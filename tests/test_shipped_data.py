@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.tasks.datasets import DatasetConfig, load_jsonl
-from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
+from sparse_rl_jax.training.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (

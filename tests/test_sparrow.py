@@ -13,19 +13,19 @@ import pytest
 from flax import nnx
 
 import models
+from benchmarks.compile_count import count_compiles
 from models.attention import reference_attention
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
-from sparse_rl_jax.rollout.acceptance import score_acceptance
-from benchmarks.compile_count import count_compiles
+from sparse_rl_jax.core.config_io import ConfigError, from_dict
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import SPARROW_PRESETS, SparrowConfig
-from sparse_rl_jax.training import memory_plan
-from sparse_rl_jax.core.config_io import ConfigError, from_dict
-from sparse_rl_jax.kv.state import init_state
 from sparse_rl_jax.kv.page_sparsity import PageRecord, schedule_budget
+from sparse_rl_jax.kv.state import init_state
+from sparse_rl_jax.rollout.acceptance import score_acceptance
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import score
+from sparse_rl_jax.training import memory_plan
 from tiny_hf import left_padded_batch, make_tiny_hf
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from models.config import ModelConfig
 from sparse_rl_jax.kv.sparrow_cost import (DEVICES, Device, decode_step_cost, linear_params,
-                                        rollout_seconds)
+                                           rollout_seconds)
 
 CFG = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
                   num_layers=3, num_heads=2, num_kv_heads=1, head_dim=4)

@@ -15,20 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from sparse_rl_jax.tasks.task import (
-    ALPHABET,
-    LABELS,
-    TaskConfig,
-    TaskDataset,
-    answer_of,
-    exact_match,
-    max_items_for_context,
-    problem_at,
-    prompt_length,
-    render_problem,
-    sample_problem,
-    solution_length,
-)
+from sparse_rl_jax.tasks.task import (ALPHABET, LABELS, TaskConfig, TaskDataset, answer_of,
+                                      exact_match, max_items_for_context, problem_at, prompt_length,
+                                      render_problem, sample_problem, solution_length)
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 
 CONFIGS = [

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.tasks.prompt_source import PromptSource, eval_examples
 from sparse_rl_jax.tasks.rewards import task_exact_reward
-from sparse_rl_jax.training.run_config import DataSection, RunConfig
 from sparse_rl_jax.tasks.task import ALPHABET
 from sparse_rl_jax.tasks.walk_task import (WalkDataset, WalkTaskConfig, render_walk, sample_walk,
-                                     walk_at)
+                                           walk_at)
+from sparse_rl_jax.training.run_config import DataSection, RunConfig
 
 CONFIGS = [
     WalkTaskConfig(c_min=1, c_max=2, distractors_min=0, distractors_max=0, seed=0),

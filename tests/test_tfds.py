@@ -13,13 +13,8 @@ import tensorflow_datasets as tfds
 
 from sparse_rl_jax.tasks.datasets import DatasetConfig, load_jsonl
 from sparse_rl_jax.tasks.task import TaskConfig, TaskDataset
-from sparse_rl_jax.tasks.tfds_builder import (
-    build_jsonl_tfds,
-    build_task_tfds,
-    dataset_dir,
-    load_examples,
-    prepare_examples,
-)
+from sparse_rl_jax.tasks.tfds_builder import (build_jsonl_tfds, build_task_tfds, dataset_dir,
+                                              load_examples, prepare_examples)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).parents[1]

@@ -26,8 +26,8 @@ from safetensors.numpy import load_file
 from sparse_rl_jax.core.config_io import ConfigError, load_config
 from sparse_rl_jax.records.metrics_writer import read_metrics
 from sparse_rl_jax.tasks.rewards import available_reward_fns, register_reward_fn
-from sparse_rl_jax.training.run_config import RunConfig, WarmStartConfig
 from sparse_rl_jax.tasks.task import TaskConfig
+from sparse_rl_jax.training.run_config import RunConfig, WarmStartConfig
 from sparse_rl_jax.training.warm_start import build_default_model
 
 ROOT = Path(__file__).resolve().parents[1]

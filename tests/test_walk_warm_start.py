@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from sparse_rl_jax.core.config_io import load_config
+from sparse_rl_jax.tasks.rewards import get_reward_fn
 from sparse_rl_jax.training.evaluation import eval_set, evaluate
 from sparse_rl_jax.training.policy import load_policy, resolve_sampling
-from sparse_rl_jax.tasks.rewards import get_reward_fn
 from sparse_rl_jax.training.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]

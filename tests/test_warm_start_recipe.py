@@ -16,11 +16,11 @@ from flax import nnx
 import models
 from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.records.metrics_writer import read_metrics
-from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.tasks.task import LABELS, TaskConfig, num_items
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
-from sparse_rl_jax.training.trainer import train
 from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, synthetic_dataset
+from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.training.trainer import train
 from sparse_rl_jax.training.warm_start import MARKER, build_default_model, warm_start_problems
 from sparse_rl_jax.training.warm_start_check import HeldOutCheck
 from sparse_rl_jax.training.warm_start_config import WarmStartConfig

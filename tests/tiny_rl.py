@@ -12,8 +12,8 @@ from flax import nnx
 
 import models
 from sparse_rl_jax.core.config_io import load_config
-from sparse_rl_jax.training.policy import resolve_sampling
 from sparse_rl_jax.tasks.prompt_source import PromptSource
+from sparse_rl_jax.training.policy import resolve_sampling
 from sparse_rl_jax.training.rl_step import StepContext
 from sparse_rl_jax.training.run_config import RunConfig
 from tiny_hf import make_tiny_hf

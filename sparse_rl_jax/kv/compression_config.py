@@ -33,8 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Literal
 
-from sparse_rl_jax.core.config_checks import (check, check_choice, check_int, reject,
-                                              reject_moved)
+from sparse_rl_jax.core.config_checks import check, check_choice, check_int, reject, reject_moved
 from sparse_rl_jax.kv.compression_sections import (AdaptConfig, AlphaConfig, EvictionConfig,
                                                    SparrowConfig)
 from sparse_rl_jax.kv.scores import EVICTION_SCORES

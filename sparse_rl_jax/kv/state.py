@@ -21,9 +21,9 @@ from flax import struct
 from jax import lax
 
 from models.cache import KVCache, init_cache
+from models.kv_view import ExpiryRecord
 from models.page_sparse import PageSparseCache, page_sparse_cache
 from models.paged_cache import PagedKVCache, init_paged_cache
-from models.kv_view import ExpiryRecord
 from models.shapes import check_shape
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.scores import slot_scores

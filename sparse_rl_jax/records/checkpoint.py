@@ -31,9 +31,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from sparse_rl_jax.records.checkpoint_errors import (FAILURE_ECHOES, CheckpointError, OrbaxErrorLog,
-                                             save_error)
+                                                     save_error)
 from sparse_rl_jax.records.checkpoint_layout import (check_layout, flat_shapes, from_raw,
-                                             nonfinite_leaves, prng_impls, raw_target, to_raw)
+                                                     nonfinite_leaves, prng_impls, raw_target,
+                                                     to_raw)
 
 __all__ = ["CheckpointError", "Checkpointer"]
 

@@ -14,15 +14,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.shapes import check_shape
+from sparse_rl_jax.core.masked_math import (as_mask, masked_max, masked_mean, masked_min,
+                                            safe_log_ratio)
 from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
-from sparse_rl_jax.core.masked_math import (
-    as_mask,
-    masked_max,
-    masked_mean,
-    masked_min,
-    safe_log_ratio,
-)
 
 NORMALIZE_MIN_MEAN = 1e-8
 LOW_RATIO = 1e-4

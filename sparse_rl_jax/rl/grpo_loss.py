@@ -41,18 +41,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.shapes import check_shape
+from sparse_rl_jax.core.masked_math import (as_mask, masked_count, masked_max, masked_mean,
+                                            masked_sum, safe_log_ratio, unclamped_log_ratio)
 from sparse_rl_jax.rl.corrections import Corrections
 from sparse_rl_jax.rl.loss_config import GRPOLossConfig
 from sparse_rl_jax.rl.loss_terms import KL_ESTIMATORS, POLICY_LOSSES, k3
-from sparse_rl_jax.core.masked_math import (
-    as_mask,
-    masked_count,
-    masked_max,
-    masked_mean,
-    masked_sum,
-    safe_log_ratio,
-    unclamped_log_ratio,
-)
 
 
 @struct.dataclass

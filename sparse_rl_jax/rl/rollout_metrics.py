@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.shapes import check_shape
-from sparse_rl_jax.rollout.acceptance import acceptance_percentile_per_bin
 from sparse_rl_jax.core.masked_math import as_mask, masked_count
+from sparse_rl_jax.rollout.acceptance import acceptance_percentile_per_bin
 
 
 def repetition_flags(

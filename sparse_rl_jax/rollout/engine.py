@@ -39,16 +39,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_rl_jax.rollout import engine_state
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.page_sparsity import schedule_budget
+from sparse_rl_jax.rollout import engine_state
 from sparse_rl_jax.rollout.result import Rollout, finish_rollout
 from sparse_rl_jax.rollout.sampler import (_is_eos, bucket_prompts, checked_budget_ks, generate,
-                                   prefill_rows)
+                                           prefill_rows)
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.slot_schedule import (SlotSchedule, insert_calls, insert_prompts,
-                                                resolve_pool)
+                                                 resolve_pool)
 from sparse_rl_jax.rollout.token_sampling import row_keys, sample_rows
 
 
@@ -366,12 +366,16 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
                 groups, targets, **static))
         if schedule.done:
             break
-        # stop the chunk early once an insert's worth of slots is free for queued rows
-        queued = len(schedule.queue)
-        refill_at = np.int32(min(j * g, queued) if queued else s + 1)
+        # stop the chunk early once an insert's worth more slots is free for queued rows
+        # (counted from the slots free now: rows waiting for pool pages leave some free)
+        queued, free = len(schedule.queue), s - len(schedule.order)
+        refill_at = np.int32(free + min(j * g, queued) if queued else s + 1)
         slots, out, steps = timed("decode", lambda: decode_chunk(
             graphdef, params, slots, out, key, refill_at, ks, **static))
         live, step = np.array(slots.live), np.asarray(slots.step)
+        if not int(steps) and not admitted:  # a schedule bug, not an input: never spin
+            raise RuntimeError(f"continuous engine: no progress with {queued} rows queued and "
+                               f"{len(schedule.order)} live (pool {sampling.pool_pages} pages)")
         decode_steps += int(steps)
     rollout = finish_rollout(
         prompt, prompt_mask, sampling.num_samples, compression, response=out.response,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from sparse_rl_jax.core.config_checks import (check, check_bool, check_choice, check_int,
-                                         check_number, is_int)
+                                              check_number, is_int)
 
 ENGINES: tuple[str, ...] = ("static", "continuous")
 

@@ -38,7 +38,8 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 
 from sparse_rl_jax.core.config_checks import check, check_choice, check_int, check_text
-from sparse_rl_jax.tasks.prompts import BOXED_INSTRUCTION, TEMPLATES, check_chat_tokenizer, render_prompt
+from sparse_rl_jax.tasks.prompts import (BOXED_INSTRUCTION, TEMPLATES, check_chat_tokenizer,
+                                         render_prompt)
 from sparse_rl_jax.tasks.rewards import Answer, last_boxed
 
 log = logging.getLogger(__name__)

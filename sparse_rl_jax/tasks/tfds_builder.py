@@ -27,7 +27,8 @@ from typing import Any, overload
 
 import tensorflow_datasets as tfds
 
-from sparse_rl_jax.tasks.datasets import DATASET_NAME_RE, DatasetConfig, Example, TfdsConfig, load_jsonl
+from sparse_rl_jax.tasks.datasets import (DATASET_NAME_RE, DatasetConfig, Example, TfdsConfig,
+                                          load_jsonl)
 from sparse_rl_jax.tasks.task import Problem, TaskConfig, TaskDataset
 
 BUILDER_NAME = "sparse_rl_examples"

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.shapes import check_shape
-from sparse_rl_jax.rollout.acceptance import percentile_per_bin_id, response_positions
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.page_sparsity import schedule_bin
+from sparse_rl_jax.rollout.acceptance import percentile_per_bin_id, response_positions
 
 P5_METRIC = "alpha_p5_kbin{}"  # p5 of alpha per schedule bin (the loop's input)
 K_METRIC = "sparrow_k_bin{}"  # k per schedule bin the step's rollouts used

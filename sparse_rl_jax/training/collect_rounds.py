@@ -23,15 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_rl_jax.tasks.anomaly_control import control_rows, inject_missed_increment
-from sparse_rl_jax.training.budget_control import bin_p5, p5_metrics
-from sparse_rl_jax.training.collect import Collected, collect_prompts
 from sparse_rl_jax.rl.overlong import overlong_penalty
-from sparse_rl_jax.tasks.rewards import repeat_answers
-from sparse_rl_jax.rl.rollout_metrics import (acceptance_metrics, kv_token_savings,
-                                           rollout_metrics)
+from sparse_rl_jax.rl.rollout_metrics import acceptance_metrics, kv_token_savings, rollout_metrics
 from sparse_rl_jax.rollout.sampler import Rollout
 from sparse_rl_jax.rollout.scoring import ReplayRecord, concatenate_records
+from sparse_rl_jax.tasks.anomaly_control import control_rows, inject_missed_increment
+from sparse_rl_jax.tasks.rewards import repeat_answers
+from sparse_rl_jax.training.budget_control import bin_p5, p5_metrics
+from sparse_rl_jax.training.collect import Collected, collect_prompts
 
 _rollout_metrics = jax.jit(rollout_metrics)
 

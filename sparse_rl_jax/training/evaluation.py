@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts
 from sparse_rl_jax.kv.compression_config import CompressionConfig
-from sparse_rl_jax.training.policy import load_policy, resolve_sampling
-from sparse_rl_jax.tasks.prompt_source import eval_examples
 from sparse_rl_jax.rl.rollout_metrics import kv_token_savings
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.tasks.prompt_source import eval_examples
+from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts
+from sparse_rl_jax.training.policy import load_policy, resolve_sampling
 
 
 @dataclasses.dataclass(frozen=True)

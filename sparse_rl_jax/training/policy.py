@@ -16,10 +16,10 @@ import jax
 from flax import nnx
 
 import models
+from sparse_rl_jax.core.config_io import ConfigError
 from sparse_rl_jax.records.checkpoint import Checkpointer
 from sparse_rl_jax.records.checkpoint_state import (base_record, check_base, restore_target,
-                                            restored_params)
-from sparse_rl_jax.core.config_io import ConfigError
+                                                    restored_params)
 from sparse_rl_jax.rl.optim import make_optimizer
 from sparse_rl_jax.training.preflight import load_checked_policy
 from sparse_rl_jax.training.run_config import RunConfig

@@ -23,16 +23,16 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.shapes import check_shape
-from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.rl.advantages import compute_advantages
-from sparse_rl_jax.training.collect import RolloutPolicy, jitted_corrections, score_all, timed
-from sparse_rl_jax.training.collect_rounds import collect_rollouts
 from sparse_rl_jax.rl.grpo_loss import LossBatch, check_loss_batch
-from sparse_rl_jax.tasks.prompt_source import PromptSource
-from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.rl.update_step import Minibatch, dropout_key
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import sequence_positions
-from sparse_rl_jax.rl.update_step import Minibatch, dropout_key
+from sparse_rl_jax.tasks.prompt_source import PromptSource
+from sparse_rl_jax.training import memory_plan
+from sparse_rl_jax.training.collect import RolloutPolicy, jitted_corrections, score_all, timed
+from sparse_rl_jax.training.collect_rounds import collect_rollouts
+from sparse_rl_jax.training.run_config import RunConfig
 
 BATCH_AXES = ("data", "fsdp")
 

@@ -12,18 +12,18 @@ from typing import Literal
 
 from models.decoder import REMAT_POLICIES
 from models.partitioning import mesh_size_error
-from sparse_rl_jax.rl.advantages import AdvantageConfig
+from sparse_rl_jax.core.config_checks import (check, check_bool, check_choice, check_int,
+                                              check_number, check_text, reject)
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig
-from sparse_rl_jax.core.config_checks import (check, check_bool, check_choice, check_int, check_number,
-                                         check_text, reject)
-from sparse_rl_jax.tasks.datasets import DatasetConfig, TfdsConfig
+from sparse_rl_jax.records.metrics_writer import LoggingConfig
+from sparse_rl_jax.rl.advantages import AdvantageConfig
 from sparse_rl_jax.rl.lora_config import LoraConfig
 from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
-from sparse_rl_jax.records.metrics_writer import LoggingConfig
 from sparse_rl_jax.rl.optim import OptimConfig
 from sparse_rl_jax.rl.overlong import OverlongConfig
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
+from sparse_rl_jax.tasks.datasets import DatasetConfig, TfdsConfig
 from sparse_rl_jax.tasks.task import TaskConfig
 from sparse_rl_jax.tasks.walk_task import WalkTaskConfig
 from sparse_rl_jax.training.warm_start_config import WarmStartConfig

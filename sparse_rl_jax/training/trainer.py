@@ -25,27 +25,28 @@ import jax
 from flax import nnx
 
 import models
-from sparse_rl_jax.training.budget_control import BudgetLoop
-from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
-from sparse_rl_jax.records.checkpoint_state import (BASE_KEY, base_record, check_base, restore_target,
-                                            restored_params, train_state)
 from sparse_rl_jax.core.config_io import save_config, to_dict
 from sparse_rl_jax.kv.compression_config import CompressionConfig
-from sparse_rl_jax.training.evaluation import eval_metrics
-from sparse_rl_jax.rl.kl_reference import kl_reference
+from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
+from sparse_rl_jax.records.checkpoint_state import (BASE_KEY, base_record, check_base,
+                                                    restore_target, restored_params, train_state)
 from sparse_rl_jax.records.metrics_writer import MetricsWriter, WandbRun, read_metrics
-from sparse_rl_jax.rl.optim import make_optimizer
 from sparse_rl_jax.records.plots import plot_metrics
-from sparse_rl_jax.training.policy import export_policy, make_run_mesh, policy_path, resolve_sampling
-from sparse_rl_jax.training.preflight import (check_sampling_ids, checked_eval_set,
-                                     checked_prompt_source, default_task_tokenizer,
-                                     load_checked_policy)
 from sparse_rl_jax.records.progress import TrainProgress
+from sparse_rl_jax.records.run_dir import check_resumable, open_run_dir
+from sparse_rl_jax.rl.kl_reference import kl_reference
+from sparse_rl_jax.rl.optim import make_optimizer
+from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
 from sparse_rl_jax.tasks.rewards import get_reward_fn
+from sparse_rl_jax.training.budget_control import BudgetLoop
+from sparse_rl_jax.training.evaluation import eval_metrics
+from sparse_rl_jax.training.policy import (export_policy, make_run_mesh, policy_path,
+                                           resolve_sampling)
+from sparse_rl_jax.training.preflight import (check_sampling_ids, checked_eval_set,
+                                              checked_prompt_source, default_task_tokenizer,
+                                              load_checked_policy)
 from sparse_rl_jax.training.rl_step import StepContext, batch_sharding, rl_step
 from sparse_rl_jax.training.run_config import RunConfig
-from sparse_rl_jax.records.run_dir import check_resumable, open_run_dir
-from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
 from sparse_rl_jax.training.warm_start import tiny_model_config
 
 

@@ -24,10 +24,10 @@ import numpy as np
 from flax import nnx
 
 import models
-from sparse_rl_jax.training.supervised import sft_loss, sft_optimizer, supervised_batch
 from sparse_rl_jax.tasks.task import Problem, TaskConfig
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, synthetic_dataset
+from sparse_rl_jax.training.supervised import sft_loss, sft_optimizer, supervised_batch
 from sparse_rl_jax.training.warm_start_check import HeldOutCheck, HeldOutScore
 from sparse_rl_jax.training.warm_start_config import WarmStartConfig
 

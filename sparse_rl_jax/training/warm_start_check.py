@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 
 import models
-from sparse_rl_jax.training.supervised import supervised_batch
 from sparse_rl_jax.tasks.task import TaskConfig
 from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, synthetic_dataset
+from sparse_rl_jax.training.supervised import supervised_batch
 
 
 @dataclasses.dataclass(frozen=True)

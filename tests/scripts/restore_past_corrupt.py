@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 import jax.numpy as jnp  # noqa: E402
 
-from sparse_rl_jax.records.checkpoint import Checkpointer  # noqa: E402
 from sparse_rl_jax.cli import _drop_closed_loop_noise  # noqa: E402
+from sparse_rl_jax.records.checkpoint import Checkpointer  # noqa: E402
 
 sys.unraisablehook = _drop_closed_loop_noise  # as the cli's main does without --debug
 

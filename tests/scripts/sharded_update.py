@@ -26,8 +26,8 @@ import models  # noqa: E402
 from sparse_rl_jax.rl.corrections import compute_corrections  # noqa: E402
 from sparse_rl_jax.rl.grpo_loss import LossBatch  # noqa: E402
 from sparse_rl_jax.rl.loss_config import CorrectionConfig  # noqa: E402
-from sparse_rl_jax.training.rl_step import batch_sharding  # noqa: E402
 from sparse_rl_jax.rl.update_step import Minibatch  # noqa: E402
+from sparse_rl_jax.training.rl_step import batch_sharding  # noqa: E402
 from update_problem import sharded_update, update_problem  # noqa: E402  (this script's folder)
 
 config, arrays = update_problem()
