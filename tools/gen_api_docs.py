@@ -10,7 +10,6 @@ regenerated fails the tests.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import re
 import sys
@@ -22,6 +21,8 @@ COMMAND = "python tools/gen_api_docs.py"
 WIDTH = 96  # longer signatures get one parameter a line
 
 sys.path.insert(0, str(ROOT))  # document this checkout's package, not an installed one
+
+from tools import generated_page  # noqa: E402
 
 import sparse_rl_jax  # noqa: E402
 
@@ -74,19 +75,8 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Writes docs/api.md, or with ``--check`` returns 1 (and says so) when it is stale."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when docs/api.md differs from the docstrings")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUTPUT.is_file() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: run `{COMMAND}`", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.write_text(text)
-    return 0
+    return generated_page.main(argv, description=__doc__, render=render, output=OUTPUT,
+                               command=COMMAND, source="the docstrings")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ the tests.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import enum
 import inspect
@@ -32,6 +31,8 @@ OUTPUT = ROOT / "docs" / "config_reference.md"
 COMMAND = "python tools/gen_config_docs.py"
 
 sys.path.insert(0, str(ROOT))  # document this checkout's package, not an installed one
+
+from tools import generated_page  # noqa: E402
 
 from sparse_rl_jax import RunConfig  # noqa: E402
 
@@ -240,21 +241,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Writes docs/config_reference.md, or with ``--check`` returns 1 (and says so) when stale."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when docs/config_reference.md differs "
-                             "from the config dataclasses")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUTPUT.is_file() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: run `{COMMAND}`", file=sys.stderr)
-            return 1
-        return 0
-    OUTPUT.write_text(text)
-    return 0
+    """Writes docs/config_reference.md, or with ``--check`` returns 1 (and says so) when it is stale."""
+    return generated_page.main(argv, description=__doc__, render=render, output=OUTPUT,
+                               command=COMMAND, source="the config dataclasses")
 
 
 if __name__ == "__main__":
