@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from models.attention_backends import attention, visibility_backend
@@ -47,10 +48,13 @@ class WriteIndexCache:
         ``"fused"``) or an unknown one, or, when the index is known (not under jit), no room
         for ``t`` more tokens (in the fullest row, when every row has its own index)."""
         visibility_backend(backend, type(self).__name__)
-        if not isinstance(self.index, jax.core.Tracer) and int(jnp.max(self.index)) + t > (
-                self.capacity):
-            raise ValueError(f"cache: writing {t} tokens at index {int(jnp.max(self.index))} "
-                             f"exceeds capacity {self.capacity}")
+        try:
+            top = int(np.max(self.index))
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+            return  # under jit: the index is not known yet
+        if top + t > self.capacity:
+            raise ValueError(f"cache: writing {t} tokens at index {top} exceeds capacity "
+                             f"{self.capacity}")
 
     def end_forward(self, t: int):
         """Advance the write index past the forward's ``t`` tokens."""
