@@ -14,6 +14,7 @@ scripts) through the environment:
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -30,6 +31,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # should jax be imported already
 
@@ -43,3 +45,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
     items.sort(key=lambda item: -slow[item.path])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program at the end of each test file. XLA:CPU maps each loaded
+    executable's code into memory (about nine mappings each), and a worker that keeps the
+    thousands a long run compiles reaches the kernel's limit on mappings per process
+    (``vm.max_map_count``, 65530 by default): the next compile or cache write then dies in
+    native code (a segfault in ``executable.serialize()``). Later files reload what they
+    share from the persistent cache above."""
+    yield
+    jax.clear_caches()
+    gc.collect()
