@@ -86,9 +86,7 @@ def main(argv=None) -> None:
     record = sample_lengths(args.prompts, args.samples, args.seed)
     lengths = np.asarray(record["lengths"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(args.out)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"{len(lengths)} rows: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, "
           f"max {lengths.max()} of {record['max_new_tokens']}, {np.mean(record['finished']):.0%} "
           f"ended; {record['sampling_seconds']} s sampling -> {args.out}")

@@ -155,7 +155,7 @@ def insert_calls(admitted: list[tuple[int, int]], j: int, g: int, s: int):
 
 
 def resolve_pool(sampling: SamplingConfig, compression: CompressionConfig, slots: int,
-               max_len: int) -> tuple[SamplingConfig, int]:
+                 max_len: int) -> tuple[SamplingConfig, int]:
     """``(sampling, R)``: ``sampling.pool_pages`` resolved for this call (0 where rows share
     no pool, ``engine_state.pooled``; 0 given = ``slots * R``) and ``R``, the pages of one
     max-length row. ValueError naming the field when the pool cannot hold one such row."""
@@ -168,5 +168,5 @@ def resolve_pool(sampling: SamplingConfig, compression: CompressionConfig, slots
             f"{max_len} positions (prompt width {max_len - sampling.max_new_tokens} + "
             f"max_new_tokens {sampling.max_new_tokens}) in pages of {compression.page_size}: "
             f"the smallest pool that works is {row_pages} pages")
-    return dataclasses.replace(sampling, pool_pages=sampling.pool_pages or slots * row_pages
-                               ), row_pages
+    pool_pages = sampling.pool_pages or slots * row_pages
+    return dataclasses.replace(sampling, pool_pages=pool_pages), row_pages
