@@ -14,10 +14,7 @@ with RL seed 0. ``key=value`` overrides apply to every run.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -28,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
+from experiments.provenance import environment  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402
 from sparse_rl_jax.training.evaluation import evaluate_checkpoint  # noqa: E402
@@ -36,8 +34,6 @@ from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
 from sparse_rl_jax.training.trainer import train  # noqa: E402
 from sparse_rl_jax.training.warm_start import MARKER  # noqa: E402
 
-PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers",
-            "tokenizers")
 COLUMNS = ("dense pass@1", "sparse pass@1", "dense avg@k", "sparse avg@k")
 
 
@@ -53,18 +49,6 @@ def mean_se(values) -> str:
     values = np.asarray(values, float)
     se = values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else 0.0
     return f"{values.mean():.3f} +- {se:.3f}"
-
-
-def environment() -> str:
-    """One line: Python, the packages that set the numbers, the machine."""
-    versions = []
-    for name in PACKAGES:
-        try:
-            versions.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return (f"Python {platform.python_version()}, {', '.join(versions)}; "
-            f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores")
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,9 @@ every seed. ``--controls q ...`` (walk task) adds the positive control per rate 
                             after a bad eviction (``data.control_missed_increment``)
   sparse-rl control <q>     the same rollouts with Sparse-RL's correction
 Each final policy is evaluated under dense inference and under every sparse setting. Writes
-``<out>/results.md`` (tables), ``<out>/results.json`` and comparison plots
+``<out>/results.md`` (tables), ``<out>/results.json`` (every run's summary, eval and per-step
+curves, with the commit, date, machine and command: ``experiments/results_page.py`` makes
+docs/results.md's tables from it) and comparison plots
 ``<out>/plots/seed<k>/budget<b>/compare_*.png`` (``.../control/`` for the control arms; and
 ``plots/seed_mean/``: seeds averaged).
 
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
+from experiments.provenance import provenance  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402
 from sparse_rl_jax.records.plots import plot_comparison  # noqa: E402
@@ -127,6 +130,14 @@ def summarize(records: list[dict], tail: int) -> dict:
     }
 
 
+def step_curves(records: list[dict]) -> dict[str, list[float | None]]:
+    """Per-step values of every compared metric a run logged (None where a step lacks it),
+    kept in results.json so tables of curves are generated from it, not from run dirs."""
+    keys = [key for key in COMPARE_KEYS if any(key in r for r in records)]
+    return {key: [None if r.get(key) is None else round(float(r[key]), 6) for r in records]
+            for key in keys}
+
+
 def mean_records(runs: list[list[dict]]) -> list[dict]:
     """Step-by-step means of several runs' metrics (the steps the runs share)."""
     return [{"step": steps[0]["step"],
@@ -181,6 +192,7 @@ def main(argv=None) -> int:
         args.seeds, args.budgets = args.seeds[:1], args.budgets[:1]
     base += args.overrides
     started = time.monotonic()
+    origin = provenance(None if argv is None else [__file__, *argv])
     shared = load_config(RunConfig, args.config, [f"run_dir={out / 'shared'}"] + base)
     policy = policy_path(shared)  # one warm start, shared by every arm
     # Every policy is evaluated dense and under every sparse setting that an arm trains with.
@@ -213,11 +225,14 @@ def main(argv=None) -> int:
             results.append({"arm": label, "seed": seed,
                             "own_eval": mode_name(cfg.compression),
                             **summarize(records, max(1, len(records) // 4)),
-                            "eval": [dataclasses.asdict(r) for r in rows]})
+                            "eval": [dataclasses.asdict(r) for r in rows],
+                            "steps": step_curves(records)})
         plot_by_budget(runs, args.budgets, out / "plots" / f"seed{seed}")
     plot_by_budget([(label, mean_records(r)) for label, r in curves.items()], args.budgets,
                    out / "plots" / "seed_mean")
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps(
+        {"provenance": {**origin, "wall_s": round(time.monotonic() - started)},
+         "runs": results}, indent=1))
     text = "\n\n".join([training_table(results), inference_table(results),
                          reward_curve_table(curves), training_table(results, per_seed=True)])
     (out / "results.md").write_text(

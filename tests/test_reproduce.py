@@ -28,7 +28,12 @@ def test_reproduce_quick_writes_table_plots_and_evals(tmp_path):
     reproduce = _load_script("reproduce")  # its main() in this process: no second interpreter
     assert reproduce.main(["--quick", "--methods", "rkv", "--budgets", "14", "12", "--seeds",
                            "0", "1", "--out", str(out), *tiny]) == 0
-    rows = json.loads((out / "results.json").read_text())
+    written = json.loads((out / "results.json").read_text())
+    rows = written["runs"]
+    # where the numbers came from, and each run's per-step curve (what the pages are made of)
+    assert set(written["provenance"]) >= {"commit", "date", "machine", "command", "wall_s"}
+    assert written["provenance"]["command"].startswith("python experiments/reproduce.py --quick")
+    assert all(len(r["steps"]["reward_mean"]) == 2 for r in rows)
     # --quick keeps the first seed and budget only.
     assert [(r["arm"], r["seed"]) for r in rows] == [
         ("dense", 0), ("naive rkv 14", 0), ("sparse-rl rkv 14", 0), ("shadow-mask rkv 14", 0)]
