@@ -18,6 +18,7 @@ from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.kv.state import NEVER, EvictionRecord
+from sparse_rl_jax.rollout import engine as engine_module
 from sparse_rl_jax.rollout.engine import generate_continuous, generate_rollout, run_continuous
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
@@ -152,6 +153,40 @@ def test_paged_rows_through_a_small_page_pool_equal_static_generate(tiny, mode, 
     assert float(err) <= 1e-4
 
 
+@pytest.mark.parametrize("method,pool_pages", [("none", 10), ("sparrow", 12)])
+def test_a_preempted_rows_reinsert_clears_its_first_runs_outputs(tiny, monkeypatch, method,
+                                                                pool_pages):
+    """The outputs right after each insert: every inserted row holds its token 0 (the
+    rollout's) and nothing after it (``pad_id``, log-prob 0, page record -1), including the
+    rows that were preempted after sampling more tokens and are re-inserted."""
+    graphdef, params, prompt, mask = tiny
+    sampling = dataclasses.replace(SAMPLING, pool_pages=pool_pages, greedy=True, pad_id=7)
+    calls, real_insert = [], engine_module.insert
+
+    def recording_insert(*args, **kwargs):
+        before = np.array(args[3].response)  # ``out`` is donated: read it before the call
+        slots, out = real_insert(*args, **kwargs)
+        groups, targets = np.asarray(args[8]), np.asarray(args[9])
+        rows = (np.maximum(groups, 0)[:, None] * SAMPLING.num_samples
+                + np.arange(SAMPLING.num_samples)).reshape(-1)[targets < len(slots.row)]
+        calls.append((before[rows], rows, np.array(out.response), np.array(out.logp),
+                      np.array(out.page_record)))
+        return slots, out
+
+    monkeypatch.setattr(engine_module, "insert", recording_insert)
+    rollout, _, _, schedule = run_continuous(graphdef, params, prompt, mask, jax.random.key(2),
+                                             sampling, METHODS[method])
+    assert schedule.preemptions > 0
+    stale = 0  # inserted rows whose first run had left tokens after token 0
+    for before, rows, response, logp, page_record in calls:
+        stale += int(np.sum(np.any(before[:, 1:] != sampling.pad_id, axis=1)))
+        np.testing.assert_array_equal(response[rows, 0], np.asarray(rollout.response)[rows, 0])
+        np.testing.assert_array_equal(response[rows, 1:], sampling.pad_id)
+        np.testing.assert_array_equal(logp[rows, 1:], 0.0)
+        np.testing.assert_array_equal(page_record[:, rows], -1)
+    assert stale > 0
+
+
 def test_a_pool_that_cannot_hold_one_row_is_an_error_naming_the_smallest(tiny):
     graphdef, params, prompt, mask = tiny
     with pytest.raises(ValueError, match=r"sampling.pool_pages=9 cannot hold one max-length "
@@ -191,9 +226,15 @@ def test_row_caps_stop_rows_early_with_the_static_prefix(tiny):
         np.testing.assert_allclose(engine.logp[row, :n], static.logp[row, :n], atol=1e-5)
     truncated = want_len < np.asarray(static.response_mask.sum(1))
     assert truncated.any() and not np.asarray(engine.finished)[truncated].any()
-    with pytest.raises(ValueError, match=r"row_caps: expected 6 ints in \[1, max_new_tokens=26\]"):
+    with pytest.raises(ValueError, match=r"row_caps: expected 6 ints in \[1, max_new_tokens=26\], "
+                                         r"got row_caps\[0\]=52, row_caps\[3\]=52, "
+                                         r"row_caps\[4\]=34$"):
         generate_continuous(graphdef, params, prompt, mask, jax.random.key(6), SAMPLING,
                             compression, row_caps=caps * 2)
+    with pytest.raises(ValueError, match=r"row_caps: .* got shape \(6,\) dtype float64: "
+                                         r"\[26\. +3\.5"):
+        generate_continuous(graphdef, params, prompt, mask, jax.random.key(6), SAMPLING,
+                            compression, row_caps=caps + np.array([0, 0.5, 0, 0, 0, 0]))
 
 
 @pytest.mark.parametrize("method,pool_pages", [("rkv", 0), ("none", 6)])

@@ -47,8 +47,8 @@ from sparse_rl_jax.rollout.result import Rollout, finish_rollout
 from sparse_rl_jax.rollout.sampler import (_is_eos, bucket_prompts, checked_budget_ks, generate,
                                            prefill_rows)
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
-from sparse_rl_jax.rollout.slot_schedule import (SlotSchedule, insert_calls, insert_prompts,
-                                                 resolve_pool)
+from sparse_rl_jax.rollout.slot_schedule import (SlotSchedule, checked_caps, insert_calls,
+                                                 insert_prompts, resolve_pool)
 from sparse_rl_jax.rollout.token_sampling import row_keys, sample_rows
 
 
@@ -166,7 +166,9 @@ def insert(graphdef, params, slots: Slots, out: Outputs, prompt, prompt_mask, ro
       max_len: ``P + max_new_tokens`` (static), as ``sampler.prefill``.
 
     Returns:
-      ``(slots, out)``. A row whose token 0 ends it (EOS or cap 1) is done at once.
+      ``(slots, out)``. A row whose token 0 ends it (EOS or cap 1) is done at once. An
+      inserted row's outputs restart: token 0 then ``pad_id`` (log-prob 0, page record -1),
+      so a preempted row's re-insert keeps nothing of its first run.
     """
     model = nnx.merge(graphdef, params)
     n, s, g = out.response.shape[0], slots.row.shape[0], sampling.num_samples
@@ -187,9 +189,13 @@ def insert(graphdef, params, slots: Slots, out: Outputs, prompt, prompt_mask, ro
         live=slots.live.at[at].set(~eos & (cap > 1), mode="drop"),
         lengths=slots.lengths.at[at].set(pre.lengths, mode="drop"),
         cap=slots.cap.at[at].set(cap, mode="drop"))
+    m = out.response.shape[1]
+    response = jnp.full((rows.shape[0], m), sampling.pad_id, jnp.int32).at[:, 0].set(pre.first)
+    logp = jnp.zeros((rows.shape[0], m), jnp.float32).at[:, 0].set(pre.first_logp)
     out = out._replace(
-        response=out.response.at[r, 0].set(pre.first, mode="drop"),
-        logp=out.logp.at[r, 0].set(pre.first_logp, mode="drop"),
+        response=out.response.at[r].set(response, mode="drop"),
+        logp=out.logp.at[r].set(logp, mode="drop"),
+        page_record=out.page_record.at[:, r].set(-1, mode="drop"),
         finished=out.finished.at[r].set(eos, mode="drop"),
         length=out.length.at[r].set(1, mode="drop"),
         kv_sum=out.kv_sum.at[r].set(pre.resident.astype(jnp.float32), mode="drop"),
@@ -337,10 +343,7 @@ def run_continuous(graphdef: nnx.GraphDef, params, prompt: np.ndarray,
     ks = checked_budget_ks(budget_ks, compression)
     prompt, prompt_mask = bucket_prompts(prompt, prompt_mask, sampling.prompt_bucket, compression)
     n, m = prompt.shape[0] * sampling.num_samples, sampling.max_new_tokens
-    caps = np.full((n,), m, np.int32) if row_caps is None else np.asarray(row_caps)
-    if caps.shape != (n,) or caps.dtype.kind not in "iu" or caps.min() < 1 or caps.max() > m:
-        raise ValueError(f"row_caps: expected {n} ints in [1, max_new_tokens={m}], got "
-                         f"shape {caps.shape} dtype {caps.dtype}")
+    caps = checked_caps(row_caps, n, m)
     s, g = sampling.slots or n, sampling.num_samples
     j, max_len = insert_prompts(sampling, s), prompt.shape[1] + m
     sampling, row_pages = resolve_pool(sampling, compression, s, max_len)

@@ -154,6 +154,25 @@ def insert_calls(admitted: list[tuple[int, int]], j: int, g: int, s: int):
         yield groups, targets
 
 
+def checked_caps(row_caps, rows: int, max_new_tokens: int) -> np.ndarray:
+    """``row_caps`` as ``[rows]`` ints in ``[1, max_new_tokens]`` (None: ``max_new_tokens``
+    for every row). ValueError naming ``row_caps`` and the bad shape, dtype or values."""
+    m = max_new_tokens
+    if row_caps is None:
+        return np.full((rows,), m, np.int32)
+    caps = np.asarray(row_caps)
+    expected = f"row_caps: expected {rows} ints in [1, max_new_tokens={m}], got"
+    if caps.shape != (rows,) or caps.dtype.kind not in "iu":
+        raise ValueError(f"{expected} shape {caps.shape} dtype {caps.dtype}: "
+                         f"{np.array2string(caps, threshold=16)}")
+    bad = np.flatnonzero((caps < 1) | (caps > m))
+    if bad.size:
+        shown = ", ".join(f"row_caps[{i}]={caps[i]}" for i in bad[:4])
+        more = f" and {bad.size - 4} more" if bad.size > 4 else ""
+        raise ValueError(f"{expected} {shown}{more}")
+    return caps
+
+
 def resolve_pool(sampling: SamplingConfig, compression: CompressionConfig, slots: int,
                  max_len: int) -> tuple[SamplingConfig, int]:
     """``(sampling, R)``: ``sampling.pool_pages`` resolved for this call (0 where rows share
