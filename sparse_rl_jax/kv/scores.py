@@ -15,7 +15,7 @@ The scores a ``compression.method`` can name are registered in :data:`EVICTION_S
 function plus ``@EVICTION_SCORES.register(name)``.
 
 Array names carry their shape (``probs_BxKxWxC``): B rows, K = Hkv KV heads, G query heads per
-KV head, W window queries, C cache slots, D head dim.
+KV head, W window queries, C cache slots, D head dim, L slots of a key block, N key blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the config takes its method names from this module's regist
 EVICTION_SCORES: Registry[Callable[..., jax.Array]] = Registry("eviction score")
 
 _SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency score
+KEY_BLOCK = 128  # key slots per block of R-KV's duplicate search (``redundancy``)
 
 
 def _slot_masks(pos: jax.Array, index: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
@@ -120,37 +121,84 @@ def importance(
                          axis=2)
 
 
-def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: float) -> jax.Array:
+def _key_blocks(x: jax.Array, block: int) -> jax.Array:
+    """``x [B, Hkv, C, ...]`` as ``[N, B, Hkv, L, ...]``: ``N = ceil(C / L)`` blocks of
+    ``L = block`` slots, the last padded with zeros (callers mask the padded slots)."""
+    b, h, c = x.shape[:3]
+    n = -(-c // block)
+    pad = ((0, 0), (0, 0), (0, n * block - c)) + ((0, 0),) * (x.ndim - 3)
+    return jnp.moveaxis(jnp.pad(x, pad).reshape((b, h, n, block) + x.shape[3:]), 2, 0)
+
+
+def _newest_duplicates(k_BxKxCxD: jax.Array, valid_BxKxC: jax.Array, threshold: float,
+                       block: int) -> jax.Array:
+    """``[B, Hkv, C]`` int32: per row ``i`` the newest valid ``j != i`` with
+    ``k_i . k_j > threshold`` (``-1``: none), a running max over key blocks of ``block``
+    slots (only ``[C, block]`` similarities at a time)."""
+    c = k_BxKxCxD.shape[2]
+    slot = jnp.arange(c)
+
+    def newest_in_block(newest_BxKxC, blk):
+        k_BxKxLxD, ok_BxKxL, start = blk
+        ids_L = start + jnp.arange(block)
+        sim_BxKxCxL = jnp.einsum("bkid,bkjd->bkij", k_BxKxCxD, k_BxKxLxD)
+        dup_BxKxCxL = ((sim_BxKxCxL > threshold) & ok_BxKxL[..., None, :]
+                       & (slot[:, None] != ids_L[None, :]))
+        # float slot ids (exact below 2**24): XLA:CPU vectorises a float max, not an int one
+        best_BxKxC = jnp.max(jnp.where(dup_BxKxCxL, ids_L.astype(jnp.float32), -1.0), axis=-1)
+        return jnp.maximum(newest_BxKxC, best_BxKxC), None
+
+    blocks = (_key_blocks(k_BxKxCxD, block), _key_blocks(valid_BxKxC, block),
+              jnp.arange(0, c, block))
+    newest_BxKxC, _ = lax.scan(newest_in_block, jnp.full(valid_BxKxC.shape, -1.0), blocks)
+    return newest_BxKxC.astype(jnp.int32)
+
+
+def _removed_per_column(newest_BxKxC: jax.Array, zeroed_BxKxC: jax.Array,
+                        block: int) -> jax.Array:
+    """``[B, Hkv, C]``: per column ``j``, the sum of the ``zeroed_i`` of the rows ``i`` whose
+    newest duplicate is ``j``: a compare-reduce over all rows (no scatter), one block of
+    ``block`` columns at a time."""
+    c = newest_BxKxC.shape[2]
+
+    def column_block(start):
+        ids_L = start + jnp.arange(block)
+        return jnp.sum(jnp.where(newest_BxKxC[..., :, None] == ids_L,
+                                 zeroed_BxKxC[..., :, None], 0.0), axis=-2)
+
+    removed_NxBxKxL = lax.map(column_block, jnp.arange(0, c, block))
+    b, h = newest_BxKxC.shape[:2]
+    return jnp.moveaxis(removed_NxBxKxL, 0, 2).reshape(b, h, -1)[..., :c]
+
+
+def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: float,
+               block: int = KEY_BLOCK) -> jax.Array:
     """R-KV redundancy ``R [B, Hkv, C]`` over the valid slots (0 on empty ones).
 
     Cosine similarity ``S`` of the valid keys (``k / (|k| + 1e-8)``), diagonal zeroed; in each
     row ``i`` the newest ``j`` with ``S_ij > threshold`` is zeroed (the newest near-duplicate
     survives; nothing is zeroed when no such ``j``); ``R = softmax_j(mean_i S_ij)``.
+    ``keys [B, Hkv, C, D]``, ``pos [B, Hkv, C]``, ``index []``: the module's geometry;
+    ``block`` (static): key slots per block of the duplicate search.
 
-    The column sums use ``sum_i S_ij = (sum_i k_i) . k_j`` minus the diagonal and the zeroed
-    entries, so the ``[C, C]`` similarity is only read by the duplicate search (CPU: ~6x faster
-    than masking and reducing ``S``; gathers/scatters into ``[C, C]`` are slow on XLA:CPU).
+    No ``[C, C]`` array is formed: the duplicate search is a running max over key blocks of
+    ``min(block, C)`` slots (static; the last block padded with masked slots), and the column
+    sums use ``sum_i S_ij = (sum_i k_i) . k_j`` minus the diagonal and the zeroed entries
+    (one compare-reduce per column block, no scatter: XLA:CPU scatters are slow).
     """
     c = keys.shape[2]
+    block = min(block, c)
     valid_BxKxC, _ = _slot_masks(pos, index, 0)
     k_BxKxCxD = keys.astype(jnp.float32)
     norm_BxKxCx1 = jnp.linalg.norm(k_BxKxCxD, axis=-1, keepdims=True) + 1e-8
     k_BxKxCxD = jnp.where(valid_BxKxC[..., None], k_BxKxCxD / norm_BxKxCx1, 0.0)
-    sim_BxKxCxC = jnp.einsum("bkid,bkjd->bkij", k_BxKxCxD, k_BxKxCxD)
-    slot = jnp.arange(c)
-    dup_BxKxCxC = ((sim_BxKxCxC > threshold) & valid_BxKxC[..., None, :]
-                   & (slot[:, None] != slot[None, :]))
-    # float slot ids (exact below 2**24): XLA:CPU vectorises a float max, not an int one
-    newest_BxKxC = jnp.max(jnp.where(dup_BxKxCxC, slot.astype(jnp.float32), -1.0),
-                           axis=-1).astype(jnp.int32)
+    newest_BxKxC = _newest_duplicates(k_BxKxCxD, valid_BxKxC, threshold, block)
     partner_BxKxCxD = jnp.take_along_axis(k_BxKxCxD, jnp.maximum(newest_BxKxC, 0)[..., None],
                                           axis=-2)
     # S[i, newest_i] (0 when row i has no near-duplicate)
     zeroed_BxKxC = jnp.where(newest_BxKxC >= 0,
                              jnp.sum(k_BxKxCxD * partner_BxKxCxD, axis=-1), 0.0)
-    # per column j: the sum of the S[i, j] zeroed in rows i (a fused compare-reduce, no scatter)
-    removed_BxKxC = jnp.sum(jnp.where(newest_BxKxC[..., :, None] == slot,
-                                      zeroed_BxKxC[..., :, None], 0.0), axis=-2)
+    removed_BxKxC = _removed_per_column(newest_BxKxC, zeroed_BxKxC, block)
     k_sum_BxKxD = jnp.sum(k_BxKxCxD, axis=2)
     col_sum_BxKxC = (jnp.einsum("bkd,bkjd->bkj", k_sum_BxKxD, k_BxKxCxD)
                      - jnp.sum(k_BxKxCxD * k_BxKxCxD, axis=-1))
