@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.provenance import provenance  # noqa: E402
+from experiments.results_data import cell, pass1  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402
 from sparse_rl_jax.records.plots import plot_comparison  # noqa: E402
@@ -246,16 +247,6 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _cell(values: list[float], digits: int = 3) -> str:
-    """The mean; with several values also its standard error (``± sd / sqrt(n)``) and the
-    per-seed values in brackets."""
-    text = f"{_mean(values):.{digits}f}"
-    if len(values) > 1:
-        se = float(np.std(values, ddof=1) / np.sqrt(len(values)))
-        text += f" ± {se:.{digits}f} (" + ", ".join(f"{v:.{digits}f}" for v in values) + ")"
-    return text
-
-
 def _optional(value: float) -> str:
     """A metric only some arms log: the value, or a dash where it is NaN (not logged)."""
     return "–" if np.isnan(value) else f"{value:.3f}"
@@ -267,10 +258,6 @@ def _by_arm(results: list[dict], per_seed: bool) -> list[tuple[str, list[dict]]]
     for r in results:
         groups.setdefault(f"{r['arm']} | {r['seed']}" if per_seed else r["arm"], []).append(r)
     return list(groups.items())
-
-
-def _pass1(r: dict, mode: str) -> float:
-    return next(e["pass_at_1"] for e in r["eval"] if e["mode"] == mode)
 
 
 def training_table(results: list[dict], per_seed: bool = False) -> str:
@@ -286,18 +273,18 @@ def training_table(results: list[dict], per_seed: bool = False) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, rows in _by_arm(results, per_seed):
         col = lambda key: _mean([r[key] for r in rows])  # noqa: E731
-        own = [_pass1(r, r["own_eval"]) for r in rows]
+        own = [pass1(r, r["own_eval"]) for r in rows]
         lines.append(
             f"| {name} | {_mean([r['reward_first'] for r in rows]):.3f} → "
-            f"{_cell([r['reward_last'] for r in rows], digits)} | {col('rejection_rate'):.3f} | "
+            f"{cell([r['reward_last'] for r in rows], digits)} | {col('rejection_rate'):.3f} | "
             f"{col('token_mask_fraction'):.3f} | {col('clip_fraction'):.4f} | "
             f"{col('mismatch_k3'):.3f} | {col('repetition_fraction'):.3f} | "
             f"{col('truncated_fraction'):.3f} | {col('low_r_sequence_fraction'):.3f} | "
             f"{_optional(col('low_r_grad_share'))} | "
             f"{sum(r.get('collapsed', False) for r in rows)}/{len(rows)} | "
             f"{col('kv_token_savings'):.3f} / {col('kv_peak_savings'):.3f} | "
-            f"{_cell([_pass1(r, 'dense') for r in rows], digits)} | "
-            f"{_cell(own, digits) if rows[0]['own_eval'] != 'dense' else '–'} |")
+            f"{cell([pass1(r, 'dense') for r in rows], digits)} | "
+            f"{cell(own, digits) if rows[0]['own_eval'] != 'dense' else '–'} |")
     return "\n".join(lines)
 
 

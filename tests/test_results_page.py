@@ -1,0 +1,151 @@
+"""The generated result pages: they match the stored runs, and the statistics and verdict rules
+behind them agree with plain NumPy on runs made up here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments import results_data, results_verdicts  # noqa: E402
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pages_match_the_stored_results(capsys):
+    assert _load_script("results_page").main(["--check"]) == 0, capsys.readouterr().err
+
+
+def run(arm, seed, dense, sparse=None, collapsed=False, reward_last=0.8, rejection=0.0,
+        share=None, seq=0.05, steps=20):
+    """One made-up run in reproduce.py's results.json format."""
+    own = "dense" if sparse is None else "sparse (rkv 32)"
+    evals = [{"mode": "dense", "pass_at_1": dense, "avg_at_k": dense}]
+    if sparse is not None:
+        evals.append({"mode": own, "pass_at_1": sparse, "avg_at_k": sparse})
+    curve = {"reward_mean": [0.9] * steps, "low_r_sequence_fraction": [seq] * steps}
+    if share is not None:
+        curve["low_r_grad_share"] = [share] * (steps // 2) + [0.0] * (steps - steps // 2)
+    return {"arm": arm, "seed": seed, "own_eval": own, "reward_first": 0.9,
+            "reward_last": reward_last, "collapsed": collapsed, "rejection_rate": rejection,
+            "clip_fraction": 0.0, "mismatch_k3": 0.1, "truncated_fraction": 0.01,
+            "low_r_sequence_fraction": seq, "kv_token_savings": 0.4, "eval": evals,
+            "steps": curve}
+
+
+def regime(naive_collapsed=(True, True, False), sparse_dense=(0.97, 0.80, 0.96)):
+    """Three seeds of dense, naive and Sparse-RL arms; dense training scores 0.99."""
+    runs = []
+    for seed in range(3):
+        runs.append(run("dense", seed, 0.99, 0.90))
+        runs.append(run(results_verdicts.NAIVE, seed, 0.4, 0.4, naive_collapsed[seed],
+                        share=0.4))
+        runs.append(run(results_verdicts.SPARSE, seed, sparse_dense[seed], 0.92,
+                        rejection=0.06))
+    return results_data.Experiment("regime", tuple(runs), ({"commit": "abc1234",
+                                                             "date": "2026-11-28"},))
+
+
+def test_mean_se_and_cells_are_numpys():
+    values = [0.97, 0.80, 0.96]
+    mean, se = results_data.mean_se(values)
+    assert mean == pytest.approx(np.mean(values))
+    assert se == pytest.approx(np.std(values, ddof=1) / np.sqrt(3))
+    assert results_data.cell(values) == f"0.91 ± {se:.2f} (0.97, 0.80, 0.96)"
+    assert results_data.cell([0.5]) == "0.50"
+
+
+def test_a_seed_degrades_below_its_own_dense_run_by_more_than_the_margin():
+    exp = regime(sparse_dense=(0.95, 0.88, 0.90))  # 0.99 - 0.1 = 0.89
+    flags = results_data.degraded(exp.arm(results_verdicts.SPARSE), exp.arm("dense"))
+    assert flags == [False, True, False]
+    with pytest.raises(ValueError, match=r"no dense arm for seeds \[0, 1, 2\]"):
+        results_data.degraded(exp.arm(results_verdicts.SPARSE), [])
+
+
+def test_early_mean_reads_the_first_steps_only():
+    r = run("naive", 0, 0.5, share=0.6, steps=40)  # 0.6 for 20 steps, then 0
+    assert results_data.early_mean(r, "low_r_grad_share") == pytest.approx(0.6)
+    assert results_data.early_mean(r, "low_r_grad_share", 40) == pytest.approx(0.3)
+    assert np.isnan(results_data.early_mean(r, "not_logged"))
+
+
+def test_verdicts_follow_the_rules():
+    claim, verdict, evidence = results_verdicts.claim_collapse(regime(), {})
+    assert verdict.startswith("**holds in the regime**") and "(2/3 seeds collapse" in verdict
+    assert "held-out accuracy more than 0.1 below dense training in 3/3" in verdict
+    _, verdict, _ = results_verdicts.claim_collapse(
+        regime(naive_collapsed=(True, False, False)), {})
+    assert verdict.startswith("**does not hold in the regime**")
+    # one Sparse-RL seed 0.19 below dense training: held by the definition, but degrades
+    _, verdict, evidence = results_verdicts.claim_prevents(regime(), {})
+    assert "degrades on 1/3 seeds" in verdict
+    assert "0/3 seeds collapse" in evidence
+    _, verdict, _ = results_verdicts.claim_prevents(
+        regime(sparse_dense=(0.97, 0.95, 0.96)), {})
+    assert verdict == "**holds in the regime** on every seed"
+    # 5% of the sequences give 40% of the update
+    _, verdict, _ = results_verdicts.claim_few_sequences(regime())
+    assert verdict.startswith("**holds in the regime**")
+    # 0.92 / 0.99 = 93%: roughly holds (0.90 <= 0.93 < 0.95)
+    _, verdict, _ = results_verdicts.claim_accuracy(regime())
+    assert verdict == "**roughly holds in the regime**: 93% under R-KV 32 inference"
+    _, verdict, _ = results_verdicts.claim_rejection(regime())
+    assert verdict == "**holds in the regime** (0.060)"
+    # Sparse-RL 0.92 against dense-trained 0.90 under R-KV 32 on every seed: a gap, SE 0
+    _, verdict, _ = results_verdicts.claim_sparse_inference(regime())
+    assert verdict.startswith("**holds in the regime** (paired with the dense-trained policy "
+                              "seed by seed: Sparse-RL better;")
+
+
+def test_parts_merge_and_a_seed_run_twice_is_refused(tmp_path):
+    folder = tmp_path / "regime"
+    folder.mkdir()
+    part = lambda seeds: {"provenance": {"command": f"seeds {seeds}"},  # noqa: E731
+                          "runs": [run("dense", s, 0.99) for s in seeds]}
+    (folder / "a.json").write_text(json.dumps(part([0, 1])))
+    (folder / "b.json").write_text(json.dumps(part([2])))
+    exp = results_data.load("regime", tmp_path)
+    assert exp.seeds() == [0, 1, 2] and len(exp.parts) == 2
+    assert results_data.load("absent", tmp_path) is None
+    (folder / "c.json").write_text(json.dumps(part([1])))
+    with pytest.raises(ValueError, match="arm 'dense' seed 1 is also in a.json"):
+        results_data.load("regime", tmp_path)
+    (folder / "c.json").write_text(json.dumps({"runs": []}))
+    with pytest.raises(ValueError, match="c.json: no 'provenance'"):
+        results_data.load("regime", tmp_path)
+
+
+def test_a_marker_without_results_names_the_page_and_block():
+    page = _load_script("results_page")
+    text = "a\n<!-- results_page:nothing -->\nold\n<!-- /results_page:nothing -->\n"
+    with pytest.raises(KeyError, match="README.md: block 'nothing' has no stored results"):
+        page.fill(text, {}, page.README)
+    assert page.fill(text.replace("nothing", "x"), {"x": "new"}, page.README) == (
+        "a\n<!-- results_page:x -->\nnew\n<!-- /results_page:x -->\n")
+
+
+def test_other_experiments_add_their_arms_to_the_first_two_claims():
+    runs = [run("dense", s, 1.0) for s in (0, 1)] + [
+        run("naive rkv 40", 0, 0.5, 0.5, collapsed=True), run("naive rkv 40", 1, 0.95, 0.9),
+        run("sparse-rl rkv 40", 0, 0.96, 0.8), run("sparse-rl rkv 40", 1, 0.98, 0.8)]
+    local = results_data.Experiment("local40", tuple(runs), ())
+    _, _, evidence = results_verdicts.claim_collapse(regime(), {"local40": local,
+                                                                "control": None})
+    assert evidence.endswith(
+        ". Outside the regime, R-KV 40 on `walk_local` (2 seeds, dense training 1.00 ± 0.00 "
+        "(1.00, 1.00)): rkv 40: 1/2 collapse, 1/2 degrade, pass@1 0.72 ± 0.22 (0.50, 0.95)")
+    _, _, evidence = results_verdicts.claim_prevents(regime(), {"local40": local})
+    assert evidence.endswith("rkv 40: 0/2 collapse, 0/2 degrade, pass@1 0.97 ± 0.01 (0.96, 0.98)")
