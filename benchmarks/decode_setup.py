@@ -45,16 +45,17 @@ def configure(args) -> None:
     CONFIG, PROMPT_LEN, DTYPE = SHAPES[args.shape], args.prompt_len, args.dtype
 
 
-def model_config():
-    """``models.ModelConfig`` of the configured shape (what ``build_checkpoint``'s Qwen2
-    checkpoint loads as: ``transformers``' Qwen2 defaults for the fields ``SHAPES`` leaves out),
-    without ``transformers``."""
+def model_config(config: dict | None = None):
+    """``models.ModelConfig`` of ``config`` (a ``transformers`` config's fields; default the
+    configured shape): what ``build_checkpoint``'s Qwen2 checkpoint loads as, ``transformers``'
+    Qwen2 defaults for the fields ``config`` leaves out, without ``transformers``."""
     import types
 
     import models
 
     defaults = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=10000.0)
-    return models.ModelConfig.from_hf(types.SimpleNamespace(**{**defaults, **CONFIG}))
+    return models.ModelConfig.from_hf(types.SimpleNamespace(**{**defaults,
+                                                               **(config or CONFIG)}))
 
 
 def save_random_model(path: Path, family: str, config: dict, name: str, shape: tuple,

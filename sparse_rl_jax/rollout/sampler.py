@@ -216,6 +216,33 @@ def _step(model, c: DecodeLoop, *, lengths, sampling: SamplingConfig,
     )
 
 
+def start_loop(prefilled: Prefilled, key, cfg, *, sampling: SamplingConfig,
+               compression: CompressionConfig) -> DecodeLoop:
+    """The :class:`DecodeLoop` :func:`decode_loop` starts from: token 0 of each of the
+    ``N`` rows of ``prefilled`` written, ``cfg`` the ``models.ModelConfig``."""
+    n = prefilled.first.shape[0]
+    for name in ("first", "first_logp", "resident", "lengths"):
+        check_shape(f"prefilled.{name}", getattr(prefilled, name), N=n)
+    m = sampling.max_new_tokens
+    keep_record = compression.page_sparse and sampling.record_evictions
+    record_shape = (cfg.num_layers, n, cfg.num_kv_heads) + (
+        (m, prefilled.state.cache.num_selected) if keep_record else (0, 0))
+    return DecodeLoop(
+        state=prefilled.state,
+        step=jnp.ones((), jnp.int32),
+        last=prefilled.first,
+        done=_is_eos(prefilled.first, sampling.eos_ids),
+        response=jnp.full((n, m), sampling.pad_id, jnp.int32).at[:, 0].set(prefilled.first),
+        logp=jnp.zeros((n, m), jnp.float32).at[:, 0].set(prefilled.first_logp),
+        kv_sum=prefilled.resident.astype(jnp.float32),
+        kv_peak=prefilled.resident,
+        forwards=jnp.ones((n,), jnp.int32),
+        compressions=prefilled.compressions,
+        keys=row_keys(key, jnp.arange(n)),
+        page_record=jnp.full(record_shape, -1, jnp.int32),
+    )
+
+
 def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: SamplingConfig,
                 compression: CompressionConfig, budget_ks: jax.Array | None = None
                 ) -> DecodeLoop:
@@ -237,29 +264,9 @@ def decode_loop(graphdef, params, prefilled: Prefilled, key, *, sampling: Sampli
     Returns:
       The final :class:`DecodeLoop` (``response [N, M]``, ``logp [N, M]``, ``done [N]``, ...).
     """
-    n = prefilled.first.shape[0]
-    for name in ("first", "first_logp", "resident", "lengths"):
-        check_shape(f"prefilled.{name}", getattr(prefilled, name), N=n)
     model = nnx.merge(graphdef, params)
-    state, lengths = prefilled.state, prefilled.lengths
-    m, cfg = sampling.max_new_tokens, model.config
-    keep_record = compression.page_sparse and sampling.record_evictions
-    record_shape = (cfg.num_layers, n, cfg.num_kv_heads) + (
-        (m, state.cache.num_selected) if keep_record else (0, 0))
-    loop = DecodeLoop(
-        state=state,
-        step=jnp.ones((), jnp.int32),
-        last=prefilled.first,
-        done=_is_eos(prefilled.first, sampling.eos_ids),
-        response=jnp.full((n, m), sampling.pad_id, jnp.int32).at[:, 0].set(prefilled.first),
-        logp=jnp.zeros((n, m), jnp.float32).at[:, 0].set(prefilled.first_logp),
-        kv_sum=prefilled.resident.astype(jnp.float32),
-        kv_peak=prefilled.resident,
-        forwards=jnp.ones((n,), jnp.int32),
-        compressions=prefilled.compressions,
-        keys=row_keys(key, jnp.arange(n)),
-        page_record=jnp.full(record_shape, -1, jnp.int32),
-    )
+    state, lengths, m = prefilled.state, prefilled.lengths, sampling.max_new_tokens
+    loop = start_loop(prefilled, key, model.config, sampling=sampling, compression=compression)
     step = functools.partial(_step, model, lengths=lengths, sampling=sampling,
                              compression=compression, budget_ks=budget_ks)
     capacity = state.cache.capacity

@@ -1,0 +1,209 @@
+"""XLA cost model: FLOPs and bytes per call of the decode step, compression, score and
+update at a real model shape, compiled from abstract inputs on whatever backend is present.
+
+    python benchmarks/hlo_cost.py --shape qwen2.5-1.5b --batch 32 --context 4096 \
+        --dtype float32 [--only decode_static_none ...] [--json FILE] [--dump-hlo DIR]
+    python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE]
+
+Functions (``--only``; default all): ``decode_{static,continuous}_{none,rkv,sparrow}`` (one
+decode step of ``--batch`` rows each holding ``--context`` tokens; ``rkv`` keeps
+``--budget`` (default ``context / 2``) + ``--buffer`` slots), ``compress_rkv`` (one R-KV
+compression of that cache), ``score`` (dense log-probs of ``--score-batch`` x
+``(--prompt-len + --context)``) and ``update`` (one AdamW update of ``--update-batch`` such
+sequences in micro-batches of ``--micro-batch``, remat ``--remat``). Each is lowered from
+``jax.ShapeDtypeStruct`` arguments (``hlo_cost_functions.py``; no weights), compiled, and its
+optimised HLO walked by ``hlo_walk.py`` with every loop's trip count multiplied in: XLA's
+``known_trip_count`` (the layer scan) or, for the page loop of a paged decode step, whose
+count is traced, ``ceil(context / chunk)`` (``--chunk-pages`` sets the chunk; XLA:CPU's
+default is 2 pages, elsewhere 32). ``cost_analysis()`` would count each loop body once.
+
+Columns: walked FLOPs and bytes per call against their floors (``hlo_cost_functions``'s
+docstring), ``x`` = walked / floor; ``bytes`` assumes slices fuse into their consumers (a
+GPU reads a layer's weights or a KV chunk in place), ``compiled x`` counts each slice as the
+copy XLA:CPU makes. ``ratio`` (JSON) is the bound's ``x``: bytes for the decode steps and the
+compression, FLOPs for the score and update. For the compression, ``per step`` is its bytes
+spread over the ``--buffer`` decode steps between compressions, as a share of the R-KV decode
+step's floor. For the update, ``peak`` is ``memory_analysis()`` (arguments + outputs + temp -
+aliased) and ``plan`` ``memory_plan.estimate`` (+ the float32 gradient accumulator when it
+runs micro-batches). On XLA:CPU bf16 work turns into f32 conversions: compare bytes in f32.
+
+``--hlo FILE`` walks an HLO text dumped elsewhere (``--dump-hlo DIR`` writes each compiled
+function's, ``XLA_FLAGS=--xla_dump_to=DIR`` a GPU's ``*after_optimizations.txt``) without
+compiling; ``--loop-trips N`` counts loops without a known trip count N times (default once,
+listed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import hlo_walk  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    import hlo_cost_functions as fns
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen2.5-1.5b",
+                   help=f"model shape: one of {', '.join(fns.SHAPES)}")
+    p.add_argument("--batch", type=int, default=32, help="decode rows")
+    p.add_argument("--context", type=int, default=4096,
+                   help="tokens each decode row holds; response columns of score/update")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--budget", type=int, help="R-KV budget (default context / 2)")
+    p.add_argument("--buffer", type=int, default=128)
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--score-batch", type=int, default=8)
+    p.add_argument("--update-batch", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8, help="0: the whole update batch")
+    p.add_argument("--remat", default="full")
+    p.add_argument("--chunk-pages", type=int,
+                   help="pages per paged decode loop iteration (models.paged_cache; default "
+                        "the backend's)")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help=f"compile only these: {', '.join(fns.BUILDERS)}")
+    p.add_argument("--json", help="write one record per function here")
+    p.add_argument("--dump-hlo", metavar="DIR", help="write each optimised HLO to DIR/NAME.hlo")
+    p.add_argument("--hlo", metavar="FILE", help="walk this HLO text instead of compiling")
+    p.add_argument("--loop-trips", type=int,
+                   help="--hlo: count loops without a known trip count this many times")
+    args = p.parse_args(argv)
+    if args.hlo is None:
+        fns.model_config(args.shape)  # ValueError naming the known shapes
+        unknown = sorted(set(args.only or ()) - set(fns.BUILDERS))
+        if unknown:
+            p.error(f"--only: unknown {unknown}; known: {', '.join(fns.BUILDERS)}")
+        if args.prompt_len >= args.context:
+            p.error(f"--prompt-len {args.prompt_len} must be below --context {args.context}")
+    return args
+
+
+def sizes_of(args):
+    """``hlo_cost_functions.Sizes`` of the command line."""
+    import hlo_cost_functions as fns
+
+    budget = args.budget or args.context // 2
+    return fns.Sizes(shape=args.shape, batch=args.batch, context=args.context,
+                     prompt_len=args.prompt_len, dtype=args.dtype, budget=budget,
+                     buffer=args.buffer, window=args.window, page_size=args.page_size,
+                     score_batch=args.score_batch, update_batch=args.update_batch,
+                     micro_batch=args.micro_batch, remat=args.remat)
+
+
+def walk_record(name: str, text: str, loop_trips: int | None) -> dict:
+    """The walked costs of one HLO text: slices fused (``flops``, ``bytes``) and as compiled
+    (``bytes_compiled``), with the loops it had to count by ``loop_trips``."""
+    fused = hlo_walk.walk(text, default_trips=loop_trips)
+    compiled = hlo_walk.walk(text, default_trips=loop_trips, fuse_slices=False)
+    return dict(name=name, flops=fused.flops, transcendentals=fused.transcendentals,
+                bytes=fused.bytes, bytes_compiled=compiled.bytes, loop_trips=loop_trips,
+                unknown_loops=[label for _, label, _ in fused.unknown_loops])
+
+
+def measure(fn, dump_dir: str | None) -> dict:
+    """Compile one ``hlo_cost_functions.Function`` and walk it: its JSON record."""
+    start = time.perf_counter()
+    compiled = fn.lower().compile()
+    compile_s = time.perf_counter() - start
+    text = compiled.as_text()
+    if dump_dir:
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        Path(dump_dir, f"{fn.name}.hlo").write_text(text)
+    rec = walk_record(fn.name, text, fn.loop_trips)
+    walked = rec["bytes"] if fn.bound == "bytes" else rec["flops"]
+    floor = fn.floor_bytes if fn.bound == "bytes" else fn.floor_flops
+    rec.update(floor_flops=fn.floor_flops, floor_bytes=fn.floor_bytes, bound=fn.bound,
+               ratio=walked / floor, compile_s=compile_s, **fn.extra)
+    if fn.name == "compress_rkv":
+        rec["per_step"] = rec["bytes"] / fn.extra["every_steps"] / fn.extra["decode_floor_bytes"]
+    if fn.plan_bytes is not None:
+        stats = compiled.memory_analysis()
+        rec["plan_bytes"] = fn.plan_bytes
+        rec["peak_bytes"] = None if stats is None else (
+            stats.argument_size_in_bytes + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+    return rec
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def table(records: list[dict]) -> str:
+    """The printed table: one row per record."""
+    head = (f"{'function':<24}{'FLOPs':>9}{'floor':>9}{'x':>7}{'bytes':>9}{'floor':>9}{'x':>7}"
+            f"{'compiled x':>11}  notes")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        fx = r["flops"] / r["floor_flops"] if r.get("floor_flops") else None
+        bx = r["bytes"] / r["floor_bytes"] if r.get("floor_bytes") else None
+        cx = r["bytes_compiled"] / r["floor_bytes"] if r.get("floor_bytes") else None
+        notes = []
+        if "per_step" in r:
+            notes.append(f"per step {100 * r['per_step']:.1f}% of the decode floor")
+        if r.get("plan_bytes") is not None:
+            peak = r["peak_bytes"]
+            notes.append(f"peak {_num(peak)}B plan {_num(r['plan_bytes'])}B"
+                         + (f" plan/peak {r['plan_bytes'] / peak:.3f}" if peak else ""))
+        if r.get("unknown_loops"):
+            notes.append(f"{len(r['unknown_loops'])} loop(s) x {r['loop_trips']}")
+        fmt = lambda x: f"{x:>7.2f}" if x is not None else f"{'-':>7}"  # noqa: E731
+        lines.append(f"{r['name']:<24}{_num(r['flops']):>9}{_num(r.get('floor_flops')):>9}"
+                     f"{fmt(fx)}{_num(r['bytes']):>9}{_num(r.get('floor_bytes')):>9}{fmt(bx)}"
+                     f"{fmt(cx):>11}  {'; '.join(notes)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs the command line (see the module docstring)."""
+    args = parse_args(argv)
+    if args.hlo:
+        records = [walk_record(Path(args.hlo).stem, Path(args.hlo).read_text(),
+                               args.loop_trips)]
+    else:
+        import jax
+
+        import hlo_cost_functions as fns
+
+        if args.chunk_pages:
+            from models import paged_cache
+
+            paged_cache.CHUNK_PAGES = {jax.default_backend(): args.chunk_pages}
+        sizes = sizes_of(args)
+        abstract = fns.Abstract(sizes)
+        names = args.only or list(fns.BUILDERS)
+        print(f"{args.shape}, {args.dtype}, decode batch {args.batch} x context "
+              f"{args.context}, prompt {args.prompt_len}, R-KV {sizes.budget} + "
+              f"{sizes.buffer}, on {jax.devices()[0].device_kind} ({os.cpu_count()} cores)",
+              flush=True)
+        records, start = [], time.perf_counter()
+        for name in names:
+            print(f"  [{time.perf_counter() - start:6.0f}s] compiling {name} ...", end="",
+                  flush=True)
+            rec = measure(fns.BUILDERS[name](abstract), args.dump_hlo)
+            records.append(rec)
+            print(f" {rec['compile_s']:.0f}s, x{rec['ratio']:.2f} of the {rec['bound']} floor",
+                  flush=True)
+    print(table(records))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
