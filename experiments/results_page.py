@@ -52,7 +52,9 @@ def provenance(exp: Experiment) -> str:
     lines = [f"Measured by {len(exp.parts)} call{'s' * (len(exp.parts) > 1)} of "
              "`experiments/reproduce.py` (the seeds of one call do not depend on the others'):"]
     for part in exp.parts:
-        lines.append(f"- `{part['command']}`: commit `{part['commit']}`, {part['date']}, "
+        dirty = (f" (uncommitted edits to {', '.join(f'`{f}`' for f in part['dirty'])})"
+                 if part.get("dirty") else "")
+        lines.append(f"- `{part['command']}`: commit `{part['commit']}`{dirty}, {part['date']}, "
                      f"{part['wall_s']} s; {part['machine']}")
     return "\n".join(lines)
 
