@@ -125,7 +125,7 @@ def verdict_table(regime: Experiment, others: dict[str, Experiment | None], page
     """The claim table; links are written relative to the page's folder (``page_dir``)."""
     lines = ["| paper claim | verdict here | evidence, or why not testable |", "|---|---|---|"]
     for claim, verdict, evidence in verdict_rows(regime, others):
-        evidence = evidence.replace("](docs/", f"]({page_dir}" if page_dir else "](docs/")
+        evidence = evidence.replace("](docs/", f"]({page_dir}")
         lines.append(f"| {claim} | {verdict} | {evidence} |")
     n = len(regime.seeds())
     return "\n".join([f"Means ± standard error over {n} seeds, per-seed values in brackets "
