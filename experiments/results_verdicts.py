@@ -39,6 +39,19 @@ def _held_out(runs: list[dict]) -> str:
     return cell(pass1(r, "dense") for r in runs)
 
 
+def _reward(runs: list[dict]) -> str:
+    """Training reward, first quarter (seed mean) → last quarter (mean ± SE, per seed)."""
+    return (f"{np.mean([r['reward_first'] for r in runs]):.2f} → "
+            f"{cell(r['reward_last'] for r in runs)}")
+
+
+def _control(regime: Experiment, label: str, name: str) -> str:
+    """The regime's control arm ``label`` as evidence, or empty when it did not run."""
+    runs = regime.arm(label)
+    return (f"; {name}: {count(r['collapsed'] for r in runs)} collapse, pass@1 "
+            f"{_held_out(runs)}") if runs else ""
+
+
 OUTSIDE = {"local40": "outside the regime, R-KV 40 on `walk_local`",
            "control": "positive control on `walk_ft`"}
 """The other stored walk experiments whose arms add evidence to the first two claims."""
@@ -70,16 +83,10 @@ def claim_collapse(regime: Experiment, others: dict[str, Experiment | None]
                else "**does not hold in the regime** by the pre-registered definition")
     verdict += (f" ({count(r['collapsed'] for r in naive)} seeds collapse; held-out accuracy "
                 f"more than {DEGRADED_BY} below dense training in {count(bad)})")
-    evidence = (f"naive R-KV {BUDGET}: training reward "
-                f"{np.mean([r['reward_first'] for r in naive]):.2f} → "
-                f"{cell(r['reward_last'] for r in naive)}, held-out dense pass@1 "
-                f"{_held_out(naive)} against {_held_out(dense)} for dense training")
-    control = regime.arm(CONTROL[0])
-    if control:
-        evidence += (f"; positive control (q = 10%, dense rollouts): "
-                     f"{count(r['collapsed'] for r in control)} collapse, pass@1 "
-                     f"{_held_out(control)}")
-    evidence += outside_evidence(others, "naive")
+    evidence = (f"naive R-KV {BUDGET}: training reward {_reward(naive)}, held-out dense pass@1 "
+                f"{_held_out(naive)} against {_held_out(dense)} for dense training"
+                + _control(regime, CONTROL[0], "positive control (q = 10%, dense rollouts)")
+                + outside_evidence(others, "naive"))
     return "Training naively on compressed rollouts collapses", verdict, evidence
 
 
@@ -95,15 +102,11 @@ def claim_prevents(regime: Experiment, others: dict[str, Experiment | None]
     else:
         verdict = "**holds in the regime** on every seed"
     evidence = (f"Sparse-RL R-KV {BUDGET}: {count(r['collapsed'] for r in sparse)} seeds "
-                f"collapse; reward {np.mean([r['reward_first'] for r in sparse]):.2f} → "
-                f"{cell(r['reward_last'] for r in sparse)}; held-out dense pass@1 "
-                f"{_held_out(sparse)} (dense training {_held_out(dense)}), rejecting "
-                f"{np.mean([r['rejection_rate'] for r in sparse]):.3f} of the sequences")
-    control = regime.arm(CONTROL[1])
-    if control:
-        evidence += (f"; control q = 10%: {count(r['collapsed'] for r in control)} collapse, "
-                     f"pass@1 {_held_out(control)}")
-    evidence += outside_evidence(others, "sparse-rl")
+                f"collapse; reward {_reward(sparse)}; held-out dense pass@1 {_held_out(sparse)} "
+                f"(dense training {_held_out(dense)}), rejecting "
+                f"{np.mean([r['rejection_rate'] for r in sparse]):.3f} of the sequences"
+                + _control(regime, CONTROL[1], "control q = 10%")
+                + outside_evidence(others, "sparse-rl"))
     return "Sparse-RL's rejection and reweighting prevent it", verdict, evidence
 
 
