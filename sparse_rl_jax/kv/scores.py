@@ -130,6 +130,19 @@ def _key_blocks(x: jax.Array, block: int) -> jax.Array:
     return jnp.moveaxis(jnp.pad(x, pad).reshape((b, h, n, block) + x.shape[3:]), 2, 0)
 
 
+def _newer_duplicate(threshold: float):
+    """The reducer of the duplicate search over ``(similarity, slot id)`` pairs: the newest id
+    whose similarity is above ``threshold`` (``-1``: none), as a resolved pair ``(+inf, id)``
+    (``(+inf, -1)`` is its identity), so the similarity is read once, straight from the dot."""
+
+    def reduce(a, b):
+        key_a = jnp.where(a[0] > threshold, a[1], -1.0)
+        key_b = jnp.where(b[0] > threshold, b[1], -1.0)
+        return jnp.full_like(a[0], jnp.inf), jnp.maximum(key_a, key_b)
+
+    return reduce
+
+
 def _newest_duplicates(k_BxKxCxD: jax.Array, valid_BxKxC: jax.Array, threshold: float,
                        block: int) -> jax.Array:
     """``[B, Hkv, C]`` int32: per row ``i`` the newest valid ``j != i`` with
@@ -142,16 +155,24 @@ def _newest_duplicates(k_BxKxCxD: jax.Array, valid_BxKxC: jax.Array, threshold: 
         k_BxKxLxD, ok_BxKxL, start = blk
         ids_L = start + jnp.arange(block)
         sim_BxKxCxL = jnp.einsum("bkid,bkjd->bkij", k_BxKxCxD, k_BxKxLxD)
-        dup_BxKxCxL = ((sim_BxKxCxL > threshold) & ok_BxKxL[..., None, :]
-                       & (slot[:, None] != ids_L[None, :]))
         # float slot ids (exact below 2**24): XLA:CPU vectorises a float max, not an int one
-        best_BxKxC = jnp.max(jnp.where(dup_BxKxCxL, ids_L.astype(jnp.float32), -1.0), axis=-1)
+        ids_BxKxCxL = jnp.where(ok_BxKxL[..., None, :] & (slot[:, None] != ids_L[None, :]),
+                                ids_L.astype(jnp.float32), -1.0)
+        _, best_BxKxC = lax.reduce((sim_BxKxCxL, ids_BxKxCxL), (jnp.float32(jnp.inf),
+                                   jnp.float32(-1.0)), _newer_duplicate(threshold), (3,))
         return jnp.maximum(newest_BxKxC, best_BxKxC), None
 
     blocks = (_key_blocks(k_BxKxCxD, block), _key_blocks(valid_BxKxC, block),
               jnp.arange(0, c, block))
     newest_BxKxC, _ = lax.scan(newest_in_block, jnp.full(valid_BxKxC.shape, -1.0), blocks)
     return newest_BxKxC.astype(jnp.int32)
+
+
+def _sum_where_zero(a, b):
+    """Reducer over ``(value, offset)`` pairs: the sum of the values whose offset is 0, as a
+    resolved pair ``(sum, 0)`` (``(0, 0)`` is its identity)."""
+    total = jnp.where(a[1] == 0.0, a[0], 0.0) + jnp.where(b[1] == 0.0, b[0], 0.0)
+    return total, jnp.zeros_like(total)
 
 
 def _removed_per_column(newest_BxKxC: jax.Array, zeroed_BxKxC: jax.Array,
@@ -161,10 +182,16 @@ def _removed_per_column(newest_BxKxC: jax.Array, zeroed_BxKxC: jax.Array,
     ``block`` columns at a time."""
     c = newest_BxKxC.shape[2]
 
+    newest_BxKxCx1 = newest_BxKxC.astype(jnp.float32)[..., None]
+    zeroed_BxKxCx1 = zeroed_BxKxC[..., None]
+
     def column_block(start):
-        ids_L = start + jnp.arange(block)
-        return jnp.sum(jnp.where(newest_BxKxC[..., :, None] == ids_L,
-                                 zeroed_BxKxC[..., :, None], 0.0), axis=-2)
+        ids_L = (start + jnp.arange(block)).astype(jnp.float32)
+        shape = newest_BxKxCx1.shape[:-1] + (block,)
+        removed_BxKxL, _ = lax.reduce(
+            (jnp.broadcast_to(zeroed_BxKxCx1, shape), newest_BxKxCx1 - ids_L),
+            (jnp.float32(0.0), jnp.float32(0.0)), _sum_where_zero, (2,))
+        return removed_BxKxL
 
     removed_NxBxKxL = lax.map(column_block, jnp.arange(0, c, block))
     b, h = newest_BxKxC.shape[:2]
