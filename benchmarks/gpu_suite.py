@@ -36,9 +36,10 @@ child process (``--isolate``), so its device memory is freed after it; a cell ov
 budget (counted from the child's start, imports included) is killed, and a failed or killed
 cell is recorded with its error and the rows it had written.
 
-Output, in ``--out`` (default ``benchmarks/results``): ``gpu_suite_<date>_<device>.jsonl``,
-one line per row appended and flushed as each cell measures it (a killed run keeps every
-finished row), then ``.md`` and ``.json`` tables at the end.
+Output, in ``--out`` (default ``benchmarks/results``):
+``gpu_suite_<date>_<time>_<device>.jsonl``, one line per row appended and flushed as each cell
+measures it (a killed run keeps every finished row), then ``.md`` and ``.json`` tables at the
+end.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from gpu_cells import (PALLAS_BACKEND, Context, Skip, cell_compile, cell_decode_continuous,  # noqa: E402
-                       cell_decode_pallas, cell_decode_static, cell_decode_transformers,
-                       cell_score, cell_sparrow_8k, cell_update, print_flush)
+from gpu_cells import (  # noqa: E402
+    PALLAS_BACKEND, Context, Skip, cell_compile, cell_decode_continuous, cell_decode_pallas,
+    cell_decode_static, cell_decode_transformers, cell_score, cell_sparrow_8k, cell_update,
+    print_flush)
 from gpu_rl_pair import RL_STEPS, cell_rl_pair  # noqa: E402
 
 
@@ -260,7 +262,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(HERE / "results"),
-                        help="directory for gpu_suite_<date>_<device>.jsonl, .md and .json")
+                        help="directory for gpu_suite_<date>_<time>_<device>.jsonl, .md and .json")
     parser.add_argument("--cells", nargs="+", choices=[c.name for c in CELLS],
                         help="run these cells, in priority order (default: the default plan)")
     parser.add_argument("--cpu-scaled", action="store_true",
@@ -312,13 +314,13 @@ def main() -> None:
     if args.total_budget is None:
         args.total_budget = args.budget_scale * (DEFAULT_GPU_SECONDS if gpu else 120)
     mode = "gpu" if gpu else "cpu-scaled"
-    date = datetime.date.today().isoformat()
+    now = datetime.datetime.now()
+    date = now.date().isoformat()
     device = "".join(ch if ch.isalnum() else "-" for ch in kind.lower()).strip("-")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"gpu_suite_{date}_{device}"
+    stem = out / f"gpu_suite_{date}_{now:%H%M%S}_{device}"  # a rerun never overwrites a run
     log = RowLog(stem.with_suffix(".jsonl"))
-    log.path.unlink(missing_ok=True)
     print_flush(f"gpu_suite: {mode} on {kind} ({backend}); rows to {log.path}")
     with tempfile.TemporaryDirectory() as tmp:
         report = run_suite(args, context(args, gpu, tmp), log)
