@@ -11,6 +11,7 @@ cell runs at tiny shapes and a few steps.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import tempfile
@@ -125,7 +126,7 @@ def dump_decode_hlo(ctx: Context) -> dict:
     rec, _ = hlo_cost.measure(fn, str(ctx.dump_hlo))
     return dict(method="hlo decode_static_none", batch=sizes.batch,
                 hlo=str(ctx.dump_hlo / f"{fn.name}.hlo"), walked_gb=rec["bytes"] / 1e9,
-                floor_gb=rec["floor_bytes"] / 1e9, x_floor=rec["ratio"],
+                floor_gb=rec["floor_bytes"] / 1e9, walked_x_floor=rec["ratio"],
                 compile_s=rec["compile_s"])
 
 
@@ -133,16 +134,19 @@ def decode_grid(ctx: Context, engine: str | None, methods: list[str] | None = No
                 attention: str | None = None):
     """The decode grid rows on ``engine`` (None: the static ``prefill`` / ``decode``), for
     ``methods`` (default the grid's) with the model's ``attention`` backend (None: its
-    default)."""
+    default), each (batch, length) cell's rows as soon as it is measured."""
     args = decode_args(ctx, GRID_GPU, GRID_CPU)
     if methods:
         args.methods = methods
     bench = bench_decode.Bench.random(max(args.batches), args.temperature, attention=attention)
     bench.engine = engine
     machine = floor_machine()
-    rows, _ = bench_decode.run_grid(args, bench, machine, log=print_flush)
-    for r in rows:
-        yield dict(decode_row(r, machine), floor_device=machine["name"])
+    for batch in args.batches:
+        for length in args.lengths:
+            cell = argparse.Namespace(**{**vars(args), "batches": [batch], "lengths": [length]})
+            rows, _ = bench_decode.run_grid(cell, bench, machine, log=print_flush)
+            for r in rows:
+                yield dict(decode_row(r, machine), floor_device=machine["name"])
 
 
 def cell_decode_static(ctx: Context):

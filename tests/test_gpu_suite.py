@@ -108,7 +108,7 @@ def test_cpu_scaled_suite_writes_every_cell(tmp_path, group):
             assert walked["bytes"] == hlo_walk.walk(text).bytes > 0
             assert walked["flops"] > 0
         dumped = [r for r in cells["decode_static"]["rows"] if r["method"].startswith("hlo")]
-        assert len(dumped) == 1 and dumped[0]["x_floor"] > 1
+        assert len(dumped) == 1 and dumped[0]["walked_x_floor"] > 1
         update = cells["update"]["rows"][0]
         assert update["plan_gib"] > 0 and update["hlo"] == str(hlo / "update.hlo")
         return
