@@ -98,9 +98,10 @@ class Bench:
                    np.load(path / "prompts.npy"), temperature)
 
     @classmethod
-    def random(cls, rows: int, temperature: float) -> "Bench":
+    def random(cls, rows: int, temperature: float, attention: str | None = None) -> "Bench":
         """The configured shape with random weights built in JAX (no ``transformers``, no
-        checkpoint) and ``rows`` random prompts, as ``build_checkpoint`` draws them."""
+        checkpoint) and ``rows`` random prompts, as ``build_checkpoint`` draws them;
+        ``attention``: the model's default attention backend (None: the library's)."""
         import jax.numpy as jnp
         from flax import nnx
 
@@ -109,6 +110,8 @@ class Bench:
         dtype = jnp.dtype(setup.DTYPE)
         model = models.Decoder(setup.model_config(), dtype=dtype, param_dtype=dtype,
                                rngs=nnx.Rngs(0))
+        if attention is not None:  # as the trainer sets model.attention's resolved backend
+            model.attention = attention
         prompts = np.random.default_rng(0).integers(
             3, setup.CONFIG["vocab_size"], (rows, setup.PROMPT_LEN)).astype(np.int32)
         return cls(model, prompts, temperature)

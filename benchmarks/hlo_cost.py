@@ -2,8 +2,9 @@
 update at a real model shape, compiled from abstract inputs on whatever backend is present.
 
     python benchmarks/hlo_cost.py --shape qwen2.5-1.5b --batch 32 --context 4096 \
-        --dtype float32 [--only decode_static_none ...] [--json FILE] [--dump-hlo DIR]
-    python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE]
+        --dtype float32 [--only decode_static_none ...] [--json FILE] [--dump-hlo DIR] \
+        [--top N]
+    python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE] [--top N]
 
 Functions (``--only``; default all): ``decode_{static,continuous}_{none,rkv,sparrow}`` (one
 decode step of ``--batch`` rows each holding ``--context`` tokens; ``rkv`` keeps
@@ -30,7 +31,8 @@ runs micro-batches). On XLA:CPU bf16 work turns into f32 conversions: compare by
 ``--hlo FILE`` walks an HLO text dumped elsewhere (``--dump-hlo DIR`` writes each compiled
 function's, ``XLA_FLAGS=--xla_dump_to=DIR`` a GPU's ``*after_optimizations.txt``) without
 compiling; ``--loop-trips N`` counts loops without a known trip count N times (default once,
-listed).
+listed). ``--top N`` lists each function's ``N`` heaviest kernels by bytes per call (loops
+multiplied in, slices fused), with the ``op_name`` that says which line of code made each.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="write one record per function here")
     p.add_argument("--dump-hlo", metavar="DIR", help="write each optimised HLO to DIR/NAME.hlo")
     p.add_argument("--hlo", metavar="FILE", help="walk this HLO text instead of compiling")
+    p.add_argument("--top", type=int, metavar="N",
+                   help="also list each function's N heaviest kernels by bytes")
     p.add_argument("--loop-trips", type=int,
                    help="--hlo: count loops without a known trip count this many times")
     args = p.parse_args(argv)
@@ -111,8 +115,9 @@ def walk_record(name: str, text: str, loop_trips: int | None) -> dict:
                 unknown_loops=[label for _, label, _ in fused.unknown_loops])
 
 
-def measure(fn, dump_dir: str | None) -> dict:
-    """Compile one ``hlo_cost_functions.Function`` and walk it: its JSON record."""
+def measure(fn, dump_dir: str | None) -> tuple[dict, str]:
+    """Compile one ``hlo_cost_functions.Function`` and walk it: its JSON record and its
+    optimised HLO text."""
     start = time.perf_counter()
     compiled = fn.lower().compile()
     compile_s = time.perf_counter() - start
@@ -133,7 +138,7 @@ def measure(fn, dump_dir: str | None) -> dict:
         rec["peak_bytes"] = None if stats is None else (
             stats.argument_size_in_bytes + stats.output_size_in_bytes
             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-    return rec
+    return rec, text
 
 
 def _num(x: float | None) -> str:
@@ -170,12 +175,35 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def heaviest(text: str, n: int, *, by: str = "bytes", **options) -> list[dict]:
+    """The ``n`` kernels of HLO module ``text`` that cost the most ``by`` (``bytes`` or
+    ``flops``) per call, loops multiplied in; ``options`` as ``hlo_walk.walk``. Each is
+    ``{name, opcode, shape, times, bytes, flops, op_name}`` (``bytes``/``flops``: all runs)."""
+    rows = [dict(name=instr.name, opcode=instr.opcode, shape=instr.shape, times=times,
+                 bytes=times * cost.bytes, flops=times * cost.flops,
+                 op_name=hlo_walk.Walker._label(instr))
+            for times, instr, cost in hlo_walk.Walker(text, **options).kernels()]
+    return sorted(rows, key=lambda r: -r[by])[:n]
+
+
+def top_table(name: str, rows: list[dict]) -> str:
+    """The ``--top`` listing of one function: its heaviest kernels by bytes."""
+    lines = [f"{name}: heaviest kernels per call (loops multiplied in)",
+             f"  {'bytes':>9}{'FLOPs':>9}{'runs':>7}  kernel"]
+    for r in rows:
+        lines.append(f"  {_num(r['bytes']):>9}{_num(r['flops']):>9}{r['times']:>7.0f}  "
+                     f"{r['opcode']} {r['shape'][:60]}  {r['op_name'][-90:]}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Runs the command line (see the module docstring)."""
     args = parse_args(argv)
+    tops = []
     if args.hlo:
-        records = [walk_record(Path(args.hlo).stem, Path(args.hlo).read_text(),
-                               args.loop_trips)]
+        text = Path(args.hlo).read_text()
+        records = [walk_record(Path(args.hlo).stem, text, args.loop_trips)]
+        tops.append((records[0]["name"], text, args.loop_trips))
     else:
         import jax
 
@@ -196,11 +224,15 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:
             print(f"  [{time.perf_counter() - start:6.0f}s] compiling {name} ...", end="",
                   flush=True)
-            rec = measure(fns.BUILDERS[name](abstract), args.dump_hlo)
+            fn = fns.BUILDERS[name](abstract)
+            rec, text = measure(fn, args.dump_hlo)
             records.append(rec)
+            tops.append((name, text, fn.loop_trips))
             print(f" {rec['compile_s']:.0f}s, x{rec['ratio']:.2f} of the {rec['bound']} floor",
                   flush=True)
     print(table(records))
+    for name, text, trips in tops if args.top else ():
+        print(top_table(name, heaviest(text, args.top, default_trips=trips)))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
 

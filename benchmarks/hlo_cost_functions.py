@@ -275,6 +275,16 @@ def score(a: Abstract) -> Function:
                     floor_bytes=weights + n * (s.prompt_len * 8 + s.context * 8), bound="flops")
 
 
+def update_plan_bytes(cfg, n: int, micro: int, **plan) -> int:
+    """The memory plan's bytes for an update of ``n`` sequences in micro-batches of ``micro``:
+    ``memory_plan.estimate`` of one micro-batch (``plan``: its other arguments) plus the
+    float32 gradient accumulator when there is more than one."""
+    from sparse_rl_jax.training import memory_plan
+
+    total = memory_plan.estimate("update", cfg, batch=micro, **plan).total
+    return total + (memory_plan.param_count(cfg) * 4 if micro < n else 0)
+
+
 def update(a: Abstract) -> Function:
     """One ``update_step`` (AdamW, remat ``remat``, ``micro_batch`` rows per micro-batch)
     of ``update_batch`` x ``(prompt_len + context)``; params and optimizer state donated."""
@@ -286,7 +296,6 @@ def update(a: Abstract) -> Function:
     from sparse_rl_jax.rl.loss_config import GRPOLossConfig
     from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
     from sparse_rl_jax.rl.update_step import update_step
-    from sparse_rl_jax.training import memory_plan
 
     s, cfg, n = a.sizes, a.cfg, a.sizes.update_batch
     micro = s.micro_batch or n
@@ -305,10 +314,8 @@ def update(a: Abstract) -> Function:
         return step.lower(params, opt_state, batch)
 
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
-    plan = memory_plan.estimate("update", cfg, batch=micro, prompt_len=s.prompt_len,
-                                new_tokens=s.context, dtype=a.dtype, remat=s.remat,
-                                logp_chunk=s.chunk).total
-    plan += memory_plan.param_count(cfg) * 4 if micro < n else 0  # the gradient accumulator
+    plan = update_plan_bytes(cfg, n, micro, prompt_len=s.prompt_len, new_tokens=s.context,
+                             dtype=a.dtype, remat=s.remat, logp_chunk=s.chunk)
     return Function("update", lower, floor_flops=3 * _forward_flops(a, n),
                     floor_bytes=2 * (nbytes(params) + nbytes(opt_state)) + nbytes(batch),
                     bound="flops", plan_bytes=plan, extra=dict(micro_batch=micro))

@@ -216,25 +216,54 @@ class Walker:
             return self._while(instr)
         if op in ("call", "async-start"):
             cost = Cost()
-            for name in _called(instr.attrs, "to_apply") + _called(instr.attrs, "calls"):
+            for name in _callees(instr):
                 cost.add(self.computation(name))
             return cost
         if op == "conditional":
-            names = (_called(instr.attrs, "branch_computations")
-                     or _called(instr.attrs, "true_computation")
-                     + _called(instr.attrs, "false_computation"))
-            return max((self.computation(n) for n in names), key=lambda c: c.bytes,
+            return max((self.computation(n) for n in _branches(instr)), key=lambda c: c.bytes,
                        default=Cost())
         flops, trans = self._flops(instr, shapes)
         return Cost(flops, trans, self._bytes(instr, shapes))
 
+    def kernels(self, name: str | None = None, times: float = 1.0):
+        """Every kernel (top-level instruction) run by computation ``name`` (default the
+        entry), loops and calls expanded as :meth:`computation` counts them: yields
+        ``(times, Instr, Cost of one run)``, ``times`` the runs per call of the module."""
+        body = self.comps[name or self.entry]
+        shapes = {i.name: i.shape for i in body}
+        for instr in body:
+            op = instr.opcode
+            if op == "while":
+                trips = self._trips(instr)
+                for sub in _called(instr.attrs, "body") + _called(instr.attrs, "condition"):
+                    yield from self.kernels(sub, times * (1 if trips is None else trips))
+            elif op in ("call", "async-start"):
+                for sub in _callees(instr):
+                    yield from self.kernels(sub, times)
+            elif op == "conditional" and _branches(instr):
+                yield from self.kernels(
+                    max(_branches(instr), key=lambda n: self.computation(n).bytes), times)
+            elif op not in FREE:
+                yield times, instr, self.instruction(instr, shapes)
+
+    def _trips(self, instr: Instr) -> int | None:
+        """A ``while``'s trip count: known, else from ``trip_counts`` / ``default_trips``."""
+        found = _TRIP.search(instr.attrs)
+        if found:
+            return int(found.group(1))
+        label = self._label(instr)
+        return next((n for key, n in self.trip_counts.items()
+                     if key in label or key in instr.name), self.default_trips)
+
+    @staticmethod
+    def _label(instr: Instr) -> str:
+        op_name = _OP_NAME.search(instr.attrs)
+        return op_name.group(1) if op_name else instr.name
+
     def _while(self, instr: Instr) -> Cost:
         found = _TRIP.search(instr.attrs)
-        op_name = _OP_NAME.search(instr.attrs)
-        label = op_name.group(1) if op_name else instr.name
-        trips = int(found.group(1)) if found else next(
-            (n for key, n in self.trip_counts.items() if key in label or key in instr.name),
-            self.default_trips)
+        label = self._label(instr)
+        trips = self._trips(instr)
         cost = Cost()
         if not found:
             cost.unknown_loops.append((instr.name, label, trips))
@@ -334,6 +363,18 @@ class Walker:
                 size = sum(shape_bytes(u.shape) for u in uses)
             total += size
         return total
+
+
+def _callees(instr: Instr) -> list[str]:
+    """The computations a ``call`` / ``async-start`` runs."""
+    return _called(instr.attrs, "to_apply") + _called(instr.attrs, "calls")
+
+
+def _branches(instr: Instr) -> list[str]:
+    """The branch computations of a ``conditional``."""
+    return (_called(instr.attrs, "branch_computations")
+            or _called(instr.attrs, "true_computation")
+            + _called(instr.attrs, "false_computation"))
 
 
 def _updates(instr: Instr) -> tuple[str, ...]:

@@ -87,6 +87,21 @@ def test_a_scan_of_n_layers_costs_n_layers(layers):
     assert compiled.cost_analysis()["flops"] < 1.1 * one_layer  # XLA: the body once
 
 
+def test_top_lists_the_kernels_with_their_runs_multiplied_in():
+    """``--top``'s kernels: every kernel of the walk, each with its runs per call (a layer's
+    dot 5 times in a scan of 5), summing to the walked totals, heaviest first."""
+    b, h, layers = 8, 64, 5
+    text = _compiled(_layers, (b, h), (layers, h, h)).as_text()
+    walked = hlo_walk.walk(text)
+    every = hlo_cost.heaviest(text, 10**6)
+    assert sum(r["bytes"] for r in every) == pytest.approx(walked.bytes)
+    assert sum(r["flops"] for r in every) == pytest.approx(walked.flops)
+    assert [r["bytes"] for r in every] == sorted((r["bytes"] for r in every), reverse=True)
+    (dot,) = hlo_cost.heaviest(text, 1, by="flops")
+    assert dot["times"] == layers and dot["flops"] == pytest.approx(layers * 2 * b * h * h)
+    assert "dot" in dot["opcode"] + dot["op_name"]
+
+
 def test_unknown_trip_counts_are_the_callers():
     def loop(x, n):
         return lax.fori_loop(0, n, lambda i, h: h @ h, x)

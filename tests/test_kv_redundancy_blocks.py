@@ -55,8 +55,8 @@ def _case(c, d, seed, empty_tail=3):
 RED = jax.jit(redundancy, static_argnums=(3, 4))
 
 
-@pytest.mark.parametrize("c,block", [(24, 8), (29, 8), (64, 7), (300, KEY_BLOCK),
-                                     (256, KEY_BLOCK)])
+@pytest.mark.parametrize("c,block", [(24, 8), (29, 8), (64, 7), (300, 128),
+                                     (700, KEY_BLOCK)])
 @pytest.mark.parametrize("threshold", [0.3, 0.5])
 def test_blockwise_redundancy_matches_numpy_definition(c, block, threshold):
     k, pos, index = _case(c, d=8, seed=c)
@@ -100,7 +100,7 @@ def _square_intermediates(c, block):
 
 
 def test_no_intermediate_is_a_capacity_by_capacity_array():
-    """At C = 512 in blocks of 128, no intermediate ends in ``[C, C]``; one block of all 512
-    slots (the control) does form it."""
-    assert _square_intermediates(512, KEY_BLOCK) == []
-    assert _square_intermediates(512, 512)
+    """At C = 4 x KEY_BLOCK in blocks of KEY_BLOCK, no intermediate ends in ``[C, C]``; one
+    block of all C slots (the control) does form it."""
+    assert _square_intermediates(4 * KEY_BLOCK, KEY_BLOCK) == []
+    assert _square_intermediates(4 * KEY_BLOCK, 4 * KEY_BLOCK)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the config takes its method names from this module's regist
 EVICTION_SCORES: Registry[Callable[..., jax.Array]] = Registry("eviction score")
 
 _SINK_SCORE = float(2**30)  # above any position: sinks outrank every recency score
-KEY_BLOCK = 128  # key slots per block of R-KV's duplicate search (``redundancy``)
+KEY_BLOCK = 512  # most key slots per block of R-KV's duplicate search (``redundancy``)
 
 
 def _slot_masks(pos: jax.Array, index: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
@@ -121,52 +121,80 @@ def importance(
                          axis=2)
 
 
-def _key_blocks(x: jax.Array, block: int) -> jax.Array:
-    """``x [B, Hkv, C, ...]`` as ``[N, B, Hkv, L, ...]``: ``N = ceil(C / L)`` blocks of
-    ``L = block`` slots, the last padded with zeros (callers mask the padded slots)."""
-    b, h, c = x.shape[:3]
+def _block_starts(c: int, block: int) -> tuple[int, jax.Array]:
+    """``(L, starts [N])``: ``N = ceil(C / block)`` blocks of ``L = ceil(C / N) <= block``
+    slots covering ``[0, C)``, the last one moved back to end at ``C`` (it may overlap the one
+    before: the callers' reductions either ignore or mask the repeated slots)."""
     n = -(-c // block)
-    pad = ((0, 0), (0, 0), (0, n * block - c)) + ((0, 0),) * (x.ndim - 3)
-    return jnp.moveaxis(jnp.pad(x, pad).reshape((b, h, n, block) + x.shape[3:]), 2, 0)
+    size = -(-c // n)
+    return size, jnp.minimum(jnp.arange(n) * size, c - size)
+
+
+def _newer_duplicate(threshold: float):
+    """The reducer of the duplicate search over ``(similarity, slot id)`` pairs: the newest id
+    whose similarity is above ``threshold`` (``-1``: none), as a resolved pair ``(+inf, id)``
+    (``(+inf, -1)`` is its identity), so the similarity is read once, straight from the dot."""
+
+    def reduce(a, b):
+        key_a = jnp.where(a[0] > threshold, a[1], -1.0)
+        key_b = jnp.where(b[0] > threshold, b[1], -1.0)
+        return jnp.full_like(a[0], jnp.inf), jnp.maximum(key_a, key_b)
+
+    return reduce
 
 
 def _newest_duplicates(k_BxKxCxD: jax.Array, valid_BxKxC: jax.Array, threshold: float,
                        block: int) -> jax.Array:
     """``[B, Hkv, C]`` int32: per row ``i`` the newest valid ``j != i`` with
-    ``k_i . k_j > threshold`` (``-1``: none), a running max over key blocks of ``block``
-    slots (only ``[C, block]`` similarities at a time)."""
+    ``k_i . k_j > threshold`` (``-1``: none), a running max over key blocks of at most
+    ``block`` slots (only ``[C, L]`` similarities at a time, each read once by one reduction
+    that also builds the candidate ids; a block overlapping the previous one repeats a max)."""
     c = k_BxKxCxD.shape[2]
+    size, starts = _block_starts(c, block)
     slot = jnp.arange(c)
 
-    def newest_in_block(newest_BxKxC, blk):
-        k_BxKxLxD, ok_BxKxL, start = blk
-        ids_L = start + jnp.arange(block)
+    def newest_in_block(newest_BxKxC, start):
+        k_BxKxLxD = lax.dynamic_slice_in_dim(k_BxKxCxD, start, size, axis=2)
+        ok_BxKxL = lax.dynamic_slice_in_dim(valid_BxKxC, start, size, axis=2)
+        ids_L = start + jnp.arange(size)
         sim_BxKxCxL = jnp.einsum("bkid,bkjd->bkij", k_BxKxCxD, k_BxKxLxD)
-        dup_BxKxCxL = ((sim_BxKxCxL > threshold) & ok_BxKxL[..., None, :]
-                       & (slot[:, None] != ids_L[None, :]))
         # float slot ids (exact below 2**24): XLA:CPU vectorises a float max, not an int one
-        best_BxKxC = jnp.max(jnp.where(dup_BxKxCxL, ids_L.astype(jnp.float32), -1.0), axis=-1)
+        ids_BxKxCxL = jnp.where(ok_BxKxL[..., None, :] & (slot[:, None] != ids_L[None, :]),
+                                ids_L.astype(jnp.float32), -1.0)
+        _, best_BxKxC = lax.reduce((sim_BxKxCxL, ids_BxKxCxL), (jnp.float32(jnp.inf),
+                                   jnp.float32(-1.0)), _newer_duplicate(threshold), (3,))
         return jnp.maximum(newest_BxKxC, best_BxKxC), None
 
-    blocks = (_key_blocks(k_BxKxCxD, block), _key_blocks(valid_BxKxC, block),
-              jnp.arange(0, c, block))
-    newest_BxKxC, _ = lax.scan(newest_in_block, jnp.full(valid_BxKxC.shape, -1.0), blocks)
+    newest_BxKxC, _ = lax.scan(newest_in_block, jnp.full(valid_BxKxC.shape, -1.0), starts)
     return newest_BxKxC.astype(jnp.int32)
+
+
+def _sum_where_zero(a, b):
+    """Reducer over ``(value, offset)`` pairs: the sum of the values whose offset is 0, as a
+    resolved pair ``(sum, 0)`` (``(0, 0)`` is its identity)."""
+    total = jnp.where(a[1] == 0.0, a[0], 0.0) + jnp.where(b[1] == 0.0, b[0], 0.0)
+    return total, jnp.zeros_like(total)
 
 
 def _removed_per_column(newest_BxKxC: jax.Array, zeroed_BxKxC: jax.Array,
                         block: int) -> jax.Array:
     """``[B, Hkv, C]``: per column ``j``, the sum of the ``zeroed_i`` of the rows ``i`` whose
-    newest duplicate is ``j``: a compare-reduce over all rows (no scatter), one block of
-    ``block`` columns at a time."""
+    newest duplicate is ``j``: a compare-reduce over all rows (no scatter), one block of at
+    most ``block`` columns at a time, its ``[C, L]`` compare formed inside the reduction."""
     c = newest_BxKxC.shape[2]
+    size, _ = _block_starts(c, block)
+    newest_BxKxCx1 = newest_BxKxC.astype(jnp.float32)[..., None]
+    zeroed_BxKxCx1 = zeroed_BxKxC[..., None]
 
     def column_block(start):
-        ids_L = start + jnp.arange(block)
-        return jnp.sum(jnp.where(newest_BxKxC[..., :, None] == ids_L,
-                                 zeroed_BxKxC[..., :, None], 0.0), axis=-2)
+        ids_L = (start + jnp.arange(size)).astype(jnp.float32)
+        shape = newest_BxKxCx1.shape[:-1] + (size,)
+        removed_BxKxL, _ = lax.reduce(
+            (jnp.broadcast_to(zeroed_BxKxCx1, shape), newest_BxKxCx1 - ids_L),
+            (jnp.float32(0.0), jnp.float32(0.0)), _sum_where_zero, (2,))
+        return removed_BxKxL
 
-    removed_NxBxKxL = lax.map(column_block, jnp.arange(0, c, block))
+    removed_NxBxKxL = lax.map(column_block, jnp.arange(0, c, size))
     b, h = newest_BxKxC.shape[:2]
     return jnp.moveaxis(removed_NxBxKxL, 0, 2).reshape(b, h, -1)[..., :c]
 
@@ -179,15 +207,16 @@ def redundancy(keys: jax.Array, pos: jax.Array, index: jax.Array, threshold: flo
     row ``i`` the newest ``j`` with ``S_ij > threshold`` is zeroed (the newest near-duplicate
     survives; nothing is zeroed when no such ``j``); ``R = softmax_j(mean_i S_ij)``.
     ``keys [B, Hkv, C, D]``, ``pos [B, Hkv, C]``, ``index []``: the module's geometry;
-    ``block`` (static): key slots per block of the duplicate search.
+    ``block`` (static): the most key slots per block of the duplicate search.
 
-    No ``[C, C]`` array is formed: the duplicate search is a running max over key blocks of
-    ``min(block, C)`` slots (static; the last block padded with masked slots), and the column
-    sums use ``sum_i S_ij = (sum_i k_i) . k_j`` minus the diagonal and the zeroed entries
-    (one compare-reduce per column block, no scatter: XLA:CPU scatters are slow).
+    No ``[C, C]`` array is formed: the duplicate search is a running max over ``ceil(C /
+    block)`` key blocks of equal size (the last one ends at ``C``), and the column sums use
+    ``sum_i S_ij = (sum_i k_i) . k_j`` minus the diagonal and the zeroed entries (one
+    compare-reduce per column block, no scatter: a GPU scatter-add is not deterministic).
+    Each ``[C, L]`` similarity block is written once by its dot and read once by one variadic
+    reduction; the compares are formed inside the reductions, never stored.
     """
     c = keys.shape[2]
-    block = min(block, c)
     valid_BxKxC, _ = _slot_masks(pos, index, 0)
     k_BxKxCxD = keys.astype(jnp.float32)
     norm_BxKxCx1 = jnp.linalg.norm(k_BxKxCxD, axis=-1, keepdims=True) + 1e-8

@@ -160,15 +160,19 @@ def _compress_layer(cfg: CompressionConfig, index: jax.Array, layer: tuple) -> t
     )
 
 
-def _overwrite_slots(buffer: jax.Array, kept: jax.Array, fill) -> jax.Array:
-    """``buffer [L, B, Hkv, C, ...]`` with slots ``[0, budget)`` = ``kept``, the rest = ``fill``.
+def _overwrite_layer(buffer: jax.Array, layer: jax.Array, kept: jax.Array, fill) -> jax.Array:
+    """``buffer [L, B, Hkv, C, ...]`` with layer ``layer``'s slots ``[0, budget)`` = ``kept
+    [B, Hkv, budget, ...]`` and the rest = ``fill``.
 
-    Written as in-place updates of ``buffer`` so that a ``lax.cond`` around ``compress`` needs
-    no copy of the cache on either branch (a gathered fresh buffer would force XLA to copy
-    the whole cache on every idle decode step)."""
-    budget = kept.shape[3]
-    buffer = lax.dynamic_update_slice_in_dim(buffer, kept.astype(buffer.dtype), 0, axis=3)
-    return buffer.at[:, :, :, budget:].set(fill)
+    In-place updates of ``buffer`` (the layer loop's carry), so neither the loop nor a
+    ``lax.cond`` around ``compress`` copies the cache (a gathered fresh buffer would make XLA
+    copy the whole cache on every idle decode step)."""
+    budget = kept.shape[2]
+    start = (layer,) + (0,) * (buffer.ndim - 1)
+    buffer = lax.dynamic_update_slice(buffer, kept.astype(buffer.dtype)[None], start)
+    tail = jnp.full((1,) + buffer.shape[1:3] + (buffer.shape[3] - budget,) + buffer.shape[4:],
+                    fill, buffer.dtype)
+    return lax.dynamic_update_slice(buffer, tail, start[:3] + (budget,) + start[4:])
 
 
 def _record_evictions(
@@ -201,18 +205,20 @@ def compress(state: SparseKVState, cfg: CompressionConfig) -> SparseKVState:
         raise ValueError("compress: CompressionConfig.method='none' never compresses")
     _check_matches(state, cfg)
     cache = state.cache
-    k, v, pos, evicted = lax.map(
-        lambda layer: _compress_layer(cfg, cache.index, layer),
-        (cache.k, cache.v, cache.pos, cache.queries),
-    )
+    evicted = jnp.zeros(cache.pos.shape, bool)
+
+    def one_layer(layer, carry):
+        k, v, pos, evicted = carry
+        kept_k, kept_v, kept_pos, gone = _compress_layer(
+            cfg, cache.index, (k[layer], v[layer], pos[layer], cache.queries[layer]))
+        return (_overwrite_layer(k, layer, kept_k, 0), _overwrite_layer(v, layer, kept_v, 0),
+                _overwrite_layer(pos, layer, kept_pos, -1), evicted.at[layer].set(gone))
+
+    k, v, pos, evicted = lax.fori_loop(0, cache.k.shape[0], one_layer,
+                                       (cache.k, cache.v, cache.pos, evicted))
     when = jnp.max(cache.pos, axis=(2, 3))[..., None] + 1  # [L, B, 1] next query position
     evicted_at = _record_evictions(state.evicted_at, cache.pos, evicted, when)
-    cache = cache.replace(
-        k=_overwrite_slots(cache.k, k, 0),
-        v=_overwrite_slots(cache.v, v, 0),
-        pos=_overwrite_slots(cache.pos, pos, -1),
-        index=jnp.asarray(cfg.eviction.budget, jnp.int32),
-    )
+    cache = cache.replace(k=k, v=v, pos=pos, index=jnp.asarray(cfg.eviction.budget, jnp.int32))
     return state.replace(cache=cache, evicted_at=evicted_at)
 
 
