@@ -20,10 +20,10 @@ Attention reads a row's pages through its table in chunks of ``chunk_pages`` log
 the paged cache, so a row's attention equals the paged cache's when its table maps every page
 it has written). Each chunk is one gather straight into the ``[B, Hkv, chunk, D]`` operand of
 the attention dots (no transpose, no copy besides the gather's own output). That output is
-still materialised: XLA fuses neither a gather into a dot (a library call on CPU and GPU) nor
-a gather into a consumer that reads each of its elements ``G = Hq / Hkv`` times (GQA), so the
-XLA path reads a chunk's keys twice and writes them once (``benchmarks/README.md``, the cost
-model); the page kernels read them once. Rollouts only (no gradient through the loop).
+still materialised: XLA:CPU fuses neither a gather into a dot (a library call) nor a gather
+into a consumer that reads each of its elements ``G = Hq / Hkv`` times (GQA), so the XLA path
+reads a chunk's keys twice and writes them once (``benchmarks/README.md``, the cost model);
+the page kernels read them once. Rollouts only (no gradient through the loop).
 """
 
 from __future__ import annotations
