@@ -9,10 +9,21 @@ it reads as zeros (its slots are empty, ``pos == -1``, so no query sees them). T
 the tables (a continuous-batching engine draws pages from a free list as rows fill them and
 returns a retired row's pages), so a row holds the pages it has filled, not ``max_len``.
 
+Layout: each layer's pages are ``[Hkv, N, page_size, D]`` (buffers ``[L, Hkv, N, page_size,
+D]``), the page layout of JAX's GPU Pallas paged-attention kernel (``k_pages [num_kv_heads,
+total_pages, page_size, head_dim]`` with a ``[B, pages_per_row]`` block table), chosen for the
+kernels (``models.paged_kernels``) that read pages in place: a page of one head is one
+contiguous ``[page_size, D]`` block.
+
 Attention reads a row's pages through its table in chunks of ``chunk_pages`` logical pages
 (``models.paged_cache.chunked_attention``: the same chunks, online softmax and trip count as
 the paged cache, so a row's attention equals the paged cache's when its table maps every page
-it has written). Rollouts only (no gradient through the loop).
+it has written). Each chunk is one gather straight into the ``[B, Hkv, chunk, D]`` operand of
+the attention dots (no transpose, no copy besides the gather's own output). That output is
+still materialised: XLA:CPU fuses neither a gather into a dot (a library call) nor a gather
+into a consumer that reads each of its elements ``G = Hq / Hkv`` times (GQA), so the XLA path
+reads a chunk's keys twice and writes them once (``benchmarks/README.md``, the cost model);
+the page kernels read them once. Rollouts only (no gradient through the loop).
 """
 
 from __future__ import annotations
@@ -33,8 +44,8 @@ class PagePoolCache(PositionSlots):
     view).
 
     Attributes:
-      k: ``[L, N, Hkv, page_size, D]`` keys after RoPE, ``N`` pool pages.
-      v: ``[L, N, Hkv, page_size, D]`` values.
+      k: ``[L, Hkv, N, page_size, D]`` keys after RoPE, ``N`` pool pages.
+      v: ``[L, Hkv, N, page_size, D]`` values.
       pages: ``[B, R]`` int32 pool page of each row's logical page (``N`` = none); a row holds
         ``C = R * page_size`` positions.
       pos: ``[B, C]`` int32 original token position of each logical slot, ``-1`` = empty or
@@ -59,13 +70,18 @@ class PagePoolCache(PositionSlots):
     @property
     def num_pages(self) -> int:
         """Pages ``N`` of the pool."""
+        return self.k.shape[2]
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads ``Hkv`` of the pool (``k [L, Hkv, N, page_size, D]``)."""
         return self.k.shape[1]
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """ValueError naming the field when the pool does not fit ``config`` and a forward of
         ``[batch, t]`` tokens (shapes; room for ``t`` more tokens when the index is known; a
         backend that takes per-key visibility)."""
-        dims = dict(L=config.num_layers, N=None, Hkv=config.num_kv_heads, P=self.page_size)
+        dims = dict(L=config.num_layers, Hkv=config.num_kv_heads, N=None, P=self.page_size)
         check_shape("PagePoolCache.k", self.k, **dims, D=config.head_dim)
         check_shape("PagePoolCache.v", self.v, **dims, D=config.head_dim)
         check_shape("PagePoolCache.pages", self.pages, B=batch, R=None)
@@ -81,24 +97,34 @@ class PagePoolCache(PositionSlots):
                          self.num_pages)
         return page, slots % self.page_size
 
+    def kv_index(self, rows: jax.Array, heads: jax.Array,
+                 slots: jax.Array) -> tuple[jax.Array, ...]:
+        """Where logical slots ``slots`` of KV heads ``heads`` of rows ``rows`` (broadcasting
+        int arrays) live in ``k, v``: ``(heads, page, offset)``, indices into axes 1-3
+        (``k[(layer,) + index]``; see ``models.paged_cache.PositionSlots.kv_index``)."""
+        return (heads,) + self.slot_index(rows, slots)
+
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array,
               q_pos: jax.Array) -> PagePoolCache:
         """Write ``k, v [B, Hkv, T, D]`` of ``layer`` at the pool slots of their positions
         ``q_pos [B, T]`` (padding and unmapped pages are dropped): one scatter per buffer."""
         page, offset = self.slot_index(_rows(q_pos), _slots(q_pos, self.capacity))
-        # advanced indices (layer, page, offset) around a slice put [B, T] first: [B, T, Hkv, D]
+        # advanced indices (layer; page, offset) around a slice put [B, T] first: [B, T, Hkv, D]
         return self.replace(
-            k=self.k.at[layer, page, :, offset].set(
+            k=self.k.at[layer, :, page, offset].set(
                 k.transpose(0, 2, 1, 3).astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, page, :, offset].set(
+            v=self.v.at[layer, :, page, offset].set(
                 v.transpose(0, 2, 1, 3).astype(self.v.dtype), mode="drop"))
 
     def _gather(self, buf: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
         """``[B, Hkv, R' * page_size, D]``: logical pages ``pages [B, R']`` of ``layer``
-        gathered from ``buf`` (unmapped pages read as zeros)."""
-        got = buf.at[layer, pages].get(mode="fill", fill_value=0)  # [B, R', Hkv, P, D]
-        b, r, hkv, p, d = got.shape
-        return got.transpose(0, 2, 1, 3, 4).reshape(b, hkv, r * p, d)
+        gathered from ``buf`` (unmapped pages read as zeros), in one gather whose output is
+        already the attention's operand layout (the final reshape merges adjacent axes)."""
+        heads = jnp.arange(self.num_kv_heads)[None, :, None]
+        # advanced indices (layer, heads, pages) side by side: [B, Hkv, R', P, D]
+        got = buf.at[layer, heads, pages[:, None, :]].get(mode="fill", fill_value=0)
+        b, hkv, r, p, d = got.shape
+        return got.reshape(b, hkv, r * p, d)
 
     def read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
              backend: str) -> jax.Array:
@@ -117,7 +143,7 @@ class PagePoolCache(PositionSlots):
                                                  chunk_pages, axis=1)
             return self._gather(self.k, layer, pages), self._gather(self.v, layer, pages)
 
-        return chunked_attention(q, self.pos, q_pos, fetch, hkv=self.k.shape[2],
+        return chunked_attention(q, self.pos, q_pos, fetch, hkv=self.num_kv_heads,
                                  filled=jnp.max(q_pos) + 1,
                                  chunk=chunk_pages * self.page_size)
 
@@ -130,9 +156,9 @@ class PagePoolCache(PositionSlots):
         r = c // self.page_size
         pages = self.pages.at[rows].get(mode="fill", fill_value=self.num_pages)  # [I, R]
 
-        def put(dst, new):  # [L, I, Hkv, C, D] -> pages [L, I, R, Hkv, P, D]
-            new = new.reshape(l, i, hkv, r, self.page_size, d).transpose(0, 1, 3, 2, 4, 5)
-            return dst.at[:, pages].set(new.astype(dst.dtype), mode="drop")
+        def put(dst, new):  # [L, I, Hkv, C, D] -> pages [L, Hkv, I, R, P, D]
+            new = new.reshape(l, i, hkv, r, self.page_size, d).transpose(0, 2, 1, 3, 4, 5)
+            return dst.at[:, :, pages].set(new.astype(dst.dtype), mode="drop")
 
         index = jnp.broadcast_to(self.index, (self.pages.shape[0],))
         return self.replace(k=put(self.k, src.k), v=put(self.v, src.v),
@@ -157,7 +183,7 @@ def init_page_pool(num_layers: int, batch: int, num_kv_heads: int, max_len: int,
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"init_page_pool: {name}={value!r} must be an int >= 1")
     r = -(-max_len // page_size)
-    shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     return PagePoolCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                          pages=jnp.full((batch, r), num_pages, jnp.int32),
                          pos=jnp.full((batch, r * page_size), -1, jnp.int32),

@@ -129,7 +129,7 @@ class PageSparseCache:
             return page_sparse_attention(q, cache.k, cache.v, cache.pos, q_pos, layer,
                                          self.page_keys, self.budget,
                                          page_size=self.page_size, max_k=self.max_k,
-                                         slot_index=cache.slot_index)
+                                         kv_index=cache.kv_index)
 
         def dense(_):
             shape = (q.shape[0], k.shape[1], self.num_selected)
@@ -172,7 +172,7 @@ def page_sparse_cache(cache: PositionSlots, *, max_k: int,
     """A :class:`PageSparseCache` over an empty paged ``cache`` (a ``PagedKVCache`` or a
     ``models.page_pool.PagePoolCache``: ``pos [B, C]``): zero page keys ``[L, B, Hkv,
     C / page_size, D]``, budget and first positions 0, ``selected`` all ``NO_PAGE``."""
-    n_layers, hkv, d = cache.k.shape[0], cache.k.shape[2], cache.k.shape[-1]
+    n_layers, hkv, d = cache.k.shape[0], cache.num_kv_heads, cache.k.shape[-1]
     b, p = cache.pos.shape[0], cache.capacity // cache.page_size
     return PageSparseCache(
         cache=cache, page_keys=jnp.zeros((n_layers, b, hkv, p, d), cache.k.dtype),
@@ -188,7 +188,7 @@ def refresh_page_keys(page_keys: jax.Array, cache: PositionSlots,
     Args:
       page_keys: ``[L, B, Hkv, P, D]`` page-mean keys.
       cache: the paged cache (``pos [B, C]``, ``C = P * page_size``; its keys read through
-        its ``slot_index``: a ``PagedKVCache`` or a ``models.page_pool.PagePoolCache``).
+        its ``kv_index``: a ``PagedKVCache`` or a ``models.page_pool.PagePoolCache``).
       pages: ``[B, n]`` int page indices to refresh (``P`` or more = skipped).
 
     Returns ``page_keys`` with those pages set to the mean of their written keys (zero for a
@@ -199,9 +199,10 @@ def refresh_page_keys(page_keys: jax.Array, cache: PositionSlots,
     want = (pages[:, :, None] * ps + jnp.arange(ps)).reshape(b, -1)  # [B, n*ps]
     slots = jnp.clip(want, 0, c - 1)
     got = jnp.take_along_axis(cache.pos, slots, axis=-1) == want  # [B, n*ps]
-    at, within = cache.slot_index(jnp.arange(b)[:, None, None], slots[:, None, :])
-    # advanced indices (at, head, within) next to each other: [L, B, Hkv, n*ps, D]
-    keys = cache.k.at[:, at, jnp.arange(h)[None, :, None], within].get(
+    index = cache.kv_index(jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
+                           slots[:, None, :])
+    # advanced indices side by side after the layer slice: [L, B, Hkv, n*ps, D]
+    keys = cache.k.at[(slice(None),) + index].get(
         mode="fill", fill_value=0).astype(jnp.float32)
     keys = jnp.where(got[None, :, None, :, None], keys, 0.0).reshape(n_layers, b, h, -1, ps, d)
     count = jnp.sum(got.reshape(b, -1, ps), axis=-1)[None, :, None, :, None]
@@ -289,18 +290,18 @@ def select_pages(
 
 def gather_pages(
     k: jax.Array, v: jax.Array, k_pos: jax.Array, pages: jax.Array, layer: jax.Array,
-    page_size: int, slot_index=None,
+    page_size: int, kv_index=None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Keys, values and positions of the selected pages of one layer only.
 
     Args:
       k, v: ``[L, B, Hkv, C, D]`` a paged cache's buffers (slot = position), or a pool's
-        ``[L, N, Hkv, page_size, D]`` with its ``slot_index``; k_pos: ``[B, C]`` (``-1``
+        ``[L, Hkv, N, page_size, D]`` with its ``kv_index``; k_pos: ``[B, C]`` (``-1``
         empty).
       pages: ``[B, Hkv, K]`` page indices (``NO_PAGE`` unused).
       layer: ``[]`` int the layer to read.
-      slot_index: ``(rows, slots) -> (i1, i3)``, where a row's logical slot lives in ``k,
-        v`` (``PositionSlots.slot_index``); None = the slot itself.
+      kv_index: ``(rows, heads, slots) -> index`` into axes 1-3 of ``k, v``, where a row's
+        logical slot lives (``PositionSlots.kv_index``); None = ``(rows, heads, slots)``.
 
     Returns:
       ``k, v [B, Hkv, K * page_size, D]`` and positions ``[B, Hkv, K * page_size]`` with ``-1``
@@ -313,26 +314,28 @@ def gather_pages(
     rows, heads = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
     got = k_pos[rows, slots]
     used = jnp.repeat(pages >= 0, page_size, axis=-1) & (got == want)
-    at, within = (rows, slots) if slot_index is None else slot_index(rows, slots)
-    return (k.at[layer, at, heads, within].get(mode="fill", fill_value=0),
-            v.at[layer, at, heads, within].get(mode="fill", fill_value=0),
+    index = (layer,) + ((rows, heads, slots) if kv_index is None
+                        else kv_index(rows, heads, slots))
+    return (k.at[index].get(mode="fill", fill_value=0),
+            v.at[index].get(mode="fill", fill_value=0),
             jnp.where(used, got, -1))
 
 
 def page_sparse_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array, q_pos: jax.Array,
     layer: jax.Array, page_keys: jax.Array, budget: jax.Array, *, page_size: int, max_k: int,
-    slot_index=None,
+    kv_index=None,
 ) -> tuple[jax.Array, jax.Array]:
     """One decode step of page-sparse attention for one layer of a paged cache.
 
     Args:
       q: ``[B, 1, Hq, D]`` the step's query (after RoPE); q_pos ``[B, 1]`` its position.
-      k, v: ``[L, B, Hkv, C, D]`` the paged cache's buffers (the step's key already written);
-        k_pos ``[B, C]``; layer ``[]`` the layer to read.
+      k, v: ``[L, B, Hkv, C, D]`` the paged cache's buffers, or a pool's with its
+        ``kv_index`` (the step's key already written); k_pos ``[B, C]``; layer ``[]`` the
+        layer to read.
       page_keys: ``[B, Hkv, P, D]`` this layer's page-mean keys; budget ``[B]`` (see
         :class:`PageSparseCache`).
-      slot_index: as :func:`gather_pages` (a page pool's).
+      kv_index: as :func:`gather_pages` (a page pool's).
 
     Returns:
       ``(out [B, 1, Hq, D], pages [B, Hkv, K])``.
@@ -340,9 +343,9 @@ def page_sparse_attention(
     b, t, hq, d = q.shape
     if t != 1:
         raise ValueError(f"page_sparse_attention: one decode query per row, got T={t}")
-    hkv = k.shape[2]
+    hkv = page_keys.shape[1]
     q_mean = jnp.mean(q[:, 0].reshape(b, hkv, hq // hkv, d).astype(jnp.float32), axis=2)
     num_pages = (q_pos[:, 0] + page_size) // page_size  # ceil((pos + 1) / page_size)
     pages = select_pages(q_mean, page_keys.astype(jnp.float32), num_pages, budget, max_k)
-    gk, gv, gpos = gather_pages(k, v, k_pos, pages, layer, page_size, slot_index)
+    gk, gv, gpos = gather_pages(k, v, k_pos, pages, layer, page_size, kv_index)
     return attention(q, gk, gv, q_pos, gpos), pages

@@ -60,11 +60,18 @@ class PositionSlots(WriteIndexCache):
         """``[B]`` int32 resident (non-empty) slots of each row."""
         return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
 
-    def slot_index(self, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Where logical slots ``slots`` of rows ``rows`` (broadcasting int arrays, slots in
-        ``[0, C)``) live in ``k, v``: indices into their axes 1 and 3 (``k[layer, i1, head,
-        i3]``); here the row and the slot themselves."""
-        return rows, slots
+    def kv_index(self, rows: jax.Array, heads: jax.Array,
+                 slots: jax.Array) -> tuple[jax.Array, ...]:
+        """Where logical slots ``slots`` of KV heads ``heads`` of rows ``rows`` (broadcasting
+        int arrays, slots in ``[0, C)``) live in ``k, v``: indices into their axes 1-3
+        (``k[(layer,) + index]``, advanced indices side by side, so the result is the
+        broadcast shape, then ``D``); here ``(rows, heads, slots)`` themselves."""
+        return rows, heads, slots
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads ``Hkv`` of the buffers (``k [L, B, Hkv, C, D]``)."""
+        return self.k.shape[2]
 
 
 @struct.dataclass

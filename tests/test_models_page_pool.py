@@ -58,13 +58,14 @@ def test_pool_attention_equals_the_paged_cache(page_size, chunk_pages, hq, hkv, 
                              q_pos, backend)
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(pool.pos, paged.pos)
-    # each mapped page holds its logical page of the row; the pages never mapped stay zero
+    # each mapped page ([Hkv, N, P, D] per layer) holds its logical page of the row; the
+    # pages never mapped stay zero
     k_pool, k_paged = np.asarray(pool.k)[LAYER], np.asarray(paged.k)[LAYER]
     for b in range(B):
         for p in np.flatnonzero(table[b] < pool_pages):
             np.testing.assert_array_equal(
-                k_pool[table[b, p]], k_paged[b, :, p * page_size:(p + 1) * page_size])
-    assert not np.asarray(pool.k)[:, np.setdiff1d(np.arange(pool_pages), table)].any()
+                k_pool[:, table[b, p]], k_paged[b, :, p * page_size:(p + 1) * page_size])
+    assert not np.asarray(pool.k)[:, :, np.setdiff1d(np.arange(pool_pages), table)].any()
 
 
 def _all_layers(view, q_pos, tokens):
@@ -119,8 +120,8 @@ def test_put_rows_copies_a_prefill_into_the_mapped_pages():
     np.testing.assert_array_equal(pool.pos[2], paged.pos[0])
     np.testing.assert_array_equal(pool.pos[0], paged.pos[1])
     np.testing.assert_array_equal(pool.index, [6, 0, 6])
-    np.testing.assert_array_equal(pool.k[:, 1], paged.k[:, 0, :, 4:8])
-    np.testing.assert_array_equal(pool.v[:, 7], paged.v[:, 1, :, 0:4])
+    np.testing.assert_array_equal(pool.k[:, :, 1], paged.k[:, 0, :, 4:8])
+    np.testing.assert_array_equal(pool.v[:, :, 7], paged.v[:, 1, :, 0:4])
     # the next decode step reads the same through the pool as through the paged cache
     q, k, v, q_pos = next(gen)
     want, _ = _forward(paged, cfg, LAYER, q, k, v, q_pos)
