@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention_backends import attention, get_backend, visibility_backend
+from models.kv_quant import fake_quant
 from models.shapes import check_shape
 
 
@@ -99,9 +100,16 @@ def self_keys(q_pos: jax.Array, k: jax.Array) -> jax.Array:
 
 
 class FullForward:
-    """Shared parts of the full-forward views (keys are the forward's own tokens)."""
+    """Shared parts of the full-forward views (keys are the forward's own tokens). Each has a
+    static ``quant`` field (a ``models.kv_quant`` format, ``"none"`` by default): a view
+    replaying a quantized rollout attends over its keys and values quantized and decoded, as
+    the rollout's cache returned them."""
 
     position_offset = 0
+
+    def own_kv(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The forward's keys and values as this view's rollout cache held them."""
+        return fake_quant(self.quant, k, v)
 
     def begin_forward(self, positions: jax.Array):
         """Nothing to write before the layers: a full forward keeps no state."""
@@ -117,7 +125,10 @@ class FullForward:
 @struct.dataclass
 class Causal(FullForward):
     """Plain causal (+ padding) attention over the forward's own tokens; the only view a
-    backend without per-key visibility (``"fused"``) takes."""
+    backend without per-key visibility (``"fused"``) takes. With ``quant`` it replays a
+    quantized rollout that evicted nothing."""
+
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """Any registered backend fits a full causal forward."""
@@ -126,7 +137,8 @@ class Causal(FullForward):
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention of ``q [B, T, Hq, D]`` over ``k, v [B, Hkv, T, D]``."""
         del layer
-        return attention(q, k, v, q_pos, self_keys(q_pos, k), backend=backend), self
+        return attention(q, *self.own_kv(k, v), q_pos, self_keys(q_pos, k),
+                         backend=backend), self
 
 
 @struct.dataclass
@@ -139,6 +151,7 @@ class ExpiryRecord(FullForward):
     """
 
     expiry: jax.Array = layer_field()
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """``expiry`` must be ``[L, B, Hkv, T]``; the backend must take per-key visibility."""
@@ -149,8 +162,8 @@ class ExpiryRecord(FullForward):
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention with this layer's expiry ``[B, Hkv, T]``."""
         del layer
-        return attention(q, k, v, q_pos, self_keys(q_pos, k), k_expiry=self.expiry,
-                         backend=backend), self
+        return attention(q, *self.own_kv(k, v), q_pos, self_keys(q_pos, k),
+                         k_expiry=self.expiry, backend=backend), self
 
 
 @struct.dataclass
@@ -164,6 +177,7 @@ class MaskRecord(FullForward):
     """
 
     mask: jax.Array = layer_field()
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """``mask`` must be ``[L, B, Hkv|1, T, T]``; the backend must take a mask."""
@@ -174,5 +188,5 @@ class MaskRecord(FullForward):
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention ANDed with this layer's mask ``[B, Hkv|1, T, T]``."""
         del layer
-        return attention(q, k, v, q_pos, self_keys(q_pos, k), mask=self.mask,
+        return attention(q, *self.own_kv(k, v), q_pos, self_keys(q_pos, k), mask=self.mask,
                          backend=backend), self
