@@ -87,3 +87,15 @@ def test_bad_quant_is_a_config_error_naming_the_key():
         kv_state.init_state(CompressionConfig(method="rkv", quant="int4", eviction=EVICT),
                             num_layers=1, batch=1, num_heads=2, num_kv_heads=1, head_dim=7,
                             max_len=20)
+
+
+def test_memory_plan_counts_codes_and_scales():
+    from models.config import ModelConfig
+    from sparse_rl_jax.training.memory_plan import kv_cache_bytes
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=64, num_layers=2,
+                      num_heads=2, num_kv_heads=2, head_dim=128)
+    positions = 4 * 10 * 2 * 2  # int32 per slot, layer and KV head
+    vectors = 2 * 2 * 4 * 2 * 10  # keys + values of every layer, row, KV head and slot
+    for quant, per_vector in (("none", 256), ("int8", 132), ("fp8", 132), ("int4", 68)):
+        got = kv_cache_bytes(cfg, 4, 10, jnp.bfloat16, quant=quant)
+        assert got == vectors * per_vector + 4 * positions, quant
