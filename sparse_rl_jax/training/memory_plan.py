@@ -72,9 +72,15 @@ def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, dtype, *,
     """Bytes of a ``models.KVCache``: keys + values in ``dtype`` (or ``quant``'s codes and
     scales, ``models.kv_quant``) and int32 slot positions per layer and KV head; ``paged``: of
     a ``models.PagedKVCache``, whose positions are one ``[rows, slots]`` array."""
-    vectors = 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots
     positions = rows * slots * (1 if paged else cfg.num_layers * cfg.num_kv_heads)
-    return vectors * get_quant(quant).bytes_per_token(cfg.head_dim, dtype) + 4 * positions
+    return rows * slots * kv_bytes_per_token(cfg, quant, dtype) + 4 * positions
+
+
+def kv_bytes_per_token(cfg: ModelConfig, quant: str, dtype) -> int:
+    """Bytes one token's keys and values take in a rollout cache, every layer and KV head,
+    scales included (``quant``, a ``models.kv_quant`` format; ``dtype``: the cache's own)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * get_quant(quant).bytes_per_token(
+        cfg.head_dim, dtype)
 
 
 def _attention_block(cfg: ModelConfig, rows: int, t: int, s: int) -> int:
