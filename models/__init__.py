@@ -14,7 +14,7 @@ from models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from models.decoder import Decoder, DecoderOutput
 from models.export import save_adapter, save_pretrained
 from models.gguf import checkpoint_dir, convert_gguf, find_gguf, smollm2_gguf
-from models.kv_view import Causal, ExpiryRecord, KVView, MaskRecord
+from models.kv_view import Causal, ExpiryRecord, KVView, MaskRecord, QuantProbe
 from models.loading import hf_name, load_pretrained, read_config
 from models.lora import LORA_TARGETS, add_lora, has_lora, merge_lora, split_trainable
 from models.page_sparse import PageReplay, PageSparseCache
@@ -25,7 +25,7 @@ from models.tokenizer import Tokenizer
 
 __all__ = [
     "LORA_TARGETS", "MESH_AXES", "PARTITION_RULES", "SUPPORTED_MODEL_TYPES", "Causal",
-    "Decoder", "DecoderOutput", "ExpiryRecord", "KVCache", "KVView", "MaskRecord",
+    "Decoder", "DecoderOutput", "ExpiryRecord", "KVCache", "KVView", "MaskRecord", "QuantProbe",
     "AttentionBackend", "ModelConfig", "PageReplay", "PageSparseCache", "PagedKVCache", "RopeScaling", "Tokenizer", "attention",
     "checkpoint_dir", "convert_gguf",
     "find_gguf", "has_lora", "hf_name", "init_cache", "init_paged_cache", "smollm2_gguf", "add_lora",

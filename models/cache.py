@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from models.attention_backends import attention, visibility_backend
+from models.kv_quant import get_quant
 from models.shapes import check_shape
 
 
@@ -74,6 +75,10 @@ class KVCache(WriteIndexCache):
         ``[B]``, one per row (writes past the capacity are dropped).
       queries: ``[L, B, Hq, W, D]`` the last ``W`` queries of every layer (after qk-norm and
         RoPE), oldest -> newest, aligned with the newest written slots; or None (no ring).
+      k_scale, v_scale: ``[L, B, Hkv, C]`` float32 scale of each slot's key / value when
+        ``quant`` quantizes (``k``, ``v`` then hold codes ``[L, B, Hkv, C, D / per_byte]``,
+        ``models.kv_quant``); None otherwise.
+      quant: the ``models.kv_quant`` format of ``k`` and ``v`` (static).
     """
 
     k: jax.Array
@@ -81,15 +86,23 @@ class KVCache(WriteIndexCache):
     pos: jax.Array
     index: jax.Array
     queries: jax.Array | None = None
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """ValueError naming the field when the cache does not fit ``config`` and a forward
         of ``[batch, t]`` tokens: shapes, room for ``t`` more tokens (when the index is
         known, not under jit), a backend that takes slot positions (not ``"fused"``)."""
         dims = dict(L=config.num_layers, B=batch, Hkv=config.num_kv_heads, C=None)
-        check_shape("KVCache.k", self.k, **dims, D=config.head_dim)
-        check_shape("KVCache.v", self.v, **dims, D=config.head_dim)
+        quant = get_quant(self.quant)
+        quant.check_head_dim(config.head_dim, "KVCache")
+        check_shape("KVCache.k", self.k, **dims, D=quant.stored_dim(config.head_dim))
+        check_shape("KVCache.v", self.v, **dims, D=quant.stored_dim(config.head_dim))
         check_shape("KVCache.pos", self.pos, **dims)
+        if quant.quantizes:
+            check_shape("KVCache.k_scale", self.k_scale, **dims)
+            check_shape("KVCache.v_scale", self.v_scale, **dims)
         check_shape("KVCache.queries", self.queries, L=config.num_layers, B=batch,
                     Hq=config.num_heads, W=None, D=config.head_dim)
         self.check_room(t, backend)
@@ -116,22 +129,25 @@ class KVCache(WriteIndexCache):
     def store(self, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
         """Write ``k, v [B, Hkv, T, D]`` at slots ``[index, index + T)`` of ``layer`` (their
         positions were written by :meth:`begin_forward`) and push the newest queries
-        ``q [B, T, Hq, D]`` into the ring. In-place updates of the carried buffers: nothing is
-        copied."""
-        if self.index.ndim:  # per-row index: one scatter per buffer
-            rows, slots = self._row_slots(k.shape[2])
-            # advanced indices (layer, rows, slots) around a slice put [B, T] first
-            cache = self.replace(
-                k=self.k.at[layer, rows, :, slots].set(
-                    k.transpose(0, 2, 1, 3).astype(self.k.dtype), mode="drop"),
-                v=self.v.at[layer, rows, :, slots].set(
-                    v.transpose(0, 2, 1, 3).astype(self.v.dtype), mode="drop"))
-        else:
-            at = (layer, 0, 0, self.index, 0)
-            cache = self.replace(
-                k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
-                v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at),
-            )
+        ``q [B, T, Hq, D]`` into the ring (a quantizing cache stores their codes and scales).
+        In-place updates of the carried buffers: nothing is copied."""
+        quant = get_quant(self.quant)
+        new = dict(k=k, v=v)
+        if quant.quantizes:
+            (new["k"], new["k_scale"]), (new["v"], new["v_scale"]) = quant.encode(k), quant.encode(v)
+        updates = {}
+        for name, value in new.items():  # value [B, Hkv, T, ...]
+            buf = getattr(self, name)
+            if self.index.ndim:  # per-row index: one scatter per buffer
+                rows, slots = self._row_slots(k.shape[2])
+                # advanced indices (layer, rows, slots) around a slice put [B, T] first
+                updates[name] = buf.at[layer, rows, :, slots].set(
+                    jnp.moveaxis(value, 2, 1).astype(buf.dtype), mode="drop")
+            else:
+                at = (layer, 0, 0, self.index) + (0,) * (value.ndim - 3)
+                updates[name] = jax.lax.dynamic_update_slice(buf, value[None].astype(buf.dtype),
+                                                              at)
+        cache = self.replace(**updates)
         if self.queries is None or self.queries.shape[3] == 0:
             return cache
         w = self.queries.shape[3]
@@ -143,9 +159,16 @@ class KVCache(WriteIndexCache):
     def attend(self, layer, q, k, v, q_pos, backend):
         """Store the new tokens at ``layer``, then attend over all ``C`` slots of it."""
         cache = self.store(layer, q, k, v)
-        out = attention(q, cache.k[layer], cache.v[layer], q_pos, cache.pos[layer],
-                        backend=backend)
+        keys, values = cache.layer_kv(layer, q.dtype)
+        out = attention(q, keys, values, q_pos, cache.pos[layer], backend=backend)
         return out, cache
+
+    def layer_kv(self, layer: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+        """``layer``'s keys and values ``[B, Hkv, C, D]`` as attention reads them (decoded to
+        ``dtype`` when quantized; the stored buffers otherwise)."""
+        return decoded_kv(self.quant, self.k[layer], self.v[layer],
+                          None if self.k_scale is None else self.k_scale[layer],
+                          None if self.v_scale is None else self.v_scale[layer], dtype)
 
     def row_tokens(self) -> jax.Array:
         """``[B]`` int32 resident (non-empty) slots of each row (layer 0, KV head 0; an
@@ -156,7 +179,19 @@ class KVCache(WriteIndexCache):
         """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
         fan_out = lambda x: None if x is None else jnp.repeat(x, n, axis=1)  # noqa: E731
         return self.replace(k=fan_out(self.k), v=fan_out(self.v), pos=fan_out(self.pos),
-                            queries=fan_out(self.queries))
+                            queries=fan_out(self.queries), k_scale=fan_out(self.k_scale),
+                            v_scale=fan_out(self.v_scale))
+
+
+def decoded_kv(quant: str, k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
+               v_scale: jax.Array | None, dtype) -> tuple[jax.Array, jax.Array]:
+    """Keys and values ``[..., D]`` in ``dtype`` from a cache's stored ``k, v`` (codes
+    ``[..., D / per_byte]`` and scales ``[...]`` when ``quant`` quantizes; returned as they are
+    otherwise)."""
+    fmt = get_quant(quant)
+    if not fmt.quantizes:
+        return k, v
+    return fmt.decode(k, k_scale, dtype), fmt.decode(v, v_scale, dtype)
 
 
 def init_cache(
@@ -169,19 +204,28 @@ def init_cache(
     *,
     num_heads: int = 0,
     window: int = 0,
+    quant: str = "none",
 ) -> KVCache:
     """An empty cache: zero keys/values, every slot empty (``pos == -1``), index 0, and a
-    zero query ring ``[L, B, num_heads, window, D]`` when ``window > 0`` (else None)."""
+    zero query ring ``[L, B, num_heads, window, D]`` when ``window > 0`` (else None).
+    ``quant`` (a ``models.kv_quant`` format) stores codes and zero scales instead."""
+    fmt = get_quant(quant)
+    fmt.check_head_dim(head_dim, "init_cache")
     shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+    stored = shape[:-1] + (fmt.stored_dim(head_dim),)
     if window and num_heads < 1:
         raise ValueError(f"init_cache: a query ring (window={window}) needs num_heads >= 1, "
                          f"got {num_heads}")
     ring = (jnp.zeros((num_layers, batch, num_heads, window, head_dim), dtype) if window
             else None)
+    scales = jnp.zeros(shape[:-1], jnp.float32) if fmt.quantizes else None
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=jnp.zeros(stored, fmt.code_dtype or dtype),
+        v=jnp.zeros(stored, fmt.code_dtype or dtype),
         pos=jnp.full(shape[:-1], -1, jnp.int32),
         index=jnp.zeros((), jnp.int32),
         queries=ring,
+        k_scale=scales,
+        v_scale=scales,
+        quant=quant,
     )

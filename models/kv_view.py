@@ -30,7 +30,8 @@ through the scan and may be updated in place at ``layer``.
 Views of a full forward (no cache; keys are the ``T`` tokens themselves), in this module:
 :class:`Causal` (the default), :class:`ExpiryRecord` (an eviction record replayed as key
 expiry times) and :class:`MaskRecord` (an explicit boolean mask, the general case); in
-``models.page_sparse``, ``PageReplay`` (a page-sparse selection replayed). Views of a rollout
+``models.page_sparse``, ``PageReplay`` (a page-sparse selection replayed); :class:`QuantProbe`
+measures what KV quantization would do to the keys. Views of a rollout
 cache: ``models.cache.KVCache`` (the slot cache; dense and budget layouts are capacities of
 it; optionally holding the ring of the last ``W`` queries an eviction policy scores with),
 ``models.paged_cache.PagedKVCache`` (the paged layout of dense and Sparrow rollouts: one
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention_backends import attention, get_backend, visibility_backend
+from models.kv_quant import fake_quant
 from models.shapes import check_shape
 
 
@@ -99,9 +101,16 @@ def self_keys(q_pos: jax.Array, k: jax.Array) -> jax.Array:
 
 
 class FullForward:
-    """Shared parts of the full-forward views (keys are the forward's own tokens)."""
+    """Shared parts of the full-forward views (keys are the forward's own tokens). Each has a
+    static ``quant`` field (a ``models.kv_quant`` format, ``"none"`` by default): a view
+    replaying a quantized rollout attends over its keys and values quantized and decoded, as
+    the rollout's cache returned them."""
 
     position_offset = 0
+
+    def own_kv(self, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The forward's keys and values as this view's rollout cache held them."""
+        return fake_quant(self.quant, k, v)
 
     def begin_forward(self, positions: jax.Array):
         """Nothing to write before the layers: a full forward keeps no state."""
@@ -117,7 +126,10 @@ class FullForward:
 @struct.dataclass
 class Causal(FullForward):
     """Plain causal (+ padding) attention over the forward's own tokens; the only view a
-    backend without per-key visibility (``"fused"``) takes."""
+    backend without per-key visibility (``"fused"``) takes. With ``quant`` it replays a
+    quantized rollout that evicted nothing."""
+
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """Any registered backend fits a full causal forward."""
@@ -126,7 +138,8 @@ class Causal(FullForward):
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention of ``q [B, T, Hq, D]`` over ``k, v [B, Hkv, T, D]``."""
         del layer
-        return attention(q, k, v, q_pos, self_keys(q_pos, k), backend=backend), self
+        return attention(q, *self.own_kv(k, v), q_pos, self_keys(q_pos, k),
+                         backend=backend), self
 
 
 @struct.dataclass
@@ -139,6 +152,7 @@ class ExpiryRecord(FullForward):
     """
 
     expiry: jax.Array = layer_field()
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """``expiry`` must be ``[L, B, Hkv, T]``; the backend must take per-key visibility."""
@@ -149,8 +163,8 @@ class ExpiryRecord(FullForward):
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention with this layer's expiry ``[B, Hkv, T]``."""
         del layer
-        return attention(q, k, v, q_pos, self_keys(q_pos, k), k_expiry=self.expiry,
-                         backend=backend), self
+        return attention(q, *self.own_kv(k, v), q_pos, self_keys(q_pos, k),
+                         k_expiry=self.expiry, backend=backend), self
 
 
 @struct.dataclass
@@ -164,6 +178,7 @@ class MaskRecord(FullForward):
     """
 
     mask: jax.Array = layer_field()
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """``mask`` must be ``[L, B, Hkv|1, T, T]``; the backend must take a mask."""
@@ -174,5 +189,41 @@ class MaskRecord(FullForward):
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention ANDed with this layer's mask ``[B, Hkv|1, T, T]``."""
         del layer
-        return attention(q, k, v, q_pos, self_keys(q_pos, k), mask=self.mask,
+        return attention(q, *self.own_kv(k, v), q_pos, self_keys(q_pos, k), mask=self.mask,
                          backend=backend), self
+
+
+@struct.dataclass
+class QuantProbe(FullForward):
+    """A full-precision causal forward that measures how far ``quant`` would move its keys:
+    ``key_error [L]``, per layer the largest relative error ``|fake(k) - k| / |k|`` of any real
+    token and KV head (``models.kv_quant``), with each channel measured in units of its RMS
+    over the forward's real tokens. Channel-normalised, a few outlier channels that swamp a
+    per-token scale (keys without QK-norm) count for what they destroy: every other channel,
+    which the queries read, rounds to zero.
+
+    Attributes:
+      key_error: ``[L]`` float32, zeros before the forward.
+      quant: the format to measure (static).
+    """
+
+    key_error: jax.Array
+    quant: str = struct.field(pytree_node=False, default="none")
+
+    def check(self, config, batch: int, t: int, backend: str) -> None:
+        """``key_error`` must be ``[L]``; any registered backend fits a causal forward."""
+        check_shape("QuantProbe.key_error", self.key_error, L=config.num_layers)
+        get_backend(backend, "QuantProbe")
+
+    def attend(self, layer, q, k, v, q_pos, backend):
+        """Causal attention at full precision; this layer's key error into ``key_error``."""
+        real = (q_pos >= 0)[:, None, :, None]  # [B, 1, T, 1]
+        kf = jnp.where(real, k.astype(jnp.float32), 0.0)  # [B, Hkv, T, D]
+        count = jnp.maximum(jnp.sum(real), 1)
+        rms = jnp.sqrt(jnp.sum(kf * kf, axis=(0, 2), keepdims=True) / count)  # [1, Hkv, 1, D]
+        rms = jnp.where(rms > 0, rms, 1.0)
+        err = jnp.linalg.norm((fake_quant(self.quant, kf, kf)[0] - kf) / rms, axis=-1)
+        norm = jnp.linalg.norm(kf / rms, axis=-1)
+        rel = jnp.where(norm > 0, err / jnp.where(norm > 0, norm, 1.0), 0.0)  # [B, Hkv, T]
+        out = attention(q, k, v, q_pos, self_keys(q_pos, k), backend=backend)
+        return out, self.replace(key_error=self.key_error.at[layer].set(jnp.max(rel)))

@@ -227,6 +227,7 @@ class PageReplay(FullForward):
 
     pages: jax.Array = layer_field()
     page_size: int = struct.field(pytree_node=False, default=16)
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """``pages`` must be ``[L, B, Hkv, T, K]`` ints; the backend one that takes per-key
@@ -238,7 +239,7 @@ class PageReplay(FullForward):
     def attend(self, layer, q, k, v, q_pos, backend):
         """Causal attention limited to this layer's pages ``[B, Hkv, T, K]``."""
         del layer
-        return attention(q, k, v, q_pos, self_keys(q_pos, k), q_pages=self.pages,
+        return attention(q, *self.own_kv(k, v), q_pos, self_keys(q_pos, k), q_pages=self.pages,
                          page_size=self.page_size, backend=backend), self
 
 

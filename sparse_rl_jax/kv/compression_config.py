@@ -36,6 +36,7 @@ from typing import ClassVar, Literal
 from sparse_rl_jax.core.config_checks import check, check_choice, check_int, reject, reject_moved
 from sparse_rl_jax.kv.compression_sections import (AdaptConfig, AlphaConfig, EvictionConfig,
                                                    SparrowConfig)
+from models.kv_quant import KV_QUANTS
 from sparse_rl_jax.kv.scores import EVICTION_SCORES
 
 Layout = Literal["dense", "budget", "paged"]
@@ -71,6 +72,12 @@ class CompressionConfig:
         ``page_size``-slot pages, decode reads only the filled ones; ``none``'s own and
         ``sparrow``'s); None = the method's own. Other pairs are rejected.
       page_size: (layout ``paged``) tokens per page, >= 1 (16 in Sparrow).
+      quant: the rollout cache's KV format (``models.kv_quant.KV_QUANTS``): ``none`` (the
+        cache dtype), ``int8``, ``fp8`` or ``int4`` (two values a byte; an even head_dim), a
+        scale per token and KV head computed when the token is written; attention and
+        eviction scores read the decoded values, and a replay of the rollout's record
+        (``score(..., record)``) quantizes its own keys and values the same way. Runs on the
+        slot cache (layouts ``dense`` and ``budget``).
       eviction: the evicting methods' budget cache and score (:class:`EvictionConfig`).
       sparrow: ``sparrow``'s page budget and dense layers (:class:`SparrowConfig`).
       alpha: the logged acceptance alpha of a recorded rollout (:class:`AlphaConfig`).
@@ -92,6 +99,7 @@ class CompressionConfig:
     method: str = "snapkv"
     layout: Layout | None = None
     page_size: int = 16
+    quant: str = "none"
     eviction: EvictionConfig = EvictionConfig()
     sparrow: SparrowConfig = SparrowConfig()
     alpha: AlphaConfig = AlphaConfig()
@@ -105,6 +113,11 @@ class CompressionConfig:
         check_choice(self, "method", methods())
         self._check_layout()
         check_int(self, "page_size", 1)
+        check_choice(self, "quant", KV_QUANTS.names())
+        check(self.quant == "none" or self.cache_layout != "paged", self, "quant",
+              f"runs on the slot cache (layouts dense and budget); method {self.method!r} on "
+              f"layout 'paged' takes quant 'none' only (method none: set layout dense)",
+              self.quant)
         for name, section in _SECTIONS.items():
             check(isinstance(getattr(self, name), section), self, name,
                   f"must be of type {section.__name__}")

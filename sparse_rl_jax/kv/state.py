@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from models.cache import KVCache, init_cache
-from models.kv_view import ExpiryRecord
+from models.cache import KVCache, decoded_kv, init_cache
+from models.kv_view import Causal, ExpiryRecord
 from models.page_sparse import PageSparseCache, page_sparse_cache
 from models.paged_cache import PagedKVCache, init_paged_cache
 from models.shapes import check_shape
@@ -94,7 +94,7 @@ def init_state(
     else:
         cache = init_cache(num_layers, batch, num_kv_heads, cfg.cache_capacity(max_len),
                            head_dim, dtype, num_heads=num_heads,
-                           window=cfg.eviction.window if cfg.compresses else 0)
+                           window=cfg.eviction.window if cfg.compresses else 0, quant=cfg.quant)
     if cfg.page_sparse:
         cache = page_sparse_cache(cache, max_k=cfg.max_pages_k, dense_layers=cfg.sparrow.dense_layers)
     return SparseKVState(
@@ -140,24 +140,26 @@ def _check_matches(state: SparseKVState, cfg: CompressionConfig) -> None:
         )
 
 
-def _compress_layer(cfg: CompressionConfig, index: jax.Array, layer: tuple) -> tuple:
-    """One layer: the kept ``(k, v [B, Hkv, budget, D], pos [B, Hkv, budget])`` and
-    ``evicted [B, Hkv, C]`` bool (valid slots that do not survive)."""
-    k, v, pos, queries = layer
+def _compress_layer(cfg: CompressionConfig, quant: str, index: jax.Array, layer: tuple) -> tuple:
+    """One layer: the kept slot buffers (``{"k", "v"[, "k_scale", "v_scale"]}``, each
+    ``[B, Hkv, budget, ...]``), the kept ``pos [B, Hkv, budget]`` and ``evicted [B, Hkv, C]``
+    bool (valid slots that do not survive). A quantized cache is scored on its decoded keys
+    (what attention reads); its codes and scales are kept as they are."""
+    buffers, pos, queries = layer
     c = pos.shape[-1]
-    z = slot_scores(cfg, queries, k, pos, index)
+    keys, _ = decoded_kv(quant, buffers["k"], buffers["v"], buffers.get("k_scale"),
+                         buffers.get("v_scale"), queries.dtype)
+    z = slot_scores(cfg, queries, keys, pos, index)
     kept = select_slots(
         z, pos, index, budget=cfg.eviction.budget, window=cfg.eviction.window,
         head_mode=cfg.eviction.head_mode
     )  # [B, Hkv, budget]
     is_kept = jax.vmap(jax.vmap(lambda idx: jnp.zeros(c, bool).at[idx].set(True)))(kept)
     evicted = (pos >= 0) & (jnp.arange(c) < index) & ~is_kept
-    return (
-        jnp.take_along_axis(k, kept[..., None], axis=2),
-        jnp.take_along_axis(v, kept[..., None], axis=2),
-        jnp.take_along_axis(pos, kept, axis=-1),
-        evicted,
-    )
+    take = lambda x: jnp.take_along_axis(x, kept.reshape(kept.shape + (1,) * (x.ndim - 3)),  # noqa: E731
+                                         axis=2)
+    return ({name: take(x) for name, x in buffers.items()},
+            jnp.take_along_axis(pos, kept, axis=-1), evicted)
 
 
 def _overwrite_layer(buffer: jax.Array, layer: jax.Array, kept: jax.Array, fill) -> jax.Array:
@@ -205,20 +207,23 @@ def compress(state: SparseKVState, cfg: CompressionConfig) -> SparseKVState:
         raise ValueError("compress: CompressionConfig.method='none' never compresses")
     _check_matches(state, cfg)
     cache = state.cache
+    buffers = {name: getattr(cache, name) for name in ("k", "v", "k_scale", "v_scale")
+               if getattr(cache, name) is not None}
     evicted = jnp.zeros(cache.pos.shape, bool)
 
     def one_layer(layer, carry):
-        k, v, pos, evicted = carry
-        kept_k, kept_v, kept_pos, gone = _compress_layer(
-            cfg, cache.index, (k[layer], v[layer], pos[layer], cache.queries[layer]))
-        return (_overwrite_layer(k, layer, kept_k, 0), _overwrite_layer(v, layer, kept_v, 0),
+        buffers, pos, evicted = carry
+        kept, kept_pos, gone = _compress_layer(
+            cfg, cache.quant, cache.index,
+            ({name: x[layer] for name, x in buffers.items()}, pos[layer], cache.queries[layer]))
+        return ({name: _overwrite_layer(x, layer, kept[name], 0) for name, x in buffers.items()},
                 _overwrite_layer(pos, layer, kept_pos, -1), evicted.at[layer].set(gone))
 
-    k, v, pos, evicted = lax.fori_loop(0, cache.k.shape[0], one_layer,
-                                       (cache.k, cache.v, cache.pos, evicted))
+    buffers, pos, evicted = lax.fori_loop(0, cache.k.shape[0], one_layer,
+                                          (buffers, cache.pos, evicted))
     when = jnp.max(cache.pos, axis=(2, 3))[..., None] + 1  # [L, B, 1] next query position
     evicted_at = _record_evictions(state.evicted_at, cache.pos, evicted, when)
-    cache = cache.replace(k=k, v=v, pos=pos, index=jnp.asarray(cfg.eviction.budget, jnp.int32))
+    cache = cache.replace(**buffers, pos=pos, index=jnp.asarray(cfg.eviction.budget, jnp.int32))
     return state.replace(cache=cache, evicted_at=evicted_at)
 
 
@@ -278,6 +283,7 @@ class EvictionRecord:
     """
 
     evicted_at: jax.Array
+    quant: str = struct.field(pytree_node=False, default="none")
     fill: ClassVar[int] = NEVER
 
     def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
@@ -288,4 +294,24 @@ class EvictionRecord:
         if self.evicted_at.ndim == 4 and self.evicted_at.shape[-1]:
             check_shape("record.evicted_at", self.evicted_at, N=n, L=None, Hkv=None, T=s)
         return ExpiryRecord(visibility_from_record(jnp.moveaxis(self.evicted_at, 0, 1),
-                                                   positions))
+                                                   positions), quant=self.quant)
+
+
+@struct.dataclass
+class QuantRecord:
+    """The replay record of a quantized rollout that evicted nothing (method ``none``,
+    ``compression.quant`` set): a causal forward over keys and values quantized as the
+    rollout's cache stored them (a ``scoring.ReplayRecord`` with no per-row arrays).
+
+    Attributes:
+      quant: the ``models.kv_quant`` format of the rollout's cache (static).
+    """
+
+    quant: str = struct.field(pytree_node=False, default="none")
+    fill: ClassVar[int] = 0
+
+    def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
+                    response_len: int) -> Causal:
+        """Causal attention over quantized keys and values."""
+        del positions, prompt_lengths, response_len
+        return Causal(quant=self.quant)

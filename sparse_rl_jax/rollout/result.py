@@ -35,7 +35,8 @@ class Rollout(NamedTuple):
       record: the replay record (``scoring.ReplayRecord``, rows first; with
         ``sampling.record_evictions``): ``kv_state.EvictionRecord`` (``[N, L, Hkv, P + M]``)
         of the evicting methods, ``page_sparsity.PageRecord`` (``[N, L, Hkv, M, K]``) of
-        ``sparrow``; None for ``none`` and unrecorded. ``score(..., record)`` gives ``logp``.
+        ``sparrow``; ``kv_state.QuantRecord`` for ``none`` with ``compression.quant``; None
+        for ``none`` and unrecorded. ``score(..., record)`` gives ``logp``.
     """
 
     prompt: jax.Array
@@ -59,7 +60,9 @@ def replay_record_of(evicted_at: jax.Array, page_record: jax.Array,
     if page_record.shape[-1]:
         return PageRecord(jnp.moveaxis(page_record, 1, 0), compression.page_size)
     if evicted_at.shape[-1]:
-        return kv_state.EvictionRecord(jnp.moveaxis(evicted_at, 1, 0))
+        return kv_state.EvictionRecord(jnp.moveaxis(evicted_at, 1, 0), quant=compression.quant)
+    if compression.quant != "none":
+        return kv_state.QuantRecord(compression.quant)
     return None
 
 

@@ -22,7 +22,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from sparse_rl_jax.kv.quant_check import key_quant_error
 from sparse_rl_jax.rl.overlong import overlong_penalty
 from sparse_rl_jax.rl.rollout_metrics import acceptance_metrics, kv_token_savings, rollout_metrics
 from sparse_rl_jax.rollout.sampler import Rollout
@@ -31,6 +33,7 @@ from sparse_rl_jax.tasks.anomaly_control import control_rows, inject_missed_incr
 from sparse_rl_jax.tasks.rewards import repeat_answers
 from sparse_rl_jax.training.budget_control import bin_p5, p5_metrics
 from sparse_rl_jax.training.collect import Collected, collect_prompts
+from sparse_rl_jax.training.memory_plan import kv_bytes_per_token
 
 _rollout_metrics = jax.jit(rollout_metrics)
 
@@ -142,6 +145,10 @@ def _assemble(ctx, rounds: list[Collected], groups: list[tuple[int, int]], valid
     )
 
 
+QUANT_PROBE_ROWS = 4
+"""Rows of each step's first round whose keys the quantization guardrail measures."""
+
+
 def _metrics(rounds: list[Collected], ctx) -> dict[str, jax.Array]:
     """Rollout statistics over every sequence rolled out this step (all rounds)."""
     def cat(get):
@@ -209,6 +216,17 @@ def collect_rollouts(ctx, params, position: int
     batch = _assemble(ctx, rounds, groups, valid)
 
     metrics = _metrics(rounds, ctx)
+    quant = ctx.cfg.compression.quant
+    metrics["kv_bytes_per_token"] = float(kv_bytes_per_token(
+        nnx.merge(ctx.graphdef, params).config, quant, ctx.cfg.model.dtype))
+    if quant != "none":  # the guardrail (kv.quant_check), on the first round's first rows
+        first = rounds[0].rollout
+        rows = slice(0, QUANT_PROBE_ROWS)
+        error = key_quant_error(
+            ctx.graphdef, params, jnp.concatenate([first.prompt[rows], first.response[rows]], 1),
+            jnp.concatenate([first.prompt_mask[rows], first.response_mask[rows]], 1), quant)
+        metrics["kv_quant_key_error"] = jnp.max(error)
+        metrics["kv_quant_key_error_layer"] = jnp.argmax(error).astype(jnp.float32)
     passes = np.concatenate(keeps)
     per_round = len(keeps[0])
     metrics["groups_kept"] = float(sum(passes[r * per_round + k] for r, k in kept))

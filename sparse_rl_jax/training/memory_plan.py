@@ -18,6 +18,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.decoder import REMAT_POLICIES
+from models.kv_quant import get_quant
 from models.page_sparse import selected_slots
 from models.paged_cache import default_chunk_pages
 from sparse_rl_jax.kv.compression_config import CompressionConfig
@@ -67,13 +68,19 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, dtype, *,
-                   paged: bool = False) -> int:
-    """Bytes of a ``models.KVCache``: keys + values in ``dtype`` and int32 slot positions
-    per layer and KV head; ``paged``: of a ``models.PagedKVCache``, whose positions are one
-    ``[rows, slots]`` array."""
-    kv = 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim
+                   paged: bool = False, quant: str = "none") -> int:
+    """Bytes of a ``models.KVCache``: keys + values in ``dtype`` (or ``quant``'s codes and
+    scales, ``models.kv_quant``) and int32 slot positions per layer and KV head; ``paged``: of
+    a ``models.PagedKVCache``, whose positions are one ``[rows, slots]`` array."""
     positions = rows * slots * (1 if paged else cfg.num_layers * cfg.num_kv_heads)
-    return kv * np.dtype(dtype).itemsize + 4 * positions
+    return rows * slots * kv_bytes_per_token(cfg, quant, dtype) + 4 * positions
+
+
+def kv_bytes_per_token(cfg: ModelConfig, quant: str, dtype) -> int:
+    """Bytes one token's keys and values take in a rollout cache, every layer and KV head,
+    scales included (``quant``, a ``models.kv_quant`` format; ``dtype``: the cache's own)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * get_quant(quant).bytes_per_token(
+        cfg.head_dim, dtype)
 
 
 def _attention_block(cfg: ModelConfig, rows: int, t: int, s: int) -> int:
@@ -141,7 +148,8 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     kv_rows = prompts if pool else batch + prompts
     return {
         "weights": param_count(cfg) * itemsize,
-        "kv_cache": kv_cache_bytes(cfg, kv_rows, slots, dtype, paged=paged)
+        "kv_cache": kv_cache_bytes(cfg, kv_rows, slots, dtype, paged=paged,
+                                   quant=compression.quant)
         + (batch * (slots + slots // compression.page_size) * 4 if pool else 0),
         "kv_pool": pool * page_bytes(cfg, compression.page_size, dtype),
         "page_keys": cfg.num_layers * (batch + prompts) * kv * pages * cfg.head_dim * itemsize,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import models
+from models.kv_quant import get_quant
 from sparse_rl_jax.tasks.prompt_source import PromptSource, eval_examples
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 
@@ -37,8 +38,16 @@ def load_checked_policy(path: str, cfg, mesh) -> tuple[models.Tokenizer, models.
         models.add_lora(model, lora.rank, lora.alpha, lora.targets,
                         rngs=nnx.Rngs(cfg.trainer.seed), mesh=mesh, dropout=lora.dropout)
     tokenizer.check_fits(model.config.vocab_size)
-    check_sampling_ids(cfg, model.config.vocab_size)
+    check_model_fits(cfg, model.config)
     return tokenizer, model
+
+
+def check_model_fits(cfg, model_config: models.ModelConfig) -> None:
+    """ValueError naming the field when the model cannot serve the run's settings: the ids of
+    :func:`check_sampling_ids`, or a ``compression.quant`` level its head_dim cannot be
+    packed into (int4 needs an even head_dim)."""
+    check_sampling_ids(cfg, model_config.vocab_size)
+    get_quant(cfg.compression.quant).check_head_dim(model_config.head_dim, "compression.quant")
 
 
 def check_sampling_ids(cfg, vocab_size: int) -> None:

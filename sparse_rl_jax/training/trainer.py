@@ -27,6 +27,7 @@ from flax import nnx
 import models
 from sparse_rl_jax.core.config_io import save_config, to_dict
 from sparse_rl_jax.kv.compression_config import CompressionConfig
+from sparse_rl_jax.kv.quant_check import QuantErrorWarning
 from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.records.checkpoint_state import (BASE_KEY, base_record, check_base,
                                                     restore_target, restored_params, train_state)
@@ -42,7 +43,7 @@ from sparse_rl_jax.training.budget_control import BudgetLoop
 from sparse_rl_jax.training.evaluation import eval_metrics
 from sparse_rl_jax.training.policy import (export_policy, make_run_mesh, policy_path,
                                            resolve_sampling)
-from sparse_rl_jax.training.preflight import (check_sampling_ids, checked_eval_set,
+from sparse_rl_jax.training.preflight import (check_model_fits, checked_eval_set,
                                               checked_prompt_source, default_task_tokenizer,
                                               load_checked_policy)
 from sparse_rl_jax.training.rl_step import StepContext, batch_sharding, rl_step
@@ -182,7 +183,7 @@ def _preflight_default(cfg: RunConfig) -> None:
     tokenizer = default_task_tokenizer()
     model_cfg = tiny_model_config(cfg.warm_start, tokenizer.vocab_size, tokenizer.eos_ids[0],
                                   tokenizer.pad_id)
-    check_sampling_ids(cfg, model_cfg.vocab_size)
+    check_model_fits(cfg, model_cfg)
     checked_prompt_source(cfg, tokenizer, model_cfg.max_position_embeddings)
     checked_eval_set(cfg, tokenizer, model_cfg.max_position_embeddings)
 
@@ -295,6 +296,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
             writer.log(0, evaluate_now(params))
         metrics: dict = {}
         pending = None  # the step of the last save started, until it is known to be committed
+        quant_warning = QuantErrorWarning(cfg.compression.quant, log)
         with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
             for step in range(start, cfg.trainer.steps):
                 ckpt.check()  # a save that has already failed stops the run before another step
@@ -313,6 +315,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                     owner.write_manifest(pending)
                 pending = None
                 writer.log(done, metrics)
+                quant_warning.observe(metrics)
                 progress.update(done, metrics)
                 if on_step is not None:
                     on_step(done, metrics)
