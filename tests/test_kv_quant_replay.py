@@ -76,7 +76,7 @@ def test_quantized_cache_stores_codes_and_scales():
                                 head_dim=8, max_len=40)
     cache = state.cache
     assert cache.k.dtype == jnp.uint8 and cache.k.shape == (2, 3, 2, 16, 4)
-    assert cache.k_scale.shape == (2, 3, 2, 16) and cache.k_scale.dtype == jnp.float32
+    assert cache.k_scale.shape == (2, 3, 2, 16) and cache.k_scale.dtype == jnp.float16
 
 
 def test_bad_quant_is_a_config_error_naming_the_key():
@@ -97,7 +97,7 @@ def test_memory_plan_counts_codes_and_scales():
                       num_heads=2, num_kv_heads=2, head_dim=128)
     positions = 4 * 10 * 2 * 2  # int32 per slot, layer and KV head
     vectors = 2 * 2 * 4 * 2 * 10  # keys + values of every layer, row, KV head and slot
-    for quant, per_vector in (("none", 256), ("int8", 132), ("fp8", 132), ("int4", 68)):
+    for quant, per_vector in (("none", 256), ("int8", 130), ("fp8", 130), ("int4", 66)):
         got = kv_cache_bytes(cfg, 4, 10, jnp.bfloat16, quant=quant)
         assert got == vectors * per_vector + 4 * positions, quant
 
