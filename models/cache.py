@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct
 
 from models.attention_backends import attention, visibility_backend
-from models.kv_quant import get_quant
+from models.kv_quant import SCALE_DTYPE, get_quant
 from models.shapes import check_shape
 
 
@@ -75,7 +75,7 @@ class KVCache(WriteIndexCache):
         ``[B]``, one per row (writes past the capacity are dropped).
       queries: ``[L, B, Hq, W, D]`` the last ``W`` queries of every layer (after qk-norm and
         RoPE), oldest -> newest, aligned with the newest written slots; or None (no ring).
-      k_scale, v_scale: ``[L, B, Hkv, C]`` float32 scale of each slot's key / value when
+      k_scale, v_scale: ``[L, B, Hkv, C]`` float16 scale of each slot's key / value when
         ``quant`` quantizes (``k``, ``v`` then hold codes ``[L, B, Hkv, C, D / per_byte]``,
         ``models.kv_quant``); None otherwise.
       quant: the ``models.kv_quant`` format of ``k`` and ``v`` (static).
@@ -218,7 +218,7 @@ def init_cache(
                          f"got {num_heads}")
     ring = (jnp.zeros((num_layers, batch, num_heads, window, head_dim), dtype) if window
             else None)
-    scales = jnp.zeros(shape[:-1], jnp.float32) if fmt.quantizes else None
+    scales = jnp.zeros(shape[:-1], SCALE_DTYPE) if fmt.quantizes else None
     return KVCache(
         k=jnp.zeros(stored, fmt.code_dtype or dtype),
         v=jnp.zeros(stored, fmt.code_dtype or dtype),

@@ -10,7 +10,7 @@ from models.kv_quant import KV_QUANTS, fake_quant, fitting_quants, get_quant
 def _numpy_fake(name, x):
     """Reference quantize-dequantize of ``x [..., D]`` in float32 NumPy."""
     qmax = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}[name]
-    scale = np.abs(x).max(-1) / np.float32(qmax)
+    scale = (np.abs(x).max(-1) / np.float32(qmax)).astype(np.float16).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1.0))
     y = x / safe[..., None]
     if name == "fp8":
@@ -30,7 +30,7 @@ def test_fake_quant_matches_numpy_and_bounds_the_error(name):
     assert np.all(got[0, 0, 0] == 0)
     # the error per vector stays within half a code step (int) or fp8's relative precision
     absmax = np.abs(x).max(-1, keepdims=True)
-    bound = {"int8": 0.5 / 127, "int4": 0.5 / 7, "fp8": 1 / 16}[name]
+    bound = {"int8": 0.5 / 127, "int4": 0.5 / 7, "fp8": 1 / 16}[name] + 1e-3  # + the f16 scale
     assert np.all(np.abs(got - x) <= bound * absmax * (1 + 1e-5))
 
 
@@ -46,7 +46,7 @@ def test_int4_packs_two_codes_per_byte_even_index_low():
 
 
 def test_bytes_per_token_and_the_levels_a_head_dim_takes():
-    # D = 128 against a bf16 cache: int8 1.94x and int4 3.76x the tokens in the same bytes
+    # D = 128 against a bf16 cache: int8 1.97x and int4 3.88x the tokens in the same bytes
     bf16 = get_quant("none").bytes_per_token(128, np.dtype("bfloat16"))
     assert bf16 == 256
     assert bf16 / get_quant("int8").bytes_per_token(128, np.float32) >= 1.9

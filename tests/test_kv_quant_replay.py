@@ -19,6 +19,7 @@ from sparse_rl_jax.core.config_checks import ConfigError
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig
+from sparse_rl_jax.rollout.engine import generate_continuous
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import score
@@ -75,7 +76,7 @@ def test_quantized_cache_stores_codes_and_scales():
                                 head_dim=8, max_len=40)
     cache = state.cache
     assert cache.k.dtype == jnp.uint8 and cache.k.shape == (2, 3, 2, 16, 4)
-    assert cache.k_scale.shape == (2, 3, 2, 16) and cache.k_scale.dtype == jnp.float32
+    assert cache.k_scale.shape == (2, 3, 2, 16) and cache.k_scale.dtype == jnp.float16
 
 
 def test_bad_quant_is_a_config_error_naming_the_key():
@@ -96,6 +97,21 @@ def test_memory_plan_counts_codes_and_scales():
                       num_heads=2, num_kv_heads=2, head_dim=128)
     positions = 4 * 10 * 2 * 2  # int32 per slot, layer and KV head
     vectors = 2 * 2 * 4 * 2 * 10  # keys + values of every layer, row, KV head and slot
-    for quant, per_vector in (("none", 256), ("int8", 132), ("fp8", 132), ("int4", 68)):
+    for quant, per_vector in (("none", 256), ("int8", 130), ("fp8", 130), ("int4", 66)):
         got = kv_cache_bytes(cfg, 4, 10, jnp.bfloat16, quant=quant)
         assert got == vectors * per_vector + 4 * positions, quant
+
+
+@pytest.mark.parametrize("method,quant", [("rkv", "int8"), ("none", "int4")])
+def test_engine_rows_equal_static_rows_on_a_quantized_cache(tmp_path, method, quant):
+    from test_engine import SAMPLING, assert_rows_match  # the engine tests' oracle
+    path = make_tiny_hf(tmp_path, "qwen2", tokenizer=False, std=0.2)
+    graphdef, params = nnx.split(models.load_pretrained(path, dtype=jnp.float32))
+    prompt, mask = left_padded_batch(np.random.default_rng(0), [11, 5, 8], width=11)
+    compression = CompressionConfig(method=method, layout="dense" if method == "none" else None,
+                                    quant=quant, eviction=EVICT)
+    sampling = dataclasses.replace(SAMPLING, top_p=0.95)
+    static = generate(graphdef, params, prompt, mask, jax.random.key(2), sampling, compression)
+    engine = generate_continuous(graphdef, params, prompt, mask, jax.random.key(2), sampling,
+                                 compression)
+    assert_rows_match(graphdef, params, static, engine, compression)
