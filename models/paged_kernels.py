@@ -37,7 +37,9 @@ Pallas interpret mode, the tests' way of checking them against the XLA path.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -180,7 +182,43 @@ def _tpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)
     )(layer, tables.reshape(-1), live, q, qpos, pos, k_pages, v_pages)
 
 
-KERNEL_CALLS = {"gpu": _gpu_call, "tpu": _tpu_call}  # by the platform each is compiled for
+@dataclasses.dataclass(frozen=True)
+class PageKernel:
+    """One of the kernels and the shapes its compiler takes.
+
+    Attributes:
+      platform: the JAX platform it is compiled for (elsewhere it runs interpreted).
+      call: ``call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)``.
+      page_multiple, head_dim_multiple: ``page_size`` and ``head_dim`` must be multiples.
+      power_of_two: ``page_size`` and ``head_dim`` must also be powers of two (Triton).
+    """
+
+    platform: str
+    call: Callable[..., jax.Array]
+    page_multiple: int
+    head_dim_multiple: int
+    power_of_two: bool
+
+    def shape_error(self, page_size: int, num_q_heads: int, num_kv_heads: int,
+                    head_dim: int) -> str | None:
+        """Why the kernel cannot take these shapes (None: it can)."""
+        problems = [f"{name}={value} (needs a multiple of {multiple}"
+                    + (", a power of two)" if self.power_of_two else ")")
+                    for name, value, multiple in (("page_size", page_size, self.page_multiple),
+                                                  ("head_dim", head_dim, self.head_dim_multiple))
+                    if value % multiple or (self.power_of_two and value & (value - 1))]
+        if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+            problems.append(f"num_q_heads={num_q_heads} not a multiple of "
+                            f"num_kv_heads={num_kv_heads}")
+        return "; ".join(problems) or None
+
+
+KERNELS = {  # by name; Triton dots need >= 16 along every axis, Mosaic (8, 128) tiles
+    "gpu": PageKernel("gpu", _gpu_call, page_multiple=16, head_dim_multiple=16,
+                      power_of_two=True),
+    "tpu": PageKernel("tpu", _tpu_call, page_multiple=8, head_dim_multiple=128,
+                      power_of_two=False),
+}
 
 
 def paged_kernel_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -199,15 +237,15 @@ def paged_kernel_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       pos: ``[B, Hs, R * page_size]`` int32 original position of each table slot (``-1``
         empty), ``Hs`` 1 or ``Hkv``.
       live: ``[B]`` int entries ``[0, live)`` of each row are read (at most ``R``).
-      kernel: ``"gpu"`` or ``"tpu"`` (:data:`KERNEL_CALLS`).
+      kernel: a name in :data:`KERNELS` (``"gpu"``, ``"tpu"``).
       interpret: Pallas interpret mode; None = unless JAX's default platform is ``kernel``.
 
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``.
     """
-    if kernel not in KERNEL_CALLS:
-        raise ValueError(f"paged_kernel_attention: kernel must be one of "
-                         f"{tuple(KERNEL_CALLS)}, got {kernel!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"paged_kernel_attention: kernel must be one of {tuple(KERNELS)}, "
+                         f"got {kernel!r}")
     b, t, hq, d = q.shape
     _, hp, _, ps, _ = k_pages.shape
     r = tables.shape[2]
@@ -228,7 +266,7 @@ def paged_kernel_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          ((0, 0), (0, rows - t * g)), constant_values=-1)[..., None]
     if interpret is None:
         interpret = jax.default_backend() != kernel
-    out = KERNEL_CALLS[kernel](
+    out = KERNELS[kernel].call(
         jnp.asarray(layer, jnp.int32).reshape(1), jnp.clip(live, 0, r).astype(jnp.int32),
         q_BxKxMxD, qpos_BxMx1, tables.astype(jnp.int32),
         pos.astype(jnp.int32).reshape(b, pos.shape[1], r, ps), k_pages, v_pages,
