@@ -119,6 +119,11 @@ def _runs(backend: AttentionBackend, platform: str, shapes: KernelShapes | None)
     return None
 
 
+def _working(platform: str, shapes: KernelShapes | None) -> tuple[str, ...]:
+    """The kernel backends that run on ``platform`` at ``shapes``."""
+    return tuple(n for n in kernel_backends() if _runs(BACKENDS.get(n), platform, shapes) is None)
+
+
 def kernel_backends() -> tuple[str, ...]:
     """The registered backends with a page kernel."""
     return tuple(n for n in BACKENDS.names() if BACKENDS.get(n).page_kernel is not None)
@@ -129,27 +134,36 @@ def attention_choices() -> tuple[str, ...]:
     return (AUTO, XLA) + kernel_backends()
 
 
+def attention_error(choice: str, platform: str, shapes: KernelShapes | None = None) -> str | None:
+    """Why a model's ``attention`` choice cannot be used on ``platform`` at ``shapes`` (None
+    when it can; shapes None: not checked yet): an unknown choice, or a kernel backend
+    built for another platform or that cannot take ``shapes``, with the choices that work."""
+    if choice not in attention_choices():
+        return f"must be one of {attention_choices()}"
+    if choice in (AUTO, XLA):
+        return None
+    problem = _runs(BACKENDS.get(choice), platform, shapes)
+    if problem is None:
+        return None
+    working = _working(platform, shapes)
+    return f"cannot run here: {problem}; choices that do: {(AUTO, XLA) + working}"
+
+
 def resolve_attention(choice: str, platform: str, shapes: KernelShapes | None = None, *,
                       key: str = "model.attention") -> str:
     """The backend name a model's ``attention`` choice selects on ``platform``.
 
     ``xla``: ``"blockwise"``. ``auto``: the first kernel backend that runs on ``platform``
     and takes ``shapes``, else ``"blockwise"``. A kernel backend's own name: itself, or a
-    ValueError naming ``key``, why, and the choices that do work here, when its kernel is
-    built for another platform or cannot take ``shapes`` (None: shapes not checked yet).
+    ValueError naming ``key`` (:func:`attention_error`).
     """
-    if choice not in attention_choices():
-        raise ValueError(f"{key} must be one of {attention_choices()}, got {choice!r}")
-    problems = {name: _runs(BACKENDS.get(name), platform, shapes) for name in kernel_backends()}
-    working = tuple(name for name, problem in problems.items() if problem is None)
-    if choice == XLA:
-        return "blockwise"
+    problem = attention_error(choice, platform, shapes)
+    if problem is not None:
+        raise ValueError(f"{key}={choice!r} {problem}")
     if choice == AUTO:
+        working = _working(platform, shapes)
         return working[0] if working else "blockwise"
-    if problems[choice] is not None:
-        raise ValueError(f"{key}={choice!r} cannot run here: {problems[choice]}; choices that "
-                         f"do: {(AUTO, XLA) + working}")
-    return choice
+    return "blockwise" if choice == XLA else choice
 
 
 def attention(

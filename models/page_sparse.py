@@ -347,7 +347,8 @@ def page_sparse_attention(
       page_keys: ``[B, Hkv, P, D]`` this layer's page-mean keys; budget ``[B]`` (see
         :class:`PageSparseCache`).
       backend: a backend with a ``page_kernel`` reads the selected pages in place (their ids
-        a per-(row, head) table); others attend over the gathered pages.
+        a per-(row, head) table) when the cache has ``page_buffers``; otherwise ``attention``
+        over the gathered pages.
 
     Returns:
       ``(out [B, 1, Hq, D], pages [B, Hkv, K])``.
@@ -360,9 +361,10 @@ def page_sparse_attention(
     num_pages = (q_pos[:, 0] + page_size) // page_size  # ceil((pos + 1) / page_size)
     pages = select_pages(q_mean, page_keys.astype(jnp.float32), num_pages, budget, max_k)
     kernel = visibility_backend(backend, "page_sparse_attention").page_kernel
-    if kernel is not None:
+    buffers = None if kernel is None else cache.page_buffers()
+    if buffers is not None:
         _, positions = selected_slots_positions(cache.pos, pages, page_size)
-        k_pages, v_pages = cache.page_buffers()
+        k_pages, v_pages = buffers
         live = jnp.full((b,), pages.shape[-1], jnp.int32)
         out = paged_kernel_attention(q, k_pages, v_pages, layer, cache.page_ids(pages),
                                      positions, q_pos, live, kernel=kernel.platform)

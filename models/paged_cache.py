@@ -67,18 +67,14 @@ class PositionSlots(WriteIndexCache):
         i3]``); here the row and the slot themselves."""
         return rows, slots
 
-    def page_buffers(self) -> tuple[jax.Array, jax.Array]:
-        """Keys and values as a page kernel reads them, ``[L, Hp, N, page_size, D]``
-        (``models.paged_kernels``); a view without that layout cannot use a kernel."""
-        raise NotImplementedError(f"{type(self).__name__}: no page_buffers, so no Pallas "
-                                  f"page kernel; use attention 'xla'")
-
-    def page_ids(self, logical: jax.Array) -> jax.Array:
-        """``[B, Ht, K]`` int32 ids in :meth:`page_buffers` of logical pages ``logical``
+    def page_buffers(self) -> tuple[jax.Array, jax.Array] | None:
+        """Keys and values as a page kernel reads them in place, ``[L, Hp, N, page_size, D]``
+        (``models.paged_kernels``), or None for a view without that layout (its decode steps
+        then read through XLA). A view that returns buffers also defines ``page_ids(logical)
+        -> [B, Ht, K]`` int32: the ids in those buffers of logical pages ``logical``
         (broadcasting to ``[B, Ht, K]``; a page outside ``[0, C / page_size)`` or unmapped:
         an id outside ``[0, N)``)."""
-        raise NotImplementedError(f"{type(self).__name__}: no page_ids, so no Pallas page "
-                                  f"kernel; use attention 'xla'")
+        return None
 
     def kernel_read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
                     kernel) -> jax.Array:
@@ -151,7 +147,7 @@ class PagedKVCache(PositionSlots):
         pages in place through it. ValueError for an unknown backend or one without per-key
         visibility."""
         chosen = visibility_backend(backend, "PagedKVCache.read")
-        if chosen.page_kernel is not None and q.shape[1] == 1:
+        if chosen.page_kernel is not None and q.shape[1] == 1:  # this cache has page_buffers
             return self.kernel_read(layer, q, q_pos, chosen.page_kernel)
         if not chosen.reads_pages_in_chunks:
             b, hkv = self.pos.shape[0], self.k.shape[2]

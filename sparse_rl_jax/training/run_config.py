@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
+
+from models.attention_backends import attention_error
 from models.decoder import REMAT_POLICIES
 from models.partitioning import mesh_size_error
 from sparse_rl_jax.core.config_checks import (check, check_bool, check_choice, check_int,
@@ -43,16 +46,24 @@ class ModelSection:
         outputs); see ``models.decoder.REMAT_POLICIES``. Same values, less memory, more time.
       lora: train low-rank adapters instead of the weights (:class:`LoraConfig`); None
         (the default) trains every weight.
+      attention: how decode steps read the paged KV cache: ``xla`` (the default until the
+        kernels are measured on a GPU and a TPU), ``auto`` (the Pallas page kernel of this
+        platform, ``pallas_gpu`` or ``pallas_tpu``, where it takes the model's heads and
+        ``compression.page_size``; XLA elsewhere), or a kernel by name (an error off its
+        platform, or for shapes it cannot take once the model is loaded).
     """
 
     path: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots_saveable"] = "none"
     lora: LoraConfig | None = None
+    attention: Literal["auto", "xla", "pallas_gpu", "pallas_tpu"] = "xla"
 
     def __post_init__(self):
         check_choice(self, "dtype", ("float32", "bfloat16"))
         check_choice(self, "remat", REMAT_POLICIES)
+        problem = attention_error(self.attention, jax.default_backend())
+        check(problem is None, self, "attention", problem or "")
 
 
 @dataclasses.dataclass(frozen=True)
