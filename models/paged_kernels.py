@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 MIN_QUERY_ROWS = 16  # a Triton dot needs >= 16 rows
 
@@ -120,7 +121,8 @@ def _gpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), interpret=interpret,
-    )(layer, live[:, None], q, qpos, tables, pos, k_pages, v_pages)
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),  # Triton, not
+    )(layer, live[:, None], q, qpos, tables, pos, k_pages, v_pages)  # Mosaic GPU
 
 
 def _tpu_kernel(layer_ref, tables_ref, live_ref, q_ref, qpos_ref, pos_ref, k_ref, v_ref, o_ref,

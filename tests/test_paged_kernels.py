@@ -154,3 +154,23 @@ def test_cache_check_refuses_a_head_dim_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="PagedKVCache.*pallas_gpu.*head_dim=8"):
         cache.check(cfg, 1, 1, "pallas_gpu")
     cache.check(cfg, 1, 1, "blockwise")
+
+
+@pytest.mark.parametrize("kernel,platform,call", [
+    ("gpu", "cuda", "xla.gpu.triton"), ("tpu", "tpu", "tpu_custom_call")])
+def test_kernels_lower_for_their_compiler_at_model_shapes(kernel, platform, call):
+    """From this CPU, each kernel lowers (Triton IR / Mosaic MLIR built in Python) at
+    Qwen2.5-1.5B heads in bf16, for pool pages and for the static cache's folded pages with
+    Sparrow's per-head tables: one custom call of its compiler, not Mosaic GPU for Triton.
+    (Compiling that IR and running it needs the device.)"""
+    b, hq, hkv, d, ps, n, r = 4, 12, 2, 128, 16, 64, 8
+    spec = jax.ShapeDtypeStruct
+    for hp, ht in ((hkv, 1), (1, hkv)):
+        pages = spec((2, hp, n, ps, d), jnp.bfloat16)
+        args = (spec((b, 1, hq, d), jnp.bfloat16), pages, pages, spec((), jnp.int32),
+                spec((b, ht, r), jnp.int32), spec((b, ht, r * ps), jnp.int32),
+                spec((b, 1), jnp.int32), spec((b,), jnp.int32))
+        lower = jax.jit(lambda *a: paged_kernel_attention(*a, kernel=kernel, interpret=False))
+        text = lower.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+        assert len(calls) == 1 and call in calls[0], calls
