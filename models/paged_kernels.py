@@ -79,10 +79,20 @@ def _visible(page, num_pages, pos_1xP, qpos_Mx1):
     return named & (pos_1xP >= 0) & (pos_1xP <= qpos_Mx1)
 
 
+def _head(h, heads: int):
+    """The index along an axis of ``heads`` KV heads (1: shared) that KV head ``h`` reads."""
+    return h if heads > 1 else 0
+
+
+def _table_entry(i, h, e, table_heads: int, entries: int):
+    """Where entry ``e`` of row ``i``'s table for KV head ``h`` sits in the flat tables."""
+    return (i * table_heads + _head(h, table_heads)) * entries + e
+
+
 def _gpu_kernel(layer_ref, live_ref, q_ref, qpos_ref, tables_ref, pos_ref, k_ref, v_ref, o_ref,
-                *, heads_in_pages, scale):
+                *, page_heads, scale):
     """One (row, KV head): fold its ``live`` table entries' pages, one page at a time."""
-    hp = pl.program_id(1) if heads_in_pages else 0
+    hp = _head(pl.program_id(1), page_heads)
     layer, num_pages = layer_ref[0], k_ref.shape[2]
     q_MxD, qpos_Mx1 = q_ref[...], qpos_ref[...]
     rows, d = q_MxD.shape
@@ -105,8 +115,7 @@ def _gpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)
     b, hkv, rows, d = q.shape
     _, hp, n, ps, _ = k_pages.shape
     ht, hs, r = tables.shape[1], pos.shape[1], tables.shape[2]
-    head = lambda h, per_head: h if per_head > 1 else 0  # noqa: E731
-    kernel = functools.partial(_gpu_kernel, heads_in_pages=hp > 1, scale=d ** -0.5)
+    kernel = functools.partial(_gpu_kernel, page_heads=hp, scale=d ** -0.5)
     return pl.pallas_call(
         kernel, grid=(b, hkv),
         in_specs=[
@@ -114,8 +123,8 @@ def _gpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)
             pl.BlockSpec((None, 1), lambda i, h: (i, 0)),
             pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
             pl.BlockSpec((None, rows, 1), lambda i, h: (i, 0, 0)),
-            pl.BlockSpec((None, None, r), lambda i, h: (i, head(h, ht), 0)),
-            pl.BlockSpec((None, None, r, ps), lambda i, h: (i, head(h, hs), 0, 0)),
+            pl.BlockSpec((None, None, r), lambda i, h: (i, _head(h, ht), 0)),
+            pl.BlockSpec((None, None, r, ps), lambda i, h: (i, _head(h, hs), 0, 0)),
             pl.BlockSpec(k_pages.shape, lambda i, h: (0, 0, 0, 0, 0)),
             pl.BlockSpec(v_pages.shape, lambda i, h: (0, 0, 0, 0, 0)),
         ],
@@ -141,7 +150,7 @@ def _tpu_kernel(layer_ref, tables_ref, live_ref, q_ref, qpos_ref, pos_ref, k_ref
 
     @pl.when(r < live_ref[i])
     def _():
-        page = tables_ref[(i * table_heads + (h if table_heads > 1 else 0)) * entries + r]
+        page = tables_ref[_table_entry(i, h, r, table_heads, entries)]
         visible_MxP = _visible(page, num_pages, pos_ref[pl.ds(r, 1), :], qpos_ref[...])
         m, l, acc = _fold((m_ref[...], l_ref[...], acc_ref[...]), q_ref[...], k_ref[...],
                           v_ref[...], visible_MxP, scale)
@@ -161,8 +170,8 @@ def _tpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)
 
     def page_block(i, h, e, layer_ref, tables_ref, live_ref):
         last = jnp.maximum(jnp.minimum(e, live_ref[i] - 1), 0)  # past live: no new fetch
-        page = tables_ref[(i * ht + (h if ht > 1 else 0)) * r + last]
-        return layer_ref[0], h if hp > 1 else 0, jnp.clip(page, 0, n - 1), 0, 0
+        page = tables_ref[_table_entry(i, h, last, ht, r)]
+        return layer_ref[0], _head(h, hp), jnp.clip(page, 0, n - 1), 0, 0
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(b, hkv, r),
@@ -170,7 +179,7 @@ def _tpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)
             pl.BlockSpec((None, None, rows, d), lambda i, h, e, *_: (i, h, 0, 0)),
             pl.BlockSpec((None, rows, 1), lambda i, h, e, *_: (i, 0, 0)),
             pl.BlockSpec((None, None, r, ps),
-                         lambda i, h, e, *_: (i, h if hs > 1 else 0, 0, 0)),
+                         lambda i, h, e, *_: (i, _head(h, hs), 0, 0)),
             pl.BlockSpec((None, None, None, ps, d), page_block),
             pl.BlockSpec((None, None, None, ps, d), page_block),
         ],
