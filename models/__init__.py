@@ -8,8 +8,7 @@ from models.versions import check_jax_flax
 check_jax_flax()  # before anything imports flax: a bad pair fails with both versions named
 
 from models.attention import visibility  # noqa: E402
-from models.attention_backends import (AttentionBackend, KernelShapes, attention,
-                                       register_backend, resolve_attention)
+from models.attention_backends import AttentionBackend, attention, register_backend
 from models.cache import KVCache, init_cache
 from models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from models.decoder import Decoder, DecoderOutput
@@ -27,9 +26,9 @@ from models.tokenizer import Tokenizer
 __all__ = [
     "LORA_TARGETS", "MESH_AXES", "PARTITION_RULES", "SUPPORTED_MODEL_TYPES", "Causal",
     "Decoder", "DecoderOutput", "ExpiryRecord", "KVCache", "KVView", "MaskRecord",
-    "AttentionBackend", "KernelShapes", "ModelConfig", "PageReplay", "PageSparseCache", "PagedKVCache", "RopeScaling", "Tokenizer", "attention",
+    "AttentionBackend", "ModelConfig", "PageReplay", "PageSparseCache", "PagedKVCache", "RopeScaling", "Tokenizer", "attention",
     "checkpoint_dir", "convert_gguf",
     "find_gguf", "has_lora", "hf_name", "init_cache", "init_paged_cache", "smollm2_gguf", "add_lora",
     "load_pretrained", "make_mesh", "merge_lora", "param_shardings", "partition_spec",
-    "read_config", "register_backend", "resolve_attention", "save_adapter", "save_pretrained", "split_trainable", "visibility",
+    "read_config", "register_backend", "save_adapter", "save_pretrained", "split_trainable", "visibility",
 ]

@@ -142,10 +142,23 @@ def test_a_kernel_that_cannot_run_is_an_error_naming_the_key(choice, platform, s
         assert "choices that do: ('auto', 'xla'" in str(err.value)
 
 
-def test_model_section_refuses_another_platforms_kernel_before_loading():
-    assert ModelSection(attention="auto").attention == "auto"
-    with pytest.raises(ConfigError, match="model.attention.*pallas_tpu.*cpu"):
-        from_dict(RunConfig, {"model": {"attention": "pallas_tpu"}})
+def test_model_section_names_the_key_and_the_choices_that_work():
+    """``model.attention`` takes the registry's choices when the config is read (no JAX
+    backend touched then: ``jax.distributed.initialize`` comes after); ``backend`` refuses a
+    kernel off its platform or for the model's shapes, naming the key."""
+    with pytest.raises(ConfigError, match=r"model.attention: 'flash' is not one of \['auto', "
+                       r"'xla', 'pallas_gpu', 'pallas_tpu'\]"):
+        from_dict(RunConfig, {"model": {"attention": "flash"}})
+    heads = ModelConfig("llama", 64, 512, 32, 2, num_heads=4, num_kv_heads=2, head_dim=128)
+    with pytest.raises(ConfigError, match=r"model.attention='pallas_tpu' cannot run here: its "
+                       r"kernel runs on 'tpu' only, this platform is 'cpu'; choices that do: "
+                       r"\('auto', 'xla'\)"):
+        ModelSection(attention="pallas_tpu").backend("cpu", heads, 16)
+    with pytest.raises(ConfigError, match=r"model.attention='pallas_gpu' .*page_size=12"):
+        ModelSection(attention="pallas_gpu").backend("gpu", heads, 12)
+    assert ModelSection(attention="pallas_gpu").backend("gpu", heads, 16) == "pallas_gpu"
+    assert ModelSection(attention="auto").backend("tpu", heads, 16) == "pallas_tpu"
+    assert ModelSection().backend("gpu", heads, 16) == "blockwise"  # the default: xla
 
 
 def test_cache_check_refuses_a_head_dim_the_kernel_cannot_take():

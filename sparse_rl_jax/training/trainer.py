@@ -259,10 +259,9 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     run_dir = Path(cfg.run_dir)
     tokenizer, model, source, eval_data = prepared
     model.remat = cfg.model.remat
-    model.attention = models.resolve_attention(  # a kernel that cannot run: error, no compile
-        cfg.model.attention, jax.default_backend(),
-        models.KernelShapes(cfg.compression.page_size, model.config.num_heads,
-                            model.config.num_kv_heads, model.config.head_dim))
+    # a kernel that cannot run here: an error naming model.attention before anything compiles
+    model.attention = cfg.model.backend(jax.default_backend(), model.config,
+                                        cfg.compression.page_size)
     graphdef, params = nnx.split(model)
     del model
     reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
