@@ -356,7 +356,7 @@ def page_sparse_attention(
     b, t, hq, d = q.shape
     if t != 1:
         raise ValueError(f"page_sparse_attention: one decode query per row, got T={t}")
-    page_size, hkv = cache.page_size, cache.k.shape[2]
+    page_size, hkv = cache.page_size, page_keys.shape[1]
     q_mean = jnp.mean(q[:, 0].reshape(b, hkv, hq // hkv, d).astype(jnp.float32), axis=2)
     num_pages = (q_pos[:, 0] + page_size) // page_size  # ceil((pos + 1) / page_size)
     pages = select_pages(q_mean, page_keys.astype(jnp.float32), num_pages, budget, max_k)
