@@ -11,6 +11,13 @@ an error that lists the registered ones wherever it is used. Shipped (implementa
 - ``"fused"``: ``jax.nn.dot_product_attention`` (cuDNN flash on GPU in half precision); a
   full causal forward of right-padded rows only, so it takes no extra visibility.
 - ``"reference"``: the naive einsum over all ``[T, S]`` pairs, the test oracle.
+- ``"pallas_gpu"``, ``"pallas_tpu"``: ``"blockwise"`` for a forward over many tokens (prefill,
+  scoring, replay), and a decode step of a paged cache, a page pool or Sparrow's selected
+  pages read in place by a Pallas kernel (:mod:`models.paged_kernels`) compiled for that
+  platform only (elsewhere it runs interpreted: tests).
+
+:func:`resolve_attention` turns a user's choice (``auto``, ``xla`` or a kernel backend) into
+a backend name, refusing a kernel that cannot run on this platform or take the model's shapes.
 
 A new backend is one function with :func:`attention`'s arguments plus
 ``register_backend(AttentionBackend("name", fn, takes_visibility=...))``.
@@ -24,7 +31,11 @@ from typing import Callable
 import jax
 
 from models.attention import blockwise_attention, fused_attention, reference_attention
+from models.paged_kernels import KERNELS, PageKernel
 from models.registry import Registry
+
+XLA = "xla"  # resolve_attention's name for the default XLA backend
+AUTO = "auto"  # resolve_attention: this platform's kernel where it takes the shapes, else XLA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +52,16 @@ class AttentionBackend:
       reads_pages_in_chunks: a paged cache may read with its own chunked online softmax
         (``models.paged_cache.paged_attention``, this backend's math); False: the cache calls
         ``attend`` over all its slots.
+      page_kernel: the Pallas kernel (:data:`models.paged_kernels.KERNELS`) through which a
+        paged cache's decode step (one query per row) reads its pages in place; None: the
+        cache's XLA read.
     """
 
     name: str
     attend: Callable[..., jax.Array]
     takes_visibility: bool = True
     reads_pages_in_chunks: bool = False
+    page_kernel: PageKernel | None = None
 
     def require_visibility(self, who: str) -> None:
         """ValueError naming ``who`` (the cache, view or function asking) unless this backend
@@ -81,6 +96,74 @@ def visibility_backend(name: str, who: str) -> AttentionBackend:
     backend = get_backend(name, who)
     backend.require_visibility(who)
     return backend
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelShapes:
+    """What a page kernel must take: the KV page size and the model's attention heads."""
+
+    page_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _runs(backend: AttentionBackend, platform: str, shapes: KernelShapes | None) -> str | None:
+    """Why ``backend`` cannot decode on ``platform`` at ``shapes`` (None: it can; shapes None:
+    not checked)."""
+    kernel = backend.page_kernel
+    if kernel.platform != platform:
+        return f"its kernel runs on {kernel.platform!r} only, this platform is {platform!r}"
+    if shapes is not None:
+        return kernel.shape_error(**dataclasses.asdict(shapes))
+    return None
+
+
+def _working(platform: str, shapes: KernelShapes | None) -> tuple[str, ...]:
+    """The kernel backends that run on ``platform`` at ``shapes``."""
+    return tuple(n for n in kernel_backends() if _runs(BACKENDS.get(n), platform, shapes) is None)
+
+
+def kernel_backends() -> tuple[str, ...]:
+    """The registered backends with a page kernel."""
+    return tuple(n for n in BACKENDS.names() if BACKENDS.get(n).page_kernel is not None)
+
+
+def attention_choices() -> tuple[str, ...]:
+    """The values of a model's ``attention`` key: ``auto``, ``xla`` and the kernel backends."""
+    return (AUTO, XLA) + kernel_backends()
+
+
+def attention_error(choice: str, platform: str, shapes: KernelShapes | None = None) -> str | None:
+    """Why a model's ``attention`` choice cannot be used on ``platform`` at ``shapes`` (None
+    when it can; shapes None: not checked yet): an unknown choice, or a kernel backend
+    built for another platform or that cannot take ``shapes``, with the choices that work."""
+    if choice not in attention_choices():
+        return f"must be one of {attention_choices()}"
+    if choice in (AUTO, XLA):
+        return None
+    problem = _runs(BACKENDS.get(choice), platform, shapes)
+    if problem is None:
+        return None
+    working = _working(platform, shapes)
+    return f"cannot run here: {problem}; choices that do: {(AUTO, XLA) + working}"
+
+
+def resolve_attention(choice: str, platform: str, shapes: KernelShapes | None = None, *,
+                      key: str = "model.attention") -> str:
+    """The backend name a model's ``attention`` choice selects on ``platform``.
+
+    ``xla``: ``"blockwise"``. ``auto``: the first kernel backend that runs on ``platform``
+    and takes ``shapes``, else ``"blockwise"``. A kernel backend's own name: itself, or a
+    ValueError naming ``key`` (:func:`attention_error`).
+    """
+    problem = attention_error(choice, platform, shapes)
+    if problem is not None:
+        raise ValueError(f"{key}={choice!r} {problem}")
+    if choice == AUTO:
+        working = _working(platform, shapes)
+        return working[0] if working else "blockwise"
+    return "blockwise" if choice == XLA else choice
 
 
 def attention(
@@ -138,3 +221,7 @@ def _fused(q, k, v, q_pos, k_pos, **unused):
 register_backend(AttentionBackend("blockwise", blockwise_attention, reads_pages_in_chunks=True))
 register_backend(AttentionBackend("fused", _fused, takes_visibility=False))
 register_backend(AttentionBackend("reference", _reference))
+register_backend(AttentionBackend("pallas_gpu", blockwise_attention, reads_pages_in_chunks=True,
+                                  page_kernel=KERNELS["gpu"]))
+register_backend(AttentionBackend("pallas_tpu", blockwise_attention, reads_pages_in_chunks=True,
+                                  page_kernel=KERNELS["tpu"]))

@@ -181,6 +181,7 @@ class Decoder(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.remat = "none"
+        self.attention = "blockwise"  # the backend of a forward given none (static)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, embedding_init=_INIT,
                                       rngs=rngs, **kw)
         self.layers = stack_layers([DecoderLayer(config, rngs=rngs, **kw)
@@ -198,7 +199,7 @@ class Decoder(nnx.Module):
         *,
         kv: KVView | None = None,
         return_logits: bool = True,
-        attention_backend: str = "blockwise",
+        attention_backend: str | None = None,
     ) -> DecoderOutput:
         """Forward ``tokens [B, T]``.
 
@@ -219,10 +220,13 @@ class Decoder(nnx.Module):
           attention_backend: a registered backend (:mod:`models.attention_backends`):
             ``"blockwise"`` (any view), ``"fused"`` (no view or ``Causal``, rows
             right-padded: positions ``0..n-1`` then ``-1``) or ``"reference"`` (the einsum
-            oracle); an unknown one, or one the view cannot attend through, is a ValueError
-            naming it.
+            oracle), ``"pallas_gpu"`` / ``"pallas_tpu"`` (``"blockwise"`` with a paged
+            cache's decode steps read by a Pallas kernel); None: ``self.attention``
+            (``"blockwise"`` unless set, e.g. from ``models.resolve_attention``). An unknown
+            one, or one the view cannot attend through, is a ValueError naming it.
         """
         cfg = self.config
+        attention_backend = attention_backend or self.attention
         check_shape("tokens", tokens, dtype=int, B=None, T=None)
         b, t = tokens.shape
         positions = resolve_positions(tokens, positions, attention_mask, kv)

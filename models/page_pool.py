@@ -34,7 +34,7 @@ from flax import struct
 
 from models.attention_backends import attention, visibility_backend
 from models.paged_cache import (CHUNK_PAGES, PagedKVCache, PositionSlots, _rows, _slots,
-                                chunked_attention, default_chunk_pages)
+                                check_kernel_shapes, chunked_attention, default_chunk_pages)
 from models.shapes import check_shape
 
 
@@ -80,13 +80,15 @@ class PagePoolCache(PositionSlots):
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """ValueError naming the field when the pool does not fit ``config`` and a forward of
         ``[batch, t]`` tokens (shapes; room for ``t`` more tokens when the index is known; a
-        backend that takes per-key visibility)."""
+        backend that takes per-key visibility; a page kernel that takes ``page_size`` and the
+        model's heads)."""
         dims = dict(L=config.num_layers, Hkv=config.num_kv_heads, N=None, P=self.page_size)
         check_shape("PagePoolCache.k", self.k, **dims, D=config.head_dim)
         check_shape("PagePoolCache.v", self.v, **dims, D=config.head_dim)
         check_shape("PagePoolCache.pages", self.pages, B=batch, R=None)
         check_shape("PagePoolCache.pos", self.pos, B=batch, C=self.capacity)
         self.check_room(t, backend)
+        check_kernel_shapes(backend, self.page_size, config, "PagePoolCache")
 
     def slot_index(self, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(page, offset)`` in the pool of logical slots ``slots`` of rows ``rows``
@@ -126,13 +128,29 @@ class PagePoolCache(PositionSlots):
         b, hkv, r, p, d = got.shape
         return got.reshape(b, hkv, r * p, d)
 
+    def page_buffers(self) -> tuple[jax.Array, jax.Array]:
+        """``[L, Hkv, N, page_size, D]``: the pool's own buffers, the page kernels' layout."""
+        return self.k, self.v
+
+    def page_ids(self, logical: jax.Array) -> jax.Array:
+        """``[B, Ht, K]`` pool pages of logical pages ``logical`` (broadcasting against
+        ``[B, 1, 1]``; ``N`` for a page outside ``[0, R)`` or unmapped)."""
+        r = self.pages.shape[1]
+        rows = jnp.arange(self.pages.shape[0])[:, None, None]
+        ids = self.pages[rows, jnp.clip(logical, 0, r - 1)]
+        return jnp.where((logical >= 0) & (logical < r), ids, self.num_pages).astype(jnp.int32)
+
     def read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
              backend: str) -> jax.Array:
         """Attention ``[B, T, Hq, D]`` of ``q`` (positions ``q_pos [B, T]``) over each row's
-        pages: in chunks of ``chunk_pages`` pages up to the newest position when the backend
-        ``reads_pages_in_chunks`` (``"blockwise"``); otherwise the backend over every logical
-        slot (``"reference"``)."""
-        if not visibility_backend(backend, "PagePoolCache.read").reads_pages_in_chunks:
+        pages: a decode step (``T == 1``) of a backend with a ``page_kernel`` reads them in
+        place through it; otherwise in chunks of ``chunk_pages`` pages up to the newest
+        position when the backend ``reads_pages_in_chunks`` (``"blockwise"``), or the backend
+        over every logical slot (``"reference"``)."""
+        chosen = visibility_backend(backend, "PagePoolCache.read")
+        if chosen.page_kernel is not None and q.shape[1] == 1:
+            return self.kernel_read(layer, q, q_pos, chosen.page_kernel)
+        if not chosen.reads_pages_in_chunks:
             k, v = (self._gather(buf, layer, self.pages) for buf in (self.k, self.v))
             k_pos = jnp.broadcast_to(self.pos[:, None], k.shape[:3])
             return attention(q, k, v, q_pos, k_pos, backend=backend)

@@ -27,6 +27,7 @@ from flax import struct
 from models.attention_backends import attention, visibility_backend
 from models.kv_view import FullForward, layer_field, self_keys
 from models.paged_cache import PositionSlots
+from models.paged_kernels import paged_kernel_attention
 from models.shapes import check_shape
 
 NO_PAGE = -1  # a slot of the selection that holds no page
@@ -120,16 +121,15 @@ class PageSparseCache:
     def attend(self, layer, q, k, v, q_pos, backend):
         """Write the forward's keys/values at ``layer``; a decode step (``T == 1``) then attends
         to this layer's selected pages (``page_keys`` is this layer's ``[B, Hkv, P, D]`` slice
-        here), a prefill (``T > 1``) to every filled page."""
+        here), a prefill (``T > 1``) to every filled page. A backend with a ``page_kernel``
+        reads the selected pages in place through it."""
         cache = self.cache.write(layer, k, v, q_pos)
         if q.shape[1] > 1:
             return cache.read(layer, q, q_pos, backend), self.replace(cache=cache)
 
         def sparse(_):
-            return page_sparse_attention(q, cache.k, cache.v, cache.pos, q_pos, layer,
-                                         self.page_keys, self.budget,
-                                         page_size=self.page_size, max_k=self.max_k,
-                                         kv_index=cache.kv_index)
+            return page_sparse_attention(q, cache, q_pos, layer, self.page_keys, self.budget,
+                                         max_k=self.max_k, backend=backend)
 
         def dense(_):
             shape = (q.shape[0], k.shape[1], self.num_selected)
@@ -289,6 +289,27 @@ def select_pages(
     return jnp.concatenate(parts, axis=-1)
 
 
+def selected_slots_positions(k_pos: jax.Array, pages: jax.Array,
+                             page_size: int) -> tuple[jax.Array, jax.Array]:
+    """The logical slots of selected pages and their keys' positions.
+
+    Args:
+      k_pos: ``[B, C]`` slot positions (``-1`` empty); pages: ``[B, Hkv, K]`` page indices
+        (``NO_PAGE`` unused).
+
+    Returns:
+      ``slots [B, Hkv, K * page_size]`` (clipped into ``[0, C)``) and their positions, ``-1``
+      on unused slots and on positions not yet written.
+    """
+    b, h = pages.shape[:2]
+    want = (pages[..., None] * page_size + jnp.arange(page_size, dtype=jnp.int32))
+    want = want.reshape(b, h, -1)  # [B, Hkv, K*ps]
+    slots = jnp.clip(want, 0, k_pos.shape[1] - 1)
+    got = k_pos[jnp.arange(b)[:, None, None], slots]
+    used = jnp.repeat(pages >= 0, page_size, axis=-1) & (got == want)
+    return slots, jnp.where(used, got, -1)
+
+
 def gather_pages(
     k: jax.Array, v: jax.Array, k_pos: jax.Array, pages: jax.Array, layer: jax.Array,
     page_size: int, kv_index=None,
@@ -305,38 +326,33 @@ def gather_pages(
         logical slot lives (``PositionSlots.kv_index``); None = ``(rows, heads, slots)``.
 
     Returns:
-      ``k, v [B, Hkv, K * page_size, D]`` and positions ``[B, Hkv, K * page_size]`` with ``-1``
-      on unused slots and on positions not yet written.
+      ``k, v [B, Hkv, K * page_size, D]`` and positions ``[B, Hkv, K * page_size]`` (see
+      :func:`selected_slots_positions`).
     """
     b, h = pages.shape[:2]
-    within = jnp.arange(page_size, dtype=jnp.int32)
-    want = (pages[..., None] * page_size + within).reshape(b, h, -1)  # [B, Hkv, K*ps]
-    slots = jnp.clip(want, 0, k_pos.shape[1] - 1)
+    slots, positions = selected_slots_positions(k_pos, pages, page_size)
     rows, heads = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
-    got = k_pos[rows, slots]
-    used = jnp.repeat(pages >= 0, page_size, axis=-1) & (got == want)
     index = (layer,) + ((rows, heads, slots) if kv_index is None
                         else kv_index(rows, heads, slots))
     return (k.at[index].get(mode="fill", fill_value=0),
-            v.at[index].get(mode="fill", fill_value=0),
-            jnp.where(used, got, -1))
+            v.at[index].get(mode="fill", fill_value=0), positions)
 
 
 def page_sparse_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array, q_pos: jax.Array,
-    layer: jax.Array, page_keys: jax.Array, budget: jax.Array, *, page_size: int, max_k: int,
-    kv_index=None,
+    q: jax.Array, cache: PositionSlots, q_pos: jax.Array, layer: jax.Array,
+    page_keys: jax.Array, budget: jax.Array, *, max_k: int, backend: str = "blockwise",
 ) -> tuple[jax.Array, jax.Array]:
     """One decode step of page-sparse attention for one layer of a paged cache.
 
     Args:
       q: ``[B, 1, Hq, D]`` the step's query (after RoPE); q_pos ``[B, 1]`` its position.
-      k, v: ``[L, B, Hkv, C, D]`` the paged cache's buffers, or a pool's with its
-        ``kv_index`` (the step's key already written); k_pos ``[B, C]``; layer ``[]`` the
-        layer to read.
+      cache: the paged cache or page pool (the step's key already written; ``pos [B, C]``).
+      layer: ``[]`` the layer to read.
       page_keys: ``[B, Hkv, P, D]`` this layer's page-mean keys; budget ``[B]`` (see
         :class:`PageSparseCache`).
-      kv_index: as :func:`gather_pages` (a page pool's).
+      backend: a backend with a ``page_kernel`` reads the selected pages in place (their ids
+        a per-(row, head) table) when the cache has ``page_buffers``; otherwise ``attention``
+        over the gathered pages.
 
     Returns:
       ``(out [B, 1, Hq, D], pages [B, Hkv, K])``.
@@ -344,9 +360,19 @@ def page_sparse_attention(
     b, t, hq, d = q.shape
     if t != 1:
         raise ValueError(f"page_sparse_attention: one decode query per row, got T={t}")
-    hkv = page_keys.shape[1]
+    page_size, hkv = cache.page_size, page_keys.shape[1]
     q_mean = jnp.mean(q[:, 0].reshape(b, hkv, hq // hkv, d).astype(jnp.float32), axis=2)
     num_pages = (q_pos[:, 0] + page_size) // page_size  # ceil((pos + 1) / page_size)
     pages = select_pages(q_mean, page_keys.astype(jnp.float32), num_pages, budget, max_k)
-    gk, gv, gpos = gather_pages(k, v, k_pos, pages, layer, page_size, kv_index)
-    return attention(q, gk, gv, q_pos, gpos), pages
+    kernel = visibility_backend(backend, "page_sparse_attention").page_kernel
+    buffers = None if kernel is None else cache.page_buffers()
+    if buffers is not None:
+        _, positions = selected_slots_positions(cache.pos, pages, page_size)
+        k_pages, v_pages = buffers
+        live = jnp.full((b,), pages.shape[-1], jnp.int32)
+        out = paged_kernel_attention(q, k_pages, v_pages, layer, cache.page_ids(pages),
+                                     positions, q_pos, live, kernel=kernel.platform)
+        return out, pages
+    gk, gv, gpos = gather_pages(cache.k, cache.v, cache.pos, pages, layer, page_size,
+                                cache.kv_index)
+    return attention(q, gk, gv, q_pos, gpos, backend=backend), pages

@@ -33,6 +33,7 @@ from flax import struct
 from models.attention import online_softmax_finish, online_softmax_init, online_softmax_step
 from models.attention_backends import attention, visibility_backend
 from models.cache import WriteIndexCache
+from models.paged_kernels import paged_kernel_attention
 from models.shapes import check_shape
 
 CHUNK_PAGES = {"cpu": 2}  # pages per loop iteration by platform (CPU: benchmarks/README.md)
@@ -73,6 +74,27 @@ class PositionSlots(WriteIndexCache):
         """KV heads ``Hkv`` of the buffers (``k [L, B, Hkv, C, D]``)."""
         return self.k.shape[2]
 
+    def page_buffers(self) -> tuple[jax.Array, jax.Array] | None:
+        """Keys and values as a page kernel reads them in place, ``[L, Hp, N, page_size, D]``
+        (``models.paged_kernels``), or None for a view without that layout (its decode steps
+        then read through XLA). A view that returns buffers also defines ``page_ids(logical)
+        -> [B, Ht, K]`` int32: the ids in those buffers of logical pages ``logical``
+        (broadcasting to ``[B, Ht, K]``; a page outside ``[0, C / page_size)`` or unmapped:
+        an id outside ``[0, N)``)."""
+        return None
+
+    def kernel_read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
+                    kernel) -> jax.Array:
+        """Attention ``[B, T, Hq, D]`` of ``q`` (positions ``q_pos [B, T]``) over each row's
+        logical pages in order, read in place by the Pallas ``kernel`` (a
+        ``models.paged_kernels.PageKernel``) up to the page of the row's newest position."""
+        r = self.capacity // self.page_size
+        k_pages, v_pages = self.page_buffers()
+        live = (jnp.max(q_pos, axis=1) + self.page_size) // self.page_size  # -1 -> 0 pages
+        return paged_kernel_attention(
+            q, k_pages, v_pages, layer, self.page_ids(jnp.arange(r)[None, None]),
+            self.pos[:, None], q_pos, live, kernel=kernel.platform)
+
 
 @struct.dataclass
 class PagedKVCache(PositionSlots):
@@ -100,7 +122,7 @@ class PagedKVCache(PositionSlots):
         """ValueError naming the field when the cache does not fit ``config`` and a forward
         of ``[batch, t]`` tokens: shapes, whole pages, room for ``t`` more tokens (when the
         index is known, not under jit), a backend that takes per-key visibility (not
-        ``"fused"``)."""
+        ``"fused"``), a page kernel that takes ``page_size`` and the model's heads."""
         dims = dict(L=config.num_layers, B=batch, Hkv=config.num_kv_heads, C=None)
         check_shape("PagedKVCache.k", self.k, **dims, D=config.head_dim)
         check_shape("PagedKVCache.v", self.v, **dims, D=config.head_dim)
@@ -109,6 +131,7 @@ class PagedKVCache(PositionSlots):
             raise ValueError(f"PagedKVCache: capacity {self.capacity} is not a whole number "
                              f"of pages of page_size={self.page_size}")
         self.check_room(t, backend)
+        check_kernel_shapes(backend, self.page_size, config, "PagedKVCache")
 
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array,
               q_pos: jax.Array) -> PagedKVCache:
@@ -127,8 +150,13 @@ class PagedKVCache(PositionSlots):
         """Attention ``[B, T, Hq, D]`` of ``q`` (positions ``q_pos [B, T]``) over the chunks of
         ``layer`` up to the newest position when the backend ``reads_pages_in_chunks``
         (``"blockwise"``); otherwise the backend over every slot (``"reference"``: the einsum,
-        the oracle). ValueError for an unknown backend or one without per-key visibility."""
-        if not visibility_backend(backend, "PagedKVCache.read").reads_pages_in_chunks:
+        the oracle); a decode step (``T == 1``) of a backend with a ``page_kernel`` reads the
+        pages in place through it. ValueError for an unknown backend or one without per-key
+        visibility."""
+        chosen = visibility_backend(backend, "PagedKVCache.read")
+        if chosen.page_kernel is not None and q.shape[1] == 1:  # this cache has page_buffers
+            return self.kernel_read(layer, q, q_pos, chosen.page_kernel)
+        if not chosen.reads_pages_in_chunks:
             b, hkv = self.pos.shape[0], self.k.shape[2]
             k_pos = jnp.broadcast_to(self.pos[:, None], (b, hkv, self.capacity))
             return attention(q, self.k[layer], self.v[layer], q_pos, k_pos, backend=backend)
@@ -136,10 +164,36 @@ class PagedKVCache(PositionSlots):
                                filled=jnp.max(q_pos) + 1,
                                chunk=min(self.chunk_pages * self.page_size, self.capacity))
 
+    def page_buffers(self) -> tuple[jax.Array, jax.Array]:
+        """``[L, 1, B * Hkv * R, page_size, D]``: the buffers with each (row, head)'s ``R``
+        pages numbered in turn (a reshape, no copy)."""
+        n_layers, b, hkv, c, d = self.k.shape
+        shape = (n_layers, 1, b * hkv * (c // self.page_size), self.page_size, d)
+        return self.k.reshape(shape), self.v.reshape(shape)
+
+    def page_ids(self, logical: jax.Array) -> jax.Array:
+        """``[B, Hkv, K]`` ids of logical pages ``logical`` of each (row, head) (``-1`` for a
+        page outside ``[0, R)``)."""
+        b, hkv = self.k.shape[1:3]
+        r = self.capacity // self.page_size
+        row_head = jnp.arange(b)[:, None, None] * hkv + jnp.arange(hkv)[None, :, None]
+        ids = row_head * r + logical
+        return jnp.where((logical >= 0) & (logical < r), ids, -1).astype(jnp.int32)
+
     def repeat_rows(self, n: int) -> PagedKVCache:
         """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
         return self.replace(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1),
                             pos=jnp.repeat(self.pos, n, axis=0))
+
+
+def check_kernel_shapes(backend: str, page_size: int, config, who: str) -> None:
+    """ValueError naming ``who`` when ``backend``'s page kernel (if any) cannot take
+    ``page_size`` and the heads of the model ``config``."""
+    kernel = visibility_backend(backend, who).page_kernel
+    problem = kernel and kernel.shape_error(page_size, config.num_heads, config.num_kv_heads,
+                                            config.head_dim)
+    if problem:
+        raise ValueError(f"{who}: attention_backend={backend!r} cannot take {problem}")
 
 
 def _rows(positions: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ import pytest
 
 from models.attention import reference_attention
 from models.attention_backends import (BACKENDS, AttentionBackend, attention, get_backend,
-                                       register_backend)
+                                       kernel_backends, register_backend)
 from models.config import ModelConfig
 from models.paged_cache import init_paged_cache
 from models.registry import Registry
@@ -29,6 +29,7 @@ from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
 from sparse_rl_jax.rl.loss_terms import KL_ESTIMATORS, POLICY_LOSSES, PolicyLoss
+from sparse_rl_jax.training.run_config import ModelSection
 
 
 @contextlib.contextmanager
@@ -87,7 +88,10 @@ def test_config_allowed_values_are_the_registries_names():
     assert ESTIMATORS.names() == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
     assert methods() == ("none", *EVICTION_SCORES.names(), "sparrow")
     assert EVICTION_SCORES.names() == ("snapkv", "rkv", "streaming")
-    assert BACKENDS.names() == ("blockwise", "fused", "reference")
+    assert BACKENDS.names() == ("blockwise", "fused", "reference", "pallas_gpu", "pallas_tpu")
+    assert _rule(lambda: ModelSection(attention="nope")) == (
+        f"must be one of {('auto', 'xla') + kernel_backends()}")
+    assert kernel_backends() == ("pallas_gpu", "pallas_tpu")
 
 
 def test_duplicate_names_are_refused_with_the_kind_and_name():
@@ -246,7 +250,8 @@ def test_a_backend_without_visibility_is_refused_by_every_cache_and_view():
     with registered(BACKENDS, "causal_only", backend):
         assert get_backend("causal_only", "test") is backend
         full = attention(q, k, v, pos, k_pos, backend="causal_only")
-        refused = r"needs a full forward .*use one of \('blockwise', 'reference'\)"
+        refused = (r"needs a full forward .*use one of \('blockwise', 'reference', 'pallas_gpu', "
+                   r"'pallas_tpu'\)")
         with pytest.raises(ValueError, match="PagedKVCache: attention_backend='causal_only' "
                                              + refused):
             cache.check(cfg, 2, 1, "causal_only")
@@ -263,7 +268,8 @@ def test_a_backend_without_visibility_is_refused_by_every_cache_and_view():
 def test_unknown_backends_are_errors_naming_the_caller_and_the_backends():
     q, k, v, pos = _qkv()
     cache = init_paged_cache(1, 2, 1, 8, 8, page_size=4)
-    allowed = r"backend must be one of \('blockwise', 'fused', 'reference'\), got 'flash'"
+    allowed = (r"backend must be one of \('blockwise', 'fused', 'reference', 'pallas_gpu', "
+               r"'pallas_tpu'\), got 'flash'")
     with pytest.raises(ValueError, match="PagedKVCache.read: " + allowed):
         cache.read(jnp.int32(0), q, pos, "flash")  # was silently the blockwise loop
     with pytest.raises(ValueError, match="attention: " + allowed):

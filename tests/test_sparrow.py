@@ -16,6 +16,7 @@ import models
 from benchmarks.compile_count import count_compiles
 from models.attention import reference_attention
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
+from models.paged_cache import PagedKVCache
 from sparse_rl_jax.core.config_io import ConfigError, from_dict
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import SPARROW_PRESETS, SparrowConfig
@@ -139,9 +140,11 @@ def test_select_pages_matches_numpy_with_ties_and_small_rows():
     assert set(got[4, 0][got[4, 0] >= 0]) == set(range(6))
 
 
-def test_page_sparse_attention_equals_masked_reference():
-    """Gathered pages of one layer of a paged cache (slot = position) == reference attention
-    over that layer's whole cache masked to those pages."""
+@pytest.mark.parametrize("backend", ["blockwise", "pallas_gpu", "pallas_tpu"])
+def test_page_sparse_attention_equals_masked_reference(backend):
+    """Selected pages of one layer of a paged cache (slot = position), gathered (XLA) or read
+    in place through per-(row, head) tables by a Pallas kernel (interpreted off its
+    platform) == reference attention over that layer's whole cache masked to those pages."""
     rng = np.random.default_rng(1)
     n_layers, layer, b, hkv, g, d, c, ps = 2, 1, 3, 2, 2, 8, 48, 4
     lengths = np.array([40, 23, 9])
@@ -155,9 +158,11 @@ def test_page_sparse_attention_equals_masked_reference():
         for p in range(-(-lengths[i] // ps)):
             page_keys[i, :, p] = k[layer, i, :, p * ps: min((p + 1) * ps, lengths[i])].mean(1)
     budget = np.array([2, 3, 1])
+    cache = PagedKVCache(k=jnp.asarray(k), v=jnp.asarray(v), pos=jnp.asarray(pos),
+                         index=jnp.zeros((), jnp.int32), page_size=ps)
     out, pages = page_sparse_attention(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(q_pos),
-        jnp.asarray(layer), jnp.asarray(page_keys), jnp.asarray(budget), page_size=ps, max_k=3)
+        jnp.asarray(q), cache, jnp.asarray(q_pos), jnp.asarray(layer), jnp.asarray(page_keys),
+        jnp.asarray(budget), max_k=3, backend=backend)
     q_mean = q[:, 0].reshape(b, hkv, g, d).mean(2)
     want = np_select(q_mean, page_keys, -(-lengths // ps), budget)
     mask = np.zeros((b, hkv, 1, c), bool)

@@ -260,6 +260,9 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     run_dir = Path(cfg.run_dir)
     tokenizer, model, source, eval_data = prepared
     model.remat = cfg.model.remat
+    # a kernel that cannot run here: an error naming model.attention before anything compiles
+    model.attention = cfg.model.backend(jax.default_backend(), model.config,
+                                        cfg.compression.page_size)
     graphdef, params = nnx.split(model)
     del model
     reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
