@@ -1,0 +1,119 @@
+"""The update's terms of the memory plan: what an optimizer update holds beyond its forward.
+
+An update (``update_step.update_step``) peaks in one of two phases, over the same resident
+buffers (the weights and the optimizer state, both donated arguments):
+
+- the backward: the gradients, the float32 accumulator of a micro-batched update, the
+  residuals the forward saved, one layer's backward next to its recomputed forward and a
+  second LM-head chunk;
+- the optimizer step (``optax`` update, applied inside the finite-update ``lax.cond``): the
+  gradients, the updates tree, and the new trainable params and optimizer state beside the
+  old ones (the step keeps both until it knows every new value is finite).
+
+Only the trainable params take gradients, updates and optimizer state: every weight in a
+full update, the adapters alone with LoRA (``models.lora``). The optimizer state's dtype is
+optax's: :func:`optimizer_state_bytes` asks ``optax`` (``jax.eval_shape`` of the repository's
+AdamW ``init``), which keeps the moments in the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from models.config import ModelConfig
+from sparse_rl_jax.rl.lora_config import LoraConfig
+from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
+
+_F32 = 4
+
+
+def lora_param_count(cfg: ModelConfig, lora: LoraConfig) -> int:
+    """Adapter params of ``models.add_lora`` with ``lora``'s rank and targets: ``rank x
+    (fan_in + fan_out)`` per adapted projection and layer."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fans = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
+            "gate_proj": h + f, "up_proj": h + f, "down_proj": f + h}
+    return cfg.num_layers * lora.rank * sum(fans[name] for name in lora.targets)
+
+
+@functools.lru_cache(maxsize=None)
+def _state_layout(dtype: np.dtype) -> tuple[int, int]:
+    """``(bytes per parameter, fixed bytes)`` of the repository's AdamW state over ``dtype``
+    params, from the state ``optax`` builds for one and for two parameters."""
+    init = make_optimizer(OptimConfig()).init
+
+    def nbytes(n: int) -> int:
+        state = jax.eval_shape(init, {"w": jax.ShapeDtypeStruct((n,), dtype)})
+        return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+    per_param = nbytes(2) - nbytes(1)
+    return per_param, nbytes(1) - per_param
+
+
+def optimizer_state_bytes(count: int, dtype) -> int:
+    """Bytes of the optimizer state (``optim.make_optimizer``) of ``count`` params of
+    ``dtype``: optax's AdamW keeps both moments in the parameter dtype (its ``mu_dtype`` is
+    unset), plus scalar step counters. The settings of ``OptimConfig`` change no state size."""
+    per_param, fixed = _state_layout(np.dtype(dtype))
+    return count * per_param + fixed
+
+
+def residual_width(cfg: ModelConfig, remat: str, total_len: int, itemsize: int) -> int:
+    """Elements per token and layer that the backward pass finds saved under ``remat``."""
+    if remat == "full":
+        return cfg.hidden_size
+    if remat == "dots_saveable":
+        width = 3 * cfg.hidden_size + cfg.num_heads * cfg.head_dim
+        width += 2 * cfg.num_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size
+        return width + cfg.num_heads * total_len * _F32 // itemsize  # attention scores
+    width = 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim
+    return width + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+
+
+def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_len: int,
+                 dtype, compute_itemsize: int, remat: str, params: int,
+                 lora: LoraConfig | None, accumulate: bool) -> dict[str, int]:
+    """The forward's ``parts`` (``weights``, ``activations``, ``lm_head_chunk``, ...) grown
+    to an update's, in bytes.
+
+    Args:
+      parts: the teacher-forced forward's parts over ``batch`` rows (``memory_plan``).
+      cfg, batch, total_len: the model and the (micro-)batch of ``total_len`` columns.
+      dtype: the params' dtype (the trainable params, their updates and optimizer state).
+      compute_itemsize: bytes of an activation element (also of a gradient, which the
+        weight-gradient matmuls produce in the compute dtype).
+      remat: ``model.remat``: what each layer saves for its backward.
+      params: every parameter of the model (``memory_plan.param_count``).
+      lora: the adapters when only they train (None: every weight trains).
+      accumulate: the update runs in micro-batches, summing gradients in float32.
+
+    Returns:
+      ``parts`` plus ``residuals``, a second LM-head chunk and one layer's backward (in
+      ``lm_head_chunk``, ``activations``), ``grads``, ``accumulator``, ``optimizer`` (the
+      state) and ``optimizer_step``: how much the optimizer step's peak exceeds the
+      backward's (0 when the backward peaks), so the total is the larger phase's.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    trainable = lora_param_count(cfg, lora) if lora else params
+    parts = dict(parts)
+    parts["residuals"] = (cfg.num_layers * batch * total_len * compute_itemsize
+                          * residual_width(cfg, remat, total_len, compute_itemsize))
+    parts["activations"] *= 2  # one layer's backward next to its recomputed forward
+    parts["lm_head_chunk"] *= 2
+    parts["grads"] = trainable * max(itemsize, compute_itemsize)
+    parts["accumulator"] = trainable * _F32 if accumulate else 0
+    parts["optimizer"] = optimizer_state_bytes(trainable, dtype)
+    backward = sum(parts[name] for name in (
+        "activations", "lm_head_chunk", "hidden", "page_replay", "residuals", "grads",
+        "accumulator"))
+    # the step's gradients: the accumulator's sum, cast to the params' dtype (the same buffer
+    # when that is float32), or the single pass's own
+    grads = parts["accumulator"] + (parts["grads"] if not accumulate or itemsize != _F32
+                                    else 0)
+    new = 2 * trainable * itemsize + parts["optimizer"]  # updates, new params, new state
+    parts["optimizer_step"] = max(0, grads + new - backward)
+    return parts
