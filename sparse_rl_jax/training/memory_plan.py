@@ -360,7 +360,8 @@ def micro_batch_size(cfg: ModelConfig, minibatch: int, *, limit: int | None = No
     limit = device_memory_limit() if limit is None else limit
     if limit is None or estimate("update", cfg, batch=minibatch, **kw).total <= limit:
         return minibatch
-    fits = largest_batch("update", cfg, limit, step=step, accumulate=True, **kw)
+    # any size that fits, not just multiples of ``step``: the error names it
+    fits = largest_batch("update", cfg, limit, accumulate=True, **kw)
     divisors = [d for d in range(step, min(fits, minibatch) + 1, step) if minibatch % d == 0]
     if divisors:
         return divisors[-1]
