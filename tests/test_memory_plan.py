@@ -148,26 +148,23 @@ def _ratio(cfg, n, p, m, chunk, dtype, lora_rank, micro) -> float:
     return plan / xla_peak_bytes(stats)
 
 
-@pytest.mark.parametrize("micro", [4, 2, 1])
-@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_update_plan_brackets_the_compiled_update_tiny(dtype, lora_rank, micro):
-    """At the tiny shape (activations dominate): 0.95 <= plan / XLA's peak <= 1.25, for full
-    and LoRA updates of 4 sequences whole or in micro-batches."""
-    assert 0.95 <= _ratio(CONFIGS[0], 4, 16, 48, 16, dtype, lora_rank, micro) <= 1.25
-
-
 SMALL = models.ModelConfig("qwen2", 8192, 256, 1024, 2, num_heads=4, num_kv_heads=2,
                            head_dim=64, attention_bias=True)
 
 
-@pytest.mark.parametrize("dtype,lora_rank,micro", [
-    ("float32", 0, 4), ("float32", 0, 1), ("float32", 4, 4), ("bfloat16", 0, 2)])
-def test_update_plan_brackets_the_compiled_update_small(dtype, lora_rank, micro):
-    """A 6M-parameter model (vocab 8192) over 4 x 128 tokens: a full update peaks in its
-    optimizer step (new params and Adam moments beside the old ones), a LoRA update in its
-    backward; 0.95 <= plan / XLA's peak <= 1.25 either way."""
-    assert 0.95 <= _ratio(SMALL, 4, 32, 96, 32, dtype, lora_rank, micro) <= 1.25
+@pytest.mark.parametrize("cfg,dtype,lora_rank,micro", [
+    (CONFIGS[0], "float32", 0, 4), (CONFIGS[0], "bfloat16", 4, 2),
+    (SMALL, "float32", 0, 1), (SMALL, "bfloat16", 4, 4)],
+    ids=["tiny-f32-full-whole", "tiny-bf16-lora-micro2", "small-f32-full-micro1",
+         "small-bf16-lora-whole"])
+def test_update_plan_brackets_the_compiled_update(cfg, dtype, lora_rank, micro):
+    """0.95 <= plan / XLA's peak <= 1.25 for one update of 4 sequences, whole or in
+    micro-batches of 2 or 1 (the float32 accumulator), full or LoRA, f32 or bf16: at the
+    tiny shape (activations dominate) and at a 6M-parameter one (vocab 8192, 32 + 96
+    tokens), where a full update peaks in its optimizer step and a LoRA one in its
+    backward."""
+    p, m, chunk = (16, 48, 16) if cfg is CONFIGS[0] else (32, 96, 32)
+    assert 0.95 <= _ratio(cfg, 4, p, m, chunk, dtype, lora_rank, micro) <= 1.25
 
 
 def test_request_over_the_limit_fails_naming_estimate_and_largest_batch():
