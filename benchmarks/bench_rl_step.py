@@ -188,13 +188,14 @@ def xla_peak_bytes(stats) -> int:
             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
 
-def compiled_update(config, n: int, prompt_len: int, new_tokens: int, *, dtype="float32",
-                    lora_rank: int = 0, remat: str = "none", micro: int = 0,
-                    chunk_size: int = 64):
+def lowered_update(config, n: int, prompt_len: int, new_tokens: int, *, dtype="float32",
+                   lora_rank: int = 0, remat: str = "none", micro: int = 0,
+                   chunk_size: int = 64):
     """One update of ``n`` x (``prompt_len`` + ``new_tokens``) of a ``config`` decoder
-    (:func:`update_model`, ``model.remat`` ``remat``) compiled from abstract inputs (no
+    (:func:`update_model`, ``model.remat`` ``remat``) lowered from abstract inputs (no
     weights are made), params and optimizer state donated as in training; ``micro`` rows
-    per micro-batch (0 = all). Returns the ``jax.stages.Compiled``."""
+    per micro-batch (0 = all). Returns ``(lowered, params, opt_state, batch)``: the
+    ``jax.stages.Lowered`` and its abstract arguments."""
     import jax
     from flax import nnx
 
@@ -206,7 +207,12 @@ def compiled_update(config, n: int, prompt_len: int, new_tokens: int, *, dtype="
     step, optimizer = _update_fn(graphdef, micro, chunk_size, donate=True)
     opt_state = jax.eval_shape(optimizer.init, models.split_trainable(params)[0])
     batch = jax.eval_shape(lambda: update_batch(n, prompt_len, new_tokens, config.vocab_size))
-    return step.lower(params, opt_state, batch).compile()
+    return step.lower(params, opt_state, batch), params, opt_state, batch
+
+
+def compiled_update(config, n: int, prompt_len: int, new_tokens: int, **kw):
+    """:func:`lowered_update` (same arguments), compiled: the ``jax.stages.Compiled``."""
+    return lowered_update(config, n, prompt_len, new_tokens, **kw)[0].compile()
 
 
 def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64) -> dict:

@@ -83,10 +83,27 @@ def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, dtype, *,
     return kv * np.dtype(dtype).itemsize + 4 * positions
 
 
+def _blocks(t: int, s: int) -> tuple[int, int]:
+    """``(bq, bk)``: the query and key block of a ``T x S`` blockwise attention."""
+    return (t, s) if t * s <= _ONE_BLOCK_PAIRS else (min(_BLOCK, t), min(_BLOCK, s))
+
+
 def _attention_block(cfg: ModelConfig, rows: int, t: int, s: int) -> int:
     """fp32 logits + probabilities of one blockwise-attention block (``models.attention``)."""
-    pairs = t * s if t * s <= _ONE_BLOCK_PAIRS else min(_BLOCK, t) * min(_BLOCK, s)
-    return 2 * rows * cfg.num_heads * pairs * _F32
+    bq, bk = _blocks(t, s)
+    return 2 * rows * cfg.num_heads * bq * bk * _F32
+
+
+def _visibility_residual(cfg: ModelConfig, rows: int, t: int) -> int:
+    """Bytes an update's forward keeps of its causal ``T x T`` blockwise attention: under the
+    layer scan's autodiff the parts of each block's step that depend on positions alone
+    (the same in every layer) are hoisted out of the scan and kept for the backward, stacked
+    over query x key blocks: per row and query head a bool visibility and a float32 fill of
+    every padded ``T' x T'`` pair, and a float32 value per query and key block."""
+    bq, bk = _blocks(t, t)
+    tq, sk = -(-t // bq), -(-t // bk)  # query and key blocks
+    per_head = tq * bq * sk * bk * (1 + _F32) + tq * bq * sk * _F32
+    return rows * cfg.num_heads * per_head
 
 
 def _layer_activations(cfg: ModelConfig, rows: int, t: int, itemsize: int) -> int:
@@ -257,7 +274,8 @@ def estimate(
     if kind == "update":
         parts = update_parts(parts, cfg, batch=batch, total_len=total_len, dtype=dtype,
                              compute_itemsize=compute, remat=remat, params=param_count(cfg),
-                             lora=lora, accumulate=accumulate)
+                             lora=lora, accumulate=accumulate,
+                             visibility=_visibility_residual(cfg, batch, total_len))
     return MemoryEstimate(kind, batch, parts)
 
 

@@ -28,6 +28,10 @@ from sparse_rl_jax.rl.lora_config import LoraConfig
 from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
 
 _F32 = 4
+# one layer's backward holds this fraction of its forward's activations (the recomputed
+# forward's and the gradients'), measured against XLA's peak at the Qwen2.5-1.5B and 7B
+# shapes (benchmarks/README.md, "memory plan")
+LAYER_BACKWARD = (8, 5)
 
 
 def lora_param_count(cfg: ModelConfig, lora: LoraConfig) -> int:
@@ -76,7 +80,8 @@ def residual_width(cfg: ModelConfig, remat: str, total_len: int, itemsize: int) 
 
 def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_len: int,
                  dtype, compute_itemsize: int, remat: str, params: int,
-                 lora: LoraConfig | None, accumulate: bool) -> dict[str, int]:
+                 lora: LoraConfig | None, accumulate: bool,
+                 visibility: int) -> dict[str, int]:
     """The forward's ``parts`` (``weights``, ``activations``, ``lm_head_chunk``, ...) grown
     to an update's, in bytes.
 
@@ -90,30 +95,34 @@ def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_l
       params: every parameter of the model (``memory_plan.param_count``).
       lora: the adapters when only they train (None: every weight trains).
       accumulate: the update runs in micro-batches, summing gradients in float32.
+      visibility: bytes of the attention's position-only values kept for the backward
+        (``memory_plan``: the forward's ``[T, T]`` visibility, hoisted out of the layer scan).
 
     Returns:
-      ``parts`` plus ``residuals``, a second LM-head chunk and one layer's backward (in
-      ``lm_head_chunk``, ``activations``), ``grads``, ``accumulator``, ``optimizer`` (the
-      state) and ``optimizer_step``: how much the optimizer step's peak exceeds the
-      backward's (0 when the backward peaks), so the total is the larger phase's.
+      ``parts`` with ``activations`` and ``lm_head_chunk`` replaced by ``backward`` (the
+      larger of the loss's backward through two LM-head chunks and one layer's backward,
+      :data:`LAYER_BACKWARD` times its forward's activations), plus ``residuals``,
+      ``visibility``, ``grads``, ``accumulator``, ``optimizer`` (the state) and
+      ``optimizer_step``: how much the optimizer step's peak exceeds the backward's (0 when
+      the backward peaks), so the total is the larger phase's.
     """
     itemsize = np.dtype(dtype).itemsize
     trainable = lora_param_count(cfg, lora) if lora else params
     parts = dict(parts)
+    activations, lm_head = parts.pop("activations"), parts.pop("lm_head_chunk")
+    parts["backward"] = max(2 * lm_head, activations * LAYER_BACKWARD[0] // LAYER_BACKWARD[1])
     parts["residuals"] = (cfg.num_layers * batch * total_len * compute_itemsize
                           * residual_width(cfg, remat, total_len, compute_itemsize))
-    parts["activations"] *= 2  # one layer's backward next to its recomputed forward
-    parts["lm_head_chunk"] *= 2
+    parts["visibility"] = visibility
     parts["grads"] = trainable * max(itemsize, compute_itemsize)
     parts["accumulator"] = trainable * _F32 if accumulate else 0
     parts["optimizer"] = optimizer_state_bytes(trainable, dtype)
     backward = sum(parts[name] for name in (
-        "activations", "lm_head_chunk", "hidden", "page_replay", "residuals", "grads",
+        "backward", "hidden", "page_replay", "residuals", "visibility", "grads",
         "accumulator"))
-    # the step's gradients: the accumulator's sum, cast to the params' dtype (the same buffer
-    # when that is float32), or the single pass's own
-    grads = parts["accumulator"] + (parts["grads"] if not accumulate or itemsize != _F32
-                                    else 0)
+    # the step's gradients: the accumulator's float32 sum (its cast to the params' dtype
+    # fuses into the optimizer's elementwise update), or the single pass's own
+    grads = parts["accumulator"] if accumulate else parts["grads"]
     new = 2 * trainable * itemsize + parts["optimizer"]  # updates, new params, new state
     parts["optimizer_step"] = max(0, grads + new - backward)
     return parts
