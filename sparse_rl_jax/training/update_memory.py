@@ -74,8 +74,10 @@ def residual_width(cfg: ModelConfig, remat: str, total_len: int, itemsize: int) 
         width = 3 * cfg.hidden_size + cfg.num_heads * cfg.head_dim
         width += 2 * cfg.num_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size
         return width + cfg.num_heads * total_len * _F32 // itemsize  # attention scores
+    # none: XLA keeps six intermediate-wide arrays per layer (the SwiGLU's gate, up, their
+    # activations and products), as a compiled update's buffers show
     width = 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim
-    return width + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
+    return width + 2 * cfg.num_kv_heads * cfg.head_dim + 6 * cfg.intermediate_size
 
 
 def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_len: int,
@@ -89,8 +91,13 @@ def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_l
       parts: the teacher-forced forward's parts over ``batch`` rows (``memory_plan``).
       cfg, batch, total_len: the model and the (micro-)batch of ``total_len`` columns.
       dtype: the params' dtype (the trainable params, their updates and optimizer state).
-      compute_itemsize: bytes of an activation element (also of a gradient, which the
-        weight-gradient matmuls produce in the compute dtype).
+      compute_itemsize: bytes of an element of a layer's transients (``memory_plan``: 4 on
+        XLA:CPU, which computes bfloat16 work in float32). The gradients take the params'
+        dtype, and so do the residuals under ``remat="full"`` (each layer's input); other
+        policies' saved intermediates take the compute dtype (XLA:CPU converts the stacked
+        bfloat16 ones to float32 before the backward loop). Where the compute dtype is
+        wider, the backward also holds a float32 copy of every weight (``upcast_weights``:
+        XLA:CPU converts them once, outside the layer loop).
       remat: ``model.remat``: what each layer saves for its backward.
       params: every parameter of the model (``memory_plan.param_count``).
       lora: the adapters when only they train (None: every weight trains).
@@ -102,7 +109,8 @@ def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_l
       ``parts`` with ``activations`` and ``lm_head_chunk`` replaced by ``backward`` (the
       larger of the loss's backward through two LM-head chunks and one layer's backward,
       :data:`LAYER_BACKWARD` times its forward's activations), plus ``residuals``,
-      ``visibility``, ``grads``, ``accumulator``, ``optimizer`` (the state) and
+      ``visibility``, ``upcast_weights``, ``grads``, ``accumulator``, ``optimizer`` (the
+      state) and
       ``optimizer_step``: how much the optimizer step's peak exceeds the backward's (0 when
       the backward peaks), so the total is the larger phase's.
     """
@@ -111,15 +119,17 @@ def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_l
     parts = dict(parts)
     activations, lm_head = parts.pop("activations"), parts.pop("lm_head_chunk")
     parts["backward"] = max(2 * lm_head, activations * LAYER_BACKWARD[0] // LAYER_BACKWARD[1])
-    parts["residuals"] = (cfg.num_layers * batch * total_len * compute_itemsize
-                          * residual_width(cfg, remat, total_len, compute_itemsize))
+    saved = itemsize if remat == "full" else compute_itemsize
+    parts["residuals"] = (cfg.num_layers * batch * total_len * saved
+                          * residual_width(cfg, remat, total_len, saved))
     parts["visibility"] = visibility
-    parts["grads"] = trainable * max(itemsize, compute_itemsize)
+    parts["upcast_weights"] = params * compute_itemsize if compute_itemsize > itemsize else 0
+    parts["grads"] = trainable * itemsize
     parts["accumulator"] = trainable * _F32 if accumulate else 0
     parts["optimizer"] = optimizer_state_bytes(trainable, dtype)
     backward = sum(parts[name] for name in (
-        "backward", "hidden", "page_replay", "residuals", "visibility", "grads",
-        "accumulator"))
+        "backward", "hidden", "page_replay", "residuals", "visibility", "upcast_weights",
+        "grads", "accumulator"))
     # the step's gradients: the accumulator's float32 sum (its cast to the params' dtype
     # fuses into the optimizer's elementwise update), or the single pass's own
     grads = parts["accumulator"] if accumulate else parts["grads"]
