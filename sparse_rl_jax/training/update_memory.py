@@ -93,9 +93,10 @@ def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_l
       dtype: the params' dtype (the trainable params, their updates and optimizer state).
       compute_itemsize: bytes of an element of a layer's transients (``memory_plan``: 4 on
         XLA:CPU, which computes bfloat16 work in float32). The gradients take the params'
-        dtype, and so do the residuals under ``remat="full"`` (each layer's input); other
-        policies' saved intermediates take the compute dtype (XLA:CPU converts the stacked
-        bfloat16 ones to float32 before the backward loop). Where the compute dtype is
+        dtype, and so do the residuals under ``remat="full"`` (each layer's input). Other
+        policies' saved intermediates count half in each dtype: XLA:CPU converts some
+        stacked bfloat16 ones to float32 before the backward loop (all of them at the
+        tests' tiny shape, none at their 6M-parameter one). Where the compute dtype is
         wider, the backward also holds a float32 copy of every weight (``upcast_weights``:
         XLA:CPU converts them once, outside the layer loop).
       remat: ``model.remat``: what each layer saves for its backward.
@@ -119,9 +120,9 @@ def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_l
     parts = dict(parts)
     activations, lm_head = parts.pop("activations"), parts.pop("lm_head_chunk")
     parts["backward"] = max(2 * lm_head, activations * LAYER_BACKWARD[0] // LAYER_BACKWARD[1])
-    saved = itemsize if remat == "full" else compute_itemsize
+    saved = 2 * itemsize if remat == "full" else itemsize + compute_itemsize  # bytes x 2
     parts["residuals"] = (cfg.num_layers * batch * total_len * saved
-                          * residual_width(cfg, remat, total_len, saved))
+                          * residual_width(cfg, remat, total_len, itemsize) // 2)
     parts["visibility"] = visibility
     parts["upcast_weights"] = params * compute_itemsize if compute_itemsize > itemsize else 0
     parts["grads"] = trainable * itemsize
@@ -130,9 +131,9 @@ def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_l
     backward = sum(parts[name] for name in (
         "backward", "hidden", "page_replay", "residuals", "visibility", "upcast_weights",
         "grads", "accumulator"))
-    # the step's gradients: the accumulator's float32 sum (its cast to the params' dtype
-    # fuses into the optimizer's elementwise update), or the single pass's own
-    grads = parts["accumulator"] if accumulate else parts["grads"]
+    # the step's gradients: the accumulator's float32 sum and its cast to the params' dtype
+    # (the same buffer for float32 params), or the single pass's own
+    grads = parts["grads"] + (parts["accumulator"] if accumulate and itemsize != _F32 else 0)
     new = 2 * trainable * itemsize + parts["optimizer"]  # updates, new params, new state
     parts["optimizer_step"] = max(0, grads + new - backward)
     return parts
