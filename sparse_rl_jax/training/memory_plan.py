@@ -10,8 +10,9 @@ largest batch that fits a limit. The limit is the device's ``bytes_limit`` from
 ``memory_stats()`` where JAX reports one (GPU, TPU), else a configured number of bytes.
 
 Activations take the compute dtype of the platform: the parameter dtype, except on XLA:CPU,
-which computes bfloat16 work in float32 (so a CPU compile's ``memory_analysis()`` can check
-the plan in either dtype).
+which computes bfloat16 work in float32 (an update there also holds a float32 copy of the
+weights: ``update_memory``), so a CPU compile's ``memory_analysis()`` can check the plan in
+either dtype.
 """
 
 from __future__ import annotations
