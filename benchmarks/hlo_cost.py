@@ -2,16 +2,23 @@
 update at a real model shape, compiled from abstract inputs on whatever backend is present.
 
     python benchmarks/hlo_cost.py --shape qwen2.5-1.5b --batch 32 --context 4096 \
+<<<<<<< HEAD
         --dtype float32 [--only decode_static_none ...] [--json FILE] [--dump-hlo DIR] \
         [--top N]
     python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE] [--top N]
+=======
+        --dtype float32 [--only decode_static_none ...] [--json FILE] [--dump-hlo DIR]
+    python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE]
+    python benchmarks/hlo_cost.py --plan-grid [--json FILE]   # hlo_cost_plan.py
+>>>>>>> issue38-plan
 
 Functions (``--only``; default all): ``decode_{static,continuous}_{none,rkv,sparrow}`` (one
 decode step of ``--batch`` rows each holding ``--context`` tokens; ``rkv`` keeps
 ``--budget`` (default ``context / 2``) + ``--buffer`` slots), ``compress_rkv`` (one R-KV
 compression of that cache), ``score`` (dense log-probs of ``--score-batch`` x
 ``(--prompt-len + --context)``) and ``update`` (one AdamW update of ``--update-batch`` such
-sequences in micro-batches of ``--micro-batch``, remat ``--remat``). Each is lowered from
+sequences in micro-batches of ``--micro-batch``, remat ``--remat``, LoRA rank
+``--lora-rank``). Each is lowered from
 ``jax.ShapeDtypeStruct`` arguments (``hlo_cost_functions.py``; no weights), compiled, and its
 optimised HLO walked by ``hlo_walk.py`` with every loop's trip count multiplied in: XLA's
 ``known_trip_count`` (the layer scan) or, for the page loop of a paged decode step, whose
@@ -70,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--update-batch", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=8, help="0: the whole update batch")
     p.add_argument("--remat", default="full")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="update: rank of LoRA adapters on every projection (0: full)")
+    p.add_argument("--plan-grid", action="store_true",
+                   help="only the update's memory plan against XLA's peak, over the grid of "
+                        "hlo_cost_plan.py (1.5B micro 8/16/32, 7B micro 1; full and LoRA "
+                        "rank --lora-rank or 8; f32 and bf16)")
     p.add_argument("--chunk-pages", type=int,
                    help="pages per paged decode loop iteration (models.paged_cache; default "
                         "the backend's)")
@@ -102,7 +115,8 @@ def sizes_of(args):
                      prompt_len=args.prompt_len, dtype=args.dtype, budget=budget,
                      buffer=args.buffer, window=args.window, page_size=args.page_size,
                      score_batch=args.score_batch, update_batch=args.update_batch,
-                     micro_batch=args.micro_batch, remat=args.remat)
+                     micro_batch=args.micro_batch, remat=args.remat,
+                     lora_rank=args.lora_rank)
 
 
 def walk_record(name: str, text: str, loop_trips: int | None) -> dict:
@@ -214,6 +228,15 @@ def main(argv: list[str] | None = None) -> None:
 
             paged_cache.CHUNK_PAGES = {jax.default_backend(): args.chunk_pages}
         sizes = sizes_of(args)
+        if args.plan_grid:
+            import hlo_cost_plan
+
+            print(f"update of {args.update_batch} x ({args.prompt_len} + {args.context}), "
+                  f"remat {args.remat}, on {jax.devices()[0].device_kind}", flush=True)
+            records = hlo_cost_plan.run_grid(sizes, args.lora_rank or 8)
+            if args.json:
+                Path(args.json).write_text(json.dumps(records, indent=1))
+            return
         abstract = fns.Abstract(sizes)
         names = args.only or list(fns.BUILDERS)
         print(f"{args.shape}, {args.dtype}, decode batch {args.batch} x context "

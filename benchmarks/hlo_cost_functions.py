@@ -62,6 +62,7 @@ class Sizes:
     update_batch: int
     micro_batch: int
     remat: str
+    lora_rank: int = 0
     chunk: int = 128
 
 
@@ -277,46 +278,33 @@ def score(a: Abstract) -> Function:
 
 def update_plan_bytes(cfg, n: int, micro: int, **plan) -> int:
     """The memory plan's bytes for an update of ``n`` sequences in micro-batches of ``micro``:
-    ``memory_plan.estimate`` of one micro-batch (``plan``: its other arguments) plus the
-    float32 gradient accumulator when there is more than one."""
+    ``memory_plan.estimate`` of one micro-batch (``plan``: its other arguments), with the
+    gradient accumulator when there is more than one."""
     from sparse_rl_jax.training import memory_plan
 
-    total = memory_plan.estimate("update", cfg, batch=micro, **plan).total
-    return total + (memory_plan.param_count(cfg) * 4 if micro < n else 0)
+    return memory_plan.estimate("update", cfg, batch=micro, accumulate=micro < n, **plan).total
 
 
 def update(a: Abstract) -> Function:
-    """One ``update_step`` (AdamW, remat ``remat``, ``micro_batch`` rows per micro-batch)
-    of ``update_batch`` x ``(prompt_len + context)``; params and optimizer state donated."""
+    """One ``update_step`` (AdamW, remat ``remat``, ``micro_batch`` rows per micro-batch,
+    rank-``lora_rank`` adapters on every projection when > 0) of ``update_batch`` x
+    ``(prompt_len + context)``; params and optimizer state donated."""
     import jax
-    from flax import nnx
 
     import bench_rl_step
-    import models
-    from sparse_rl_jax.rl.loss_config import GRPOLossConfig
-    from sparse_rl_jax.rl.optim import OptimConfig, make_optimizer
-    from sparse_rl_jax.rl.update_step import update_step
+    from sparse_rl_jax.rl.lora_config import LoraConfig
 
     s, cfg, n = a.sizes, a.cfg, a.sizes.update_batch
     micro = s.micro_batch or n
-    model, batch = nnx.eval_shape(lambda: bench_rl_step.update_model_and_batch(
-        cfg, n, s.prompt_len, s.context, dtype=s.dtype))
-    model.remat = s.remat
-    graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(OptimConfig(lr=1e-5))
-    opt_state = jax.eval_shape(optimizer.init, models.split_trainable(params)[0])
-
-    def lower():
-        step = jax.jit(lambda p, o, b: update_step(
-            graphdef, p, o, b, loss_cfg=GRPOLossConfig(), optimizer=optimizer,
-            chunk_size=s.chunk, micro_batch_size=micro if micro < n else None),
-            donate_argnums=(0, 1))
-        return step.lower(params, opt_state, batch)
-
+    kw = dict(dtype=s.dtype, lora_rank=s.lora_rank, remat=s.remat,
+              micro=micro if micro < n else 0, chunk_size=s.chunk)
+    lowered, params, opt_state, batch = bench_rl_step.lowered_update(cfg, n, s.prompt_len,
+                                                                    s.context, **kw)
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     plan = update_plan_bytes(cfg, n, micro, prompt_len=s.prompt_len, new_tokens=s.context,
-                             dtype=a.dtype, remat=s.remat, logp_chunk=s.chunk)
-    return Function("update", lower, floor_flops=3 * _forward_flops(a, n),
+                             dtype=a.dtype, remat=s.remat, logp_chunk=s.chunk,
+                             lora=LoraConfig(rank=s.lora_rank) if s.lora_rank else None)
+    return Function("update", lambda: lowered, floor_flops=3 * _forward_flops(a, n),
                     floor_bytes=2 * (nbytes(params) + nbytes(opt_state)) + nbytes(batch),
                     bound="flops", plan_bytes=plan, extra=dict(micro_batch=micro))
 

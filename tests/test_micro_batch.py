@@ -190,14 +190,13 @@ def test_planner_picks_the_whole_minibatch_or_the_largest_divisor_that_fits():
     kw = dict(prompt_len=64, new_tokens=192, logp_chunk=64)
     whole = memory_plan.estimate("update", config, batch=32, **kw).total
     assert memory_plan.micro_batch_size(config, 32, limit=whole, **kw) == 32
-    accumulator = memory_plan.param_count(config) * 4
-    limit = memory_plan.estimate("update", config, batch=12, **kw).total + accumulator
+    limit = memory_plan.estimate("update", config, batch=12, accumulate=True, **kw).total
     assert memory_plan.micro_batch_size(config, 32, limit=limit, **kw) == 8  # 12 fits, 16 not
     assert memory_plan.micro_batch_size(config, 32, limit=limit, step=4, **kw) == 8
     # full remat keeps one hidden state per layer for the backward: here all 32 fit at once
     assert memory_plan.estimate("update", config, batch=32, remat="full", **kw).total <= limit
     assert memory_plan.micro_batch_size(config, 32, limit=limit, remat="full", **kw) == 32
-    tight = memory_plan.estimate("update", config, batch=3, **kw).total + accumulator
+    tight = memory_plan.estimate("update", config, batch=3, accumulate=True, **kw).total
     with pytest.raises(memory_plan.MemoryPlanError,
                        match=r"micro-batch 4 x 64\+192 tokens needs an estimated .* the largest "
                              r"micro-batch that fits is 3"):

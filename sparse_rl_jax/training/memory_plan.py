@@ -2,11 +2,17 @@
 
 The estimates are analytic: exact for the resident buffers (weights, KV cache of the slot or
 paged layout, query ring, eviction or page-selection record, sparrow's page keys, optimizer
-state) and an upper-leaning model of the transients (one layer's activations under the layer scan, one
-attention block, one LM-head chunk, the residuals the update keeps for its backward). Every
-estimate is affine in the batch, which gives the largest batch that fits a limit. The limit
-is the device's ``bytes_limit`` from ``memory_stats()`` where JAX reports one (GPU, TPU),
-else a configured number of bytes.
+state) and an upper-leaning model of the transients (one layer's activations under the layer
+scan, one attention block, one LM-head chunk; for an update, the larger of its backward and
+its optimizer step: ``update_memory``). Every estimate grows with the batch (rollouts and
+scores affinely; an update's optimizer step is the same for every batch), which gives the
+largest batch that fits a limit. The limit is the device's ``bytes_limit`` from
+``memory_stats()`` where JAX reports one (GPU, TPU), else a configured number of bytes.
+
+Activations take the compute dtype of the platform: the parameter dtype, except on XLA:CPU,
+which computes bfloat16 work in float32 (an update there also holds a float32 copy of the
+weights: ``update_memory``), so a CPU compile's ``memory_analysis()`` can check the plan in
+either dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from models.page_sparse import selected_slots
 from models.paged_cache import default_chunk_pages
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.page_sparsity import num_pages
+from sparse_rl_jax.rl.lora_config import LoraConfig
 from sparse_rl_jax.rollout.engine_state import pooled
+from sparse_rl_jax.training.update_memory import update_parts
 
 KINDS = ("rollout", "score", "update")
 _ONE_BLOCK_PAIRS = 2**20  # mirrors models.attention: T * S up to this is one block
@@ -83,10 +91,27 @@ def kv_bytes_per_token(cfg: ModelConfig, quant: str, dtype) -> int:
         cfg.head_dim, dtype)
 
 
+def _blocks(t: int, s: int) -> tuple[int, int]:
+    """``(bq, bk)``: the query and key block of a ``T x S`` blockwise attention."""
+    return (t, s) if t * s <= _ONE_BLOCK_PAIRS else (min(_BLOCK, t), min(_BLOCK, s))
+
+
 def _attention_block(cfg: ModelConfig, rows: int, t: int, s: int) -> int:
     """fp32 logits + probabilities of one blockwise-attention block (``models.attention``)."""
-    pairs = t * s if t * s <= _ONE_BLOCK_PAIRS else min(_BLOCK, t) * min(_BLOCK, s)
-    return 2 * rows * cfg.num_heads * pairs * _F32
+    bq, bk = _blocks(t, s)
+    return 2 * rows * cfg.num_heads * bq * bk * _F32
+
+
+def _visibility_residual(cfg: ModelConfig, rows: int, t: int) -> int:
+    """Bytes an update's forward keeps of its causal ``T x T`` blockwise attention: under the
+    layer scan's autodiff the parts of each block's step that depend on positions alone
+    (the same in every layer) are hoisted out of the scan and kept for the backward, stacked
+    over query x key blocks: per row and query head a bool visibility and a float32 fill of
+    every padded ``T' x T'`` pair, and a float32 value per query and key block."""
+    bq, bk = _blocks(t, t)
+    tq, sk = -(-t // bq), -(-t // bk)  # query and key blocks
+    per_head = tq * bq * sk * bk * (1 + _F32) + tq * bq * sk * _F32
+    return rows * cfg.num_heads * per_head
 
 
 def _layer_activations(cfg: ModelConfig, rows: int, t: int, itemsize: int) -> int:
@@ -164,15 +189,17 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
 
 
 def _scoring_parts(cfg: ModelConfig, batch: int, total_len: int, chunk: int,
-                   itemsize: int, replay: CompressionConfig | None = None) -> dict[str, int]:
-    """The parts of a teacher-forced forward's peak (``kind="score"``), in bytes; ``replay``:
-    the ``sparrow`` config whose page-selection record the forward replays."""
+                   itemsize: int, compute_itemsize: int,
+                   replay: CompressionConfig | None = None) -> dict[str, int]:
+    """The parts of a teacher-forced forward's peak (``kind="score"``), in bytes: weights of
+    ``itemsize``, activations of ``compute_itemsize``; ``replay``: the ``sparrow`` config
+    whose page-selection record the forward replays."""
     return {
         "weights": param_count(cfg) * itemsize,
-        "activations": _layer_activations(cfg, batch, total_len, itemsize)
+        "activations": _layer_activations(cfg, batch, total_len, compute_itemsize)
         + _attention_block(cfg, batch, total_len, total_len),
         "lm_head_chunk": _lm_head_chunk(cfg, batch, chunk),
-        "hidden": batch * total_len * cfg.hidden_size * itemsize,
+        "hidden": batch * total_len * cfg.hidden_size * compute_itemsize,
         "page_replay": _page_replay(cfg, batch, total_len, replay),
     }
 
@@ -192,32 +219,6 @@ def _page_replay(cfg: ModelConfig, batch: int, total_len: int,
             + batch * cfg.num_kv_heads * rows * (pages + total_len + selected * 16))
 
 
-def _residual_width(cfg: ModelConfig, remat: str, total_len: int, itemsize: int) -> int:
-    """Elements per token and layer that the backward pass finds saved under ``remat``."""
-    if remat == "full":
-        return cfg.hidden_size
-    if remat == "dots_saveable":
-        width = 3 * cfg.hidden_size + cfg.num_heads * cfg.head_dim
-        width += 2 * cfg.num_kv_heads * cfg.head_dim + 2 * cfg.intermediate_size
-        return width + cfg.num_heads * total_len * _F32 // itemsize  # attention scores
-    width = 6 * cfg.hidden_size + 3 * cfg.num_heads * cfg.head_dim
-    return width + 2 * cfg.num_kv_heads * cfg.head_dim + 3 * cfg.intermediate_size
-
-
-def _with_backward(parts: dict[str, int], cfg: ModelConfig, batch: int, total_len: int,
-                   chunk: int, itemsize: int, remat: str) -> dict[str, int]:
-    """The forward's ``parts`` grown to an update's (``kind="update"``): saved residuals, one
-    layer's backward, a second LM-head chunk, gradients and the AdamW state."""
-    residual_width = _residual_width(cfg, remat, total_len, itemsize)
-    parts = dict(parts)
-    parts["residuals"] = cfg.num_layers * batch * total_len * residual_width * itemsize
-    parts["activations"] *= 2  # one layer's backward next to its recomputed forward
-    parts["lm_head_chunk"] += _lm_head_chunk(cfg, batch, chunk)
-    parts["grads"] = parts["weights"]
-    parts["optimizer"] = 2 * param_count(cfg) * _F32
-    return parts
-
-
 def estimate(
     kind: str,
     cfg: ModelConfig,
@@ -232,12 +233,16 @@ def estimate(
     record_evictions: bool = True,
     remat: str = "none",
     pool_pages: int = 0,
+    lora: LoraConfig | None = None,
+    accumulate: bool = False,
+    platform: str | None = None,
 ) -> MemoryEstimate:
     """Estimated peak bytes of one call of ``kind`` over ``batch`` sequences.
 
     Args:
       kind: ``rollout`` (``sampler.generate``), ``score`` (``scoring.score``) or ``update``
-        (value and gradient of the log-probs plus AdamW state).
+        (``update_step.update_step`` with donated params and optimizer state: the
+        backward or, when larger, the optimizer step; ``update_memory``).
       cfg: the model's architecture.
       batch: sequences ``N`` (for a rollout, prompts x ``num_samples``).
       prompt_len, new_tokens: ``P`` (bucketed prompt width) and ``M`` (max new tokens).
@@ -255,6 +260,13 @@ def estimate(
       pool_pages: a rollout through the continuous engine whose paged rows share a
         pool of this many pages (``sampling.pool_pages``; ``batch`` is then its slots ``S``):
         the pool is the ``kv_pool`` part (:func:`engine_sizes` sizes both).
+      lora: an update that trains these adapters alone (``model.lora``): gradients and
+        optimizer state for the adapters only; None: every weight trains.
+      accumulate: an update of a minibatch larger than ``batch``, run in micro-batches of
+        ``batch`` that sum their gradients in a float32 accumulator.
+      platform: the JAX platform whose compute dtype the score's and update's activations
+        take (None: ``jax.default_backend()``): ``dtype``'s, except ``cpu``, which computes
+        bfloat16 in float32.
     """
     _check_args(kind, remat, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                 num_samples=num_samples, logp_chunk=logp_chunk, pool_pages=pool_pages)
@@ -262,13 +274,17 @@ def estimate(
     if kind == "rollout":
         parts = _rollout_parts(cfg, batch, prompt_len, new_tokens, compression, dtype,
                                num_samples, record_evictions, pool_pages)
-    else:
-        parts = _scoring_parts(cfg, batch, prompt_len + new_tokens,
-                               min(logp_chunk, new_tokens), itemsize,
-                               compression if record_evictions else None)
-        if kind == "update":
-            parts = _with_backward(parts, cfg, batch, prompt_len + new_tokens,
-                                   min(logp_chunk, new_tokens), itemsize, remat)
+        return MemoryEstimate(kind, batch, parts)
+    platform = platform or jax.default_backend()
+    compute = max(itemsize, _F32) if platform == "cpu" else itemsize
+    total_len = prompt_len + new_tokens
+    parts = _scoring_parts(cfg, batch, total_len, min(logp_chunk, new_tokens), itemsize,
+                           compute, compression if record_evictions else None)
+    if kind == "update":
+        parts = update_parts(parts, cfg, batch=batch, total_len=total_len, dtype=dtype,
+                             compute_itemsize=compute, remat=remat, params=param_count(cfg),
+                             lora=lora, accumulate=accumulate,
+                             visibility=_visibility_residual(cfg, batch, total_len))
     return MemoryEstimate(kind, batch, parts)
 
 
@@ -285,12 +301,21 @@ def device_memory_limit(device: jax.Device | None = None) -> int | None:
 
 def largest_batch(kind: str, cfg: ModelConfig, limit: int, *, step: int = 1, **kw) -> int:
     """The largest batch (a multiple of ``step``) whose :func:`estimate` fits ``limit`` bytes;
-    0 if none. ``kw`` are :func:`estimate`'s other arguments."""
-    fixed = estimate(kind, cfg, batch=0, **kw).total
-    per_row = estimate(kind, cfg, batch=step, **kw).total - fixed
-    if fixed > limit:
+    0 if none. ``kw`` are :func:`estimate`'s other arguments.
+
+    An estimate never shrinks as the batch grows (it is affine, or for an update the larger
+    of an affine backward and a fixed optimizer step), so doubling then bisecting the
+    multiples of ``step`` finds it."""
+    fits = lambda n: estimate(kind, cfg, batch=n * step, **kw).total <= limit  # noqa: E731
+    if not fits(0):
         return 0
-    return (limit - fixed) // per_row * step
+    low, high = 0, 1  # fits(low); find a high that does not
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low * step
 
 
 def engine_sizes(cfg: ModelConfig, limit: int, *, rows: int, prompt_len: int,
@@ -351,8 +376,9 @@ def micro_batch_size(cfg: ModelConfig, minibatch: int, *, limit: int | None = No
     """The micro-batch an update of ``minibatch`` sequences runs with when
     ``trainer.micro_batch_size`` is 0: the whole minibatch when its :func:`estimate` fits
     ``limit`` bytes (default: the device's; always where none is known), else the largest
-    divisor of ``minibatch`` (a multiple of ``step``, the batch devices) whose estimate, plus
-    the float32 gradient accumulator, fits. ``kw``: :func:`estimate`'s other arguments.
+    divisor of ``minibatch`` (a multiple of ``step``, the batch devices) whose estimate with
+    the float32 gradient accumulator (``accumulate``) fits. ``kw``: :func:`estimate`'s other
+    arguments.
 
     Raises:
       MemoryPlanError: naming the estimate of the smallest micro-batch and the largest
@@ -361,12 +387,12 @@ def micro_batch_size(cfg: ModelConfig, minibatch: int, *, limit: int | None = No
     limit = device_memory_limit() if limit is None else limit
     if limit is None or estimate("update", cfg, batch=minibatch, **kw).total <= limit:
         return minibatch
-    accumulator = param_count(cfg) * _F32
-    fits = largest_batch("update", cfg, limit - accumulator, **kw)
+    # any size that fits, not just multiples of ``step``: the error names it
+    fits = largest_batch("update", cfg, limit, accumulate=True, **kw)
     divisors = [d for d in range(step, min(fits, minibatch) + 1, step) if minibatch % d == 0]
     if divisors:
         return divisors[-1]
-    smallest = estimate("update", cfg, batch=step, **kw).total + accumulator
+    smallest = estimate("update", cfg, batch=step, accumulate=True, **kw).total
     raise MemoryPlanError(
         f"update of micro-batch {step} x {kw.get('prompt_len')}+{kw.get('new_tokens')} tokens "
         f"needs an estimated {smallest / 2**30:.2f} GiB (with the float32 gradient "

@@ -91,7 +91,7 @@ def planned_micro_batch(ctx: StepContext, params, full: Minibatch) -> int:
         nnx.merge(ctx.graphdef, params).config, cfg.trainer.minibatch_size,
         step=ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"], prompt_len=full.prompt.shape[1],
         new_tokens=full.response.shape[1], dtype=jax.tree.leaves(params)[0].dtype,
-        logp_chunk=cfg.trainer.logp_chunk, remat=cfg.model.remat)
+        logp_chunk=cfg.trainer.logp_chunk, remat=cfg.model.remat, lora=cfg.model.lora)
 
 
 def collect(ctx: StepContext, params, position: int
