@@ -207,6 +207,14 @@ def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None
     full, metrics, clock = collect(ctx, params, position)
     (params, opt_state, update_metrics), t_update = timed(
         update, ctx, params, opt_state, full, step)
+    return params, opt_state, step_metrics(ctx, metrics, clock, update_metrics, t_update)
+
+
+def step_metrics(ctx: StepContext, metrics: dict[str, Any], clock: dict[str, float],
+                 update_metrics: dict[str, float], t_update: float) -> dict[str, float]:
+    """One step's metrics as Python floats: the collect half's ``metrics`` (device scalars),
+    the update's, and the seconds of each phase (``clock``: ``rollout``, ``reward``,
+    ``score``; ``t_update``) with their shares and the tokens per second."""
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics.update(update_metrics)
     total = clock["rollout"] + clock["reward"] + clock["score"] + t_update
@@ -217,5 +225,4 @@ def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None
         tokens_per_second=metrics["response_length_mean"] * metrics["prompts_consumed"]
         * ctx.sampling.num_samples / total,
     )
-    return params, opt_state, metrics
-
+    return metrics

@@ -205,6 +205,12 @@ class TrainerConfig:
         check_choice(self, "mode", ("sync", "async"))
         check_int(self, "max_lag", 0)
 
+    @property
+    def lagged_versions(self) -> int:
+        """Older param versions a checkpoint holds besides the current one: ``max_lag`` in
+        async mode (its in-flight rollouts are drawn from them), else 0."""
+        return self.max_lag if self.mode == "async" else 0
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:

@@ -29,7 +29,8 @@ from sparse_rl_jax.core.config_io import save_config, to_dict
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.records.checkpoint_state import (BASE_KEY, base_record, check_base,
-                                                    restore_target, restored_params, train_state)
+                                                    restore_target, restored_lagged,
+                                                    restored_params, train_state)
 from sparse_rl_jax.records.metrics_writer import MetricsWriter, WandbRun, read_metrics
 from sparse_rl_jax.records.plots import plot_metrics
 from sparse_rl_jax.records.progress import TrainProgress
@@ -45,8 +46,10 @@ from sparse_rl_jax.training.policy import (export_policy, make_run_mesh, policy_
 from sparse_rl_jax.training.preflight import (check_sampling_ids, checked_eval_set,
                                               checked_prompt_source, default_task_tokenizer,
                                               load_checked_policy)
-from sparse_rl_jax.training.rl_step import StepContext, batch_sharding, rl_step
+from sparse_rl_jax.training.rl_step import StepContext, batch_sharding
+from sparse_rl_jax.training.role_mesh import rollout_mesh
 from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.training.step_modes import STEP_MODES
 from sparse_rl_jax.training.warm_start import tiny_model_config
 
 
@@ -121,6 +124,8 @@ def config_hash(cfg: RunConfig) -> str:
         relevant["compression"][old] = compression[section][key]
     relevant["trainer"] = {k: getattr(cfg.trainer, k)
                            for k in ("seed", "prompts_per_step", "minibatch_size")}
+    if cfg.trainer.mode == "async":  # which version draws each rollout (sync runs: as before)
+        relevant["trainer"]["max_lag"] = cfg.trainer.max_lag
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -233,14 +238,16 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
 
 
 def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log, base=None):
-    """``(params, opt_state, start step, data position, NonFiniteGuard)`` from the newest
-    checkpoint of ``ckpt`` that restores (corrupt newer ones are set aside), or the initial
-    ones at step 0 when there is none. ``base``: a LoRA run's ``base_record``, which the
-    checkpoint's must match (``checkpoint_state.check_base``)."""
+    """``(params, opt_state, start step, data position, NonFiniteGuard, older versions)``
+    from the newest checkpoint of ``ckpt`` that restores (corrupt newer ones are set aside),
+    or the initial ones at step 0 when there is none. ``base``: a LoRA run's
+    ``base_record``, which the checkpoint's must match (``checkpoint_state.check_base``).
+    The older versions are async mode's (``trainer.lagged_versions``, oldest first)."""
     guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
     if ckpt.latest_step() is None:
-        return params, opt_state, 0, 0, guard
-    state, meta = ckpt.restore_newest_good(restore_target(params, opt_state), log)
+        return params, opt_state, 0, 0, guard, []
+    state, meta = ckpt.restore_newest_good(
+        restore_target(params, opt_state, cfg.trainer.lagged_versions), log)
     start = meta["step"]
     if base is not None:
         check_base(meta, base, f"checkpoint step {start} in {ckpt.directory}")
@@ -250,7 +257,7 @@ def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log, 
         log(f"warning: the manifest records step {recorded} as saved; resuming from {start}")
     log(f"resumed from step {start} in {cfg.run_dir}")
     return (restored_params(state, params), state["opt_state"], start,
-            meta.get("data_position", start), guard)
+            meta.get("data_position", start), guard, restored_lagged(state, params))
 
 
 def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
@@ -282,8 +289,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
             run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
             save_every=cfg.trainer.checkpoint_every))
         base = base_record(policy_path(cfg, lambda _: None)) if cfg.model.lora else None
-        params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
-                                                             log, base)
+        params, opt_state, start, position, guard, lagged = _restore(
+            cfg, ckpt, params, opt_state, owner, log, base)
         resumed = start and cfg.compression.adapt.enabled
         budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
         writer = closing.enter_context(MetricsWriter(
@@ -295,11 +302,13 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
             writer.log(0, evaluate_now(params))
         metrics: dict = {}
         pending = None  # the step of the last save started, until it is known to be committed
+        steps = closing.enter_context(STEP_MODES.get(cfg.trainer.mode)(
+            ctx, params, start, position, lagged, rollout_mesh(cfg)))
         with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
             for step in range(start, cfg.trainer.steps):
                 ckpt.check()  # a save that has already failed stops the run before another step
-                params, opt_state, metrics = rl_step(budget.context(ctx), params, opt_state, step,
-                                                     position)
+                params, opt_state, metrics = steps.step(budget.context(ctx), params, opt_state,
+                                                        step, position)
                 budget.observe(metrics)  # sparrow's closed loop (compression.adapt): log k, move it by p5
                 position += int(metrics["collect_rounds"])
                 done = step + 1
@@ -317,7 +326,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                 if on_step is not None:
                     on_step(done, metrics)
                 guard.record(done, nonfinite)
-                if ckpt.save(done, train_state(params, opt_state),
+                if ckpt.save(done, train_state(params, opt_state, steps.lagged(done)),
                              {"step": done, "config_hash": chash, "data_position": position,
                               "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped,
                               **budget.meta(), **({BASE_KEY: base} if base else {})},
