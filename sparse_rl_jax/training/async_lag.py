@@ -146,6 +146,8 @@ class AsyncSteps:
         self.ring = VersionRing(self.max_lag, versions)
         self.ready: queue.Queue = queue.Queue()
         self.last: LaggedRollout | None = None  # the rows of the step run last
+        # (role, phase, step, start, end) perf_counter spans, for a timeline (bench_async)
+        self.timeline: list[tuple[str, str, int, float, float]] = []
         self.thread = threading.Thread(target=self._produce, name="rollout-producer",
                                        daemon=True)
 
@@ -167,8 +169,10 @@ class AsyncSteps:
                 params = self.ring.wait(version)
                 if params is None:  # closed: the learner stopped
                     return
-                waited = time.perf_counter() - start
+                begin = time.perf_counter()
+                waited = begin - start
                 batch, metrics, clock = collect_rollouts(self.ctx, params, position)
+                self._spans("rollout", step, begin, clock)
                 position += int(metrics["collect_rounds"])
                 versions = np.full(batch.response.shape[0], version, np.int64)
                 self.ready.put(LaggedRollout(step, version, versions, batch, metrics, clock,
@@ -176,6 +180,12 @@ class AsyncSteps:
             except BaseException as e:  # noqa: BLE001 -- handed to the learner, which raises
                 self.ready.put(_Failure(step, e))
                 return
+
+    def _spans(self, role: str, step: int, begin: float, clock: dict[str, float]) -> None:
+        """Records ``clock``'s phases (seconds, in order) as spans from ``begin``."""
+        for phase, seconds in clock.items():
+            self.timeline.append((role, phase, step, begin, begin + seconds))
+            begin += seconds
 
     def _next(self, step: int) -> tuple[LaggedRollout, float]:
         """Step ``step``'s rows and the seconds waited for them; AsyncRolloutError naming the
@@ -216,6 +226,7 @@ class AsyncSteps:
         self.last = item
         batch = self._to_learner(item.batch)
         clock = dict(item.clock)
+        begin = time.perf_counter()
         if item.version == step:  # the rows' own dense scores are the proximal policy's
             proximal = batch.logp_old
         else:
@@ -226,6 +237,7 @@ class AsyncSteps:
         clock["score"] += t_ref
         metrics = {**item.metrics, **more, **mismatch_split(
             batch.logp_sparse, batch.logp_old, proximal, batch.loss_mask)}
+        t_score = time.perf_counter() - begin
         (params, opt_state, update_metrics), t_update = timed(
             update, ctx, params, opt_state, full, step)
         start = time.perf_counter()
@@ -235,6 +247,8 @@ class AsyncSteps:
         except Exception as e:
             raise AsyncRolloutError(f"step {step + 1}: the weight sync to the rollout devices "
                                     f"failed: {type(e).__name__}: {e}") from e
+        self._spans("learner", step, begin, {"score": t_score, "update": t_update,
+                                             "weight_sync": time.perf_counter() - start})
         metrics = step_metrics(ctx, metrics, clock, update_metrics, t_update)
         metrics.update({"async/lag": float(step - item.versions_N.min()),
                         "time/wait_rollout": wait_rollout,

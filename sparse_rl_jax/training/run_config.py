@@ -172,6 +172,15 @@ class TrainerConfig:
         sequences holding a token with ``r_t < 1e-4`` (those a Sparse-RL veto drops), in any
         correction kind without dropping them: ``low_r_grad_norm_ratio`` and
         ``low_r_grad_share`` (``train_step.low_r_grad_metrics``). Costs a second backward.
+      mode: ``sync`` (step t's rollout is drawn from the params update t-1 left) or
+        ``async`` (rollouts run ahead of the learner on a fixed schedule, ``async_lag``;
+        logs ``async/lag``, ``time/wait_rollout``, ``time/wait_learner``,
+        ``time/weight_sync``). Async cannot serve ``data.dynamic_sampling``,
+        ``compression.adapt`` or ``correction.kind: shadow_mask``.
+      max_lag: in async mode, step t's rollout is drawn from exactly the params after update
+        ``t - max_lag`` (the initial params for the first steps); the learner's PPO ratio is
+        taken around its own params at the update (the decoupled objective,
+        ``rl.decoupled``). 0 is the sync run, bit for bit.
     """
 
     steps: int = 100

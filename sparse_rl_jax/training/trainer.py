@@ -170,7 +170,7 @@ def _in_training_eval(cfg: RunConfig, ctx: StepContext,
     return evaluate_now
 
 
-def _prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
+def prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
     """``(tokenizer, model, prompt source, eval set)`` with everything checked; the default
     model is built (in the run directory, so after :func:`_preflight_default`) when
     ``model.path`` is None."""
@@ -222,7 +222,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
     lead = jax.process_index() == 0
     manifest = check_resumable(run_dir, chash, lambda: _checkpoint_hash(run_dir / "checkpoints"),
                                take_over)
-    prepared = _prepare(cfg, mesh, log) if cfg.model.path is not None else None
+    prepared = prepare(cfg, mesh, log) if cfg.model.path is not None else None
     if prepared is None:
         _preflight_default(cfg)
     owner = open_run_dir(run_dir, chash, manifest, take_over) if lead else None
@@ -230,7 +230,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
         if lead:
             owner.write_manifest(manifest.get("last_good_step") if manifest else None)
             save_config(cfg, run_dir / "config.yaml")
-        return _train(cfg, prepared or _prepare(cfg, mesh, log), mesh, reward_fn, owner, log,
+        return _train(cfg, prepared or prepare(cfg, mesh, log), mesh, reward_fn, owner, log,
                       on_step)
     finally:
         if owner is not None:
@@ -260,14 +260,13 @@ def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log, 
             meta.get("data_position", start), guard, restored_lagged(state, params))
 
 
-def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
-    """The loop of :func:`train` once the run directory is owned (``owner``: the lead
-    process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
-    run_dir = Path(cfg.run_dir)
-    tokenizer, model, source, eval_data = prepared
+def build_step_context(cfg: RunConfig, prepared, mesh, reward_fn):
+    """``(StepContext, params, opt_state)`` of a run from its prepared ``(tokenizer, model,
+    prompt source, eval set)`` (:func:`prepare`): the model split into graphdef and params,
+    the optimizer's initial state and the jitted update on ``mesh``."""
+    tokenizer, model, source, _ = prepared
     model.remat = cfg.model.remat
     graphdef, params = nnx.split(model)
-    del model
     reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(cfg.optim)
     opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
@@ -282,6 +281,16 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         tokenizer=tokenizer, source=source, reward_fn=reward_fn, update=update, mesh=mesh,
         reference=reference,
     )
+    return ctx, params, opt_state
+
+
+def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
+    """The loop of :func:`train` once the run directory is owned (``owner``: the lead
+    process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
+    run_dir = Path(cfg.run_dir)
+    ctx, params, opt_state = build_step_context(cfg, prepared, mesh, reward_fn)
+    graphdef, tokenizer, eval_data = ctx.graphdef, ctx.tokenizer, prepared[3]
+    del prepared
 
     chash = config_hash(cfg)
     with ExitStack() as closing:  # closed on error too (orbax threads, log filters, files)
