@@ -28,14 +28,14 @@ def policy(tmp_path_factory):
 
 
 def _context(policy, *overrides):
-    """An async StepContext with a real SGD update (lr 0.5: versions differ visibly) and the
-    initial ``(params, opt_state)`` on the one-device mesh."""
-    ctx = step_context(policy, "trainer.mode=async", "trainer.steps=3",
+    """An async StepContext (one prompt length: one compiled shape) with a real SGD update
+    (test_rl_step's) and the initial ``(params, opt_state)`` on the one-device mesh."""
+    ctx = step_context(policy, "data.task.n_min=4", "trainer.mode=async", "trainer.steps=3",
                        f"trainer.minibatch_size={N}", *overrides)
     mesh = models.make_mesh()
     params = jax.device_put(jax.tree.map(jnp.copy, policy[3]),
                             models.param_shardings(policy[3], mesh))
-    optimizer = optax.sgd(0.5)
+    optimizer = optax.sgd(0.05)
     opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
     update = jit_update_step(
         ctx.graphdef, loss_cfg=ctx.cfg.loss, optimizer=optimizer,

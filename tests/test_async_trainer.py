@@ -42,7 +42,7 @@ def _run(policy, run_dir, *overrides):
         "data.reward=crc_parity",
         "sampling.max_new_tokens=16", "sampling.num_samples=2", "sampling.prompt_bucket=8",
         "compression.method=rkv", "compression.eviction.budget=16",
-        "compression.eviction.buffer=4", "compression.eviction.window=2", "optim.lr=1e-2",
+        "compression.eviction.buffer=4", "compression.eviction.window=2", "optim.lr=1e-3",
         f"trainer.steps={STEPS}", "trainer.prompts_per_step=4", "trainer.minibatch_size=4",
         "trainer.logp_chunk=8", "trainer.checkpoint_every=1", "trainer.plots=false",
         *overrides])
