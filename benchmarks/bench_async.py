@@ -1,14 +1,15 @@
 """Steps/s of synchronous vs asynchronous GRPO (``trainer.mode``, issue 39) on 2 CPU devices,
 side by side in one run, plus a timeline PNG of each run's phases per device.
 
-    python benchmarks/bench_async.py [--lags 1 2] [--steps 8] [--warmup 3] [--prompts 8]
-        [--samples 4] [--max-new-tokens 48] [--minibatch 8] [--hidden 64] [--layers 2]
+    python benchmarks/bench_async.py [--lags 1 2] [--steps 8] [--warmup 3] [--prompts 4]
+        [--samples 4] [--max-new-tokens 96] [--minibatch 16] [--hidden 64] [--layers 2]
         [--png benchmarks/results/async_timeline.png] [--json FILE]
 
-The process forces 2 host devices (``--xla_force_host_platform_device_count=2``). Sync runs
-every phase on both (the learner's fsdp mesh); async ``k`` gives device 0 to the rollouts and
-device 1 to the learner (``mesh.rollout_devices: 1``) and draws step t's rollout from the
-params after update t - k. Model: the default policy's architecture at ``--hidden`` x
+The process forces 2 host devices (``--xla_force_host_platform_device_count=2``). Rows:
+``sync`` runs every phase on both (the learner's fsdp mesh); ``async k`` gives device 0 to the
+rollouts and device 1 to the learner (``mesh.rollout_devices: 1``) and draws step t's rollout
+from the params after update t - k; ``async k=0`` is the sync schedule (bit for bit) on that
+same split, the baseline with the same placement, so ``x k=0`` is the overlap alone. Model: the default policy's architecture at ``--hidden`` x
 ``--layers`` with a short warm start on the shipped task (one prompt length, so one compiled
 shape); the sizes are chosen so that one rollout (sample, reward, dense score) and one step
 of updates take comparable time. Each run goes through the trainer's own pieces
@@ -136,10 +137,10 @@ def main(argv=None) -> None:
     parser.add_argument("--lags", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--minibatch", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--minibatch", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--png", type=Path, default=ROOT / "benchmarks" / "results"
@@ -164,17 +165,18 @@ def main(argv=None) -> None:
                                         batch_size=8),
         TaskConfig(n_min=4, n_max=4), log=lambda _: None)
     results = [run_mode(policy, "sync", 0, args, out)]
-    results += [run_mode(policy, "async", k, args, out) for k in args.lags]
-    base = results[0]["steps_per_s"]
+    results += [run_mode(policy, "async", k, args, out) for k in [0, *args.lags]]
+    base, split = results[0]["steps_per_s"], results[1]["steps_per_s"]
     print(f"{jax.devices()[0].platform} x{jax.device_count()}, {args.steps} steps "
           f"({args.warmup} warm-up), {args.prompts} x {args.samples} rows, "
           f"{args.max_new_tokens} new tokens, hidden {args.hidden} x {args.layers} layers")
-    print("| mode | steps/s | x sync | rollout+reward+score s | update s | wait rollout s "
-          "| wait learner s | weight sync s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | steps/s | x sync | x k=0 | rollout+reward+score s | update s "
+          "| wait rollout s | wait learner s | weight sync s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         label = "sync" if r["mode"] == "sync" else f"async k={r['lag']}"
         print(f"| {label} | {r['steps_per_s']:.3f} | {r['steps_per_s'] / base:.2f} | "
+              f"{r['steps_per_s'] / split:.2f} | "
               f"{r['rollout']:.2f} | {r['update']:.2f} | {r['wait_rollout']:.2f} | "
               f"{r['wait_learner']:.2f} | {r['weight_sync']:.3f} |")
     plot_timeline(results, args.png)

@@ -15,13 +15,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = ["decode_static", "decode_continuous", "decode_transformers", "score", "update",
-         "sparrow_8k", "compile", "rl_pair"]
+         "sparrow_8k", "compile", "rl_pair", "rl_async"]
 SKIPPED_ON_CPU = {
     "decode_transformers": "cpu-scaled run",
 }
 
 
-GROUPS = [CELLS[:-1], ["rl_pair"]]  # the RL pair compiles two training steps: alone
+GROUPS = [CELLS[:-2], ["rl_pair", "rl_async"]]  # the RL runs compile training steps: alone
 
 
 @pytest.mark.slow
@@ -54,6 +54,9 @@ def test_cpu_scaled_suite_writes_every_cell(tmp_path, group):
                        if isinstance(v, (int, float)) and not isinstance(v, bool)]
             assert numbers and all(math.isfinite(v) for v in numbers), name
             assert f"## {name}" in markdown
+    if "rl_async" in cells:
+        assert [r["mode"] for r in cells["rl_async"]["rows"]] == ["sync", "async"]
+        assert all(r["steps_per_s"] > 0 for r in cells["rl_async"]["rows"])
     if "rl_pair" not in cells:
         return
     rl = cells["rl_pair"]["rows"]
