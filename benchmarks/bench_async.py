@@ -3,16 +3,17 @@ side by side in one run, plus a timeline PNG of each run's phases per device.
 
     python benchmarks/bench_async.py [--lags 1 2] [--steps 8] [--warmup 3] [--prompts 4]
         [--samples 4] [--max-new-tokens 96] [--minibatch 16] [--hidden 64] [--layers 2]
-        [--png benchmarks/results/async_timeline.png] [--json FILE]
+        [--warm-steps 2] [--png benchmarks/results/async_timeline.png] [--json FILE]
 
 The process forces 2 host devices (``--xla_force_host_platform_device_count=2``). Rows:
 ``sync`` runs every phase on both (the learner's fsdp mesh); ``async k`` gives device 0 to the
 rollouts and device 1 to the learner (``mesh.rollout_devices: 1``) and draws step t's rollout
 from the params after update t - k; ``async k=0`` is the sync schedule (bit for bit) on that
 same split, the baseline with the same placement, so ``x k=0`` is the overlap alone. Model: the default policy's architecture at ``--hidden`` x
-``--layers`` with a short warm start on the shipped task (one prompt length, so one compiled
-shape); the sizes are chosen so that one rollout (sample, reward, dense score) and one step
-of updates take comparable time. Each run goes through the trainer's own pieces
+``--layers`` after ``--warm-steps`` supervised steps on the shipped task (one prompt length,
+so one compiled shape; 2 steps leave it close to random, so responses run to
+``--max-new-tokens`` instead of stopping at an early EOS); the sizes are chosen so that one
+rollout (sample, reward, dense score) and one step of updates take comparable time. Each run goes through the trainer's own pieces
 (``trainer.prepare``, ``trainer.build_step_context``, ``step_modes.STEP_MODES``); steps/s is
 taken over the steps after ``--warmup`` (compilation), from the wall clock.
 
@@ -141,6 +142,7 @@ def main(argv=None) -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--minibatch", type=int, default=16)
+    parser.add_argument("--warm-steps", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--png", type=Path, default=ROOT / "benchmarks" / "results"
@@ -161,7 +163,8 @@ def main(argv=None) -> None:
     policy = build_default_model(
         out / "policy", WarmStartConfig(hidden_size=args.hidden, num_layers=args.layers,
                                         num_heads=2, num_kv_heads=1,
-                                        intermediate_size=2 * args.hidden, steps=20,
+                                        intermediate_size=2 * args.hidden,
+                                        steps=args.warm_steps,
                                         batch_size=8),
         TaskConfig(n_min=4, n_max=4), log=lambda _: None)
     results = [run_mode(policy, "sync", 0, args, out)]
