@@ -92,3 +92,17 @@ def test_a_device_split_that_cannot_run_fails_before_any_file_is_written(
     with pytest.raises(ConfigError, match=rf"mesh\.rollout_devices=\d+.*{rule}"):
         train(cfg, log=lambda _: None)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["trainer.mode=async", "trainer.max_lag=-1"], "trainer.max_lag"),
+    (["trainer.mode=async", "data.dynamic_sampling=true"], "data.dynamic_sampling"),
+    (["trainer.mode=async", "correction.kind=shadow_mask"], "correction.kind"),
+    (["trainer.mode=async", "compression.method=sparrow", "compression.adapt.enabled=true"],
+     "compression.adapt.enabled"),
+    (["mesh.rollout_devices=1"], "mesh.rollout_devices"),
+    (["trainer.mode=fast"], "trainer.mode"),
+])
+def test_what_async_mode_cannot_serve_is_a_config_error_naming_the_key(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(RunConfig, None, overrides)
