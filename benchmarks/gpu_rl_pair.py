@@ -72,3 +72,32 @@ def cell_rl_pair(ctx: Context):
 
 
 
+
+def cell_rl_async(ctx: Context):
+    """The R-KV arm of the RL pair, sync vs async (``trainer.max_lag: 1``, colocated: host
+    work under the device's): steps/s (after the first step when there are several), the
+    largest lag and the mean waits and weight-sync seconds."""
+    import dataclasses
+    import time
+
+    from sparse_rl_jax.training import trainer
+
+    cfg = rl_configs(ctx)["rkv"]
+    for mode in ("sync", "async"):
+        run = dataclasses.replace(cfg, run_dir=str(ctx.tmp / f"async_{mode}"),
+                                  trainer=dataclasses.replace(cfg.trainer, mode=mode))
+        ends, records = [], []
+        start = time.perf_counter()
+        trainer.train(run, log=lambda message: None, on_step=lambda step, metrics: (
+            ends.append(time.perf_counter()), records.append(metrics)))
+        steady = (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 2 else (
+            len(ends) / (ends[-1] - start))
+
+        def mean(key):
+            return sum(r.get(key, 0.0) for r in records) / len(records)
+
+        yield dict(mode=mode, steps=len(ends), steps_per_s=steady,
+                   lag_max=max(r.get("async/lag", 0.0) for r in records),
+                   wait_rollout_s=mean("time/wait_rollout"),
+                   wait_learner_s=mean("time/wait_learner"),
+                   weight_sync_s=mean("time/weight_sync"))

@@ -24,7 +24,9 @@ whose budgets sum to :data:`DEFAULT_GPU_SECONDS` (480 s, first compiles included
    (``configs/smollm2``), 5 steps each; skipped, saying why, without the package.
 
 Opt-in with ``--cells``: ``decode_transformers`` (dense vs ``transformers`` generate, b32 x
-1024; needs torch with CUDA) and ``compile`` (compile seconds at 2 and 28 layers).
+1024; needs torch with CUDA), ``compile`` (compile seconds at 2 and 28 layers) and
+``rl_async`` (the R-KV arm of the RL pair, sync vs async ``trainer.max_lag: 1``: steps/s, lag,
+waits and weight sync; issue 39).
 ``--dump-hlo DIR`` also writes the compiled HLO of one decode step and of the update to
 ``DIR/decode_static_none.hlo`` and ``DIR/update.hlo`` for ``hlo_cost.py --hlo FILE``.
 
@@ -64,7 +66,7 @@ from gpu_cells import (  # noqa: E402
     PALLAS_BACKEND, Context, Skip, cell_compile, cell_decode_continuous, cell_decode_pallas,
     cell_decode_static, cell_decode_transformers, cell_score, cell_sparrow_8k, cell_update,
     print_flush)
-from gpu_rl_pair import RL_STEPS, cell_rl_pair  # noqa: E402
+from gpu_rl_pair import RL_STEPS, cell_rl_async, cell_rl_pair  # noqa: E402
 
 
 class CellTimeout(Exception):
@@ -102,6 +104,8 @@ CELLS = [  # in priority order: a run that is cut short has the first ones
          cell_decode_transformers, 150, 10, default=False),
     Cell("compile", "compile of one shape <= 10 s, independent of depth", cell_compile, 60, 20,
          default=False),
+    Cell("rl_async", f"the R-KV arm, sync vs async max_lag 1 (issue 39), {RL_STEPS} steps: "
+         "steps/s, lag, waits, weight sync", cell_rl_async, 240, 60, default=False),
 ]
 DEFAULT_GPU_SECONDS = 480
 """What the default GPU plan may take, first compiles included: 8 of a lease's 15 minutes."""

@@ -33,7 +33,8 @@ SKIPPED_ON_CPU = {
     "decode_pallas": ("not registered", "cpu-scaled run"),
 }
 CELLS = [c.name for c in gpu_suite.CELLS]
-GROUPS = [[c for c in CELLS if c != "rl_pair"], ["rl_pair"]]  # the RL pair trains: alone
+RL = ["rl_pair", "rl_async"]
+GROUPS = [[c for c in CELLS if c not in RL], RL]  # the RL runs compile training steps: alone
 
 
 def test_default_gpu_plan_fits_eight_minutes_in_priority_order():
@@ -99,6 +100,9 @@ def test_cpu_scaled_suite_writes_every_cell(tmp_path, group):
                        if isinstance(v, (int, float)) and not isinstance(v, bool)]
             assert numbers and all(math.isfinite(v) for v in numbers), name
             assert f"## {name}" in markdown
+    if "rl_async" in cells:
+        assert [r["mode"] for r in cells["rl_async"]["rows"]] == ["sync", "async"]
+        assert all(r["steps_per_s"] > 0 for r in cells["rl_async"]["rows"])
     if "rl_pair" not in cells:
         # --dump-hlo: the decode step's and the update's HLO, which hlo_cost.py --hlo walks
         for name in ("decode_static_none", "update"):

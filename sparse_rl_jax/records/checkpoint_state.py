@@ -89,10 +89,15 @@ def check_base(meta: dict[str, Any], base: dict[str, str], where: str) -> None:
             "point model.path at the base the run started from")
 
 
-def train_state(params, opt_state) -> dict[str, Any]:
+def train_state(params, opt_state, lagged=()) -> dict[str, Any]:
     """The pytree a checkpoint stores: ``{"params": the trainable params, "opt_state"}``
-    (``models.split_trainable``: the LoRA params alone when ``params`` has adapters)."""
-    return {"params": split_trainable(params)[0], "opt_state": opt_state}
+    (``models.split_trainable``: the LoRA params alone when ``params`` has adapters), plus,
+    when ``lagged`` holds older param versions (async mode's in-flight rollouts are drawn
+    from them, ``async_lag``), their trainable parts under ``"lagged"``."""
+    state = {"params": split_trainable(params)[0], "opt_state": opt_state}
+    if lagged:
+        state["lagged"] = [split_trainable(p)[0] for p in lagged]
+    return state
 
 
 def abstract_like(tree):
@@ -103,15 +108,26 @@ def abstract_like(tree):
         tree)
 
 
-def restore_target(params, opt_state) -> dict[str, Any]:
+def restore_target(params, opt_state, lagged: int = 0) -> dict[str, Any]:
     """The abstract :func:`train_state` of ``params`` and ``opt_state`` (arrays or abstract;
-    their shardings kept): the target to restore a checkpoint onto."""
-    return abstract_like(train_state(params, opt_state))
+    their shardings kept) with ``lagged`` older versions shaped like ``params``: the target
+    to restore a checkpoint onto."""
+    return abstract_like(train_state(params, opt_state, [params] * lagged))
 
 
 def restored_params(saved, params):
     """The full params from a restored :func:`train_state`'s ``saved["params"]``: with LoRA
     the restored adapters on the frozen base of ``params``, else ``saved["params"]``."""
+    return _merged(saved["params"], params)
+
+
+def restored_lagged(saved, params) -> list:
+    """The full older param versions of a restored :func:`train_state` (oldest first; none
+    when it holds none), each merged like :func:`restored_params`."""
+    return [_merged(p, params) for p in saved.get("lagged", [])]
+
+
+def _merged(trainable, params):
+    """``trainable`` on the frozen part of ``params`` (LoRA), or ``trainable`` itself."""
     frozen = split_trainable(params)[1]
-    return nnx.merge_state(saved["params"], frozen) if jax.tree.leaves(frozen) else (
-        saved["params"])
+    return nnx.merge_state(trainable, frozen) if jax.tree.leaves(frozen) else trainable

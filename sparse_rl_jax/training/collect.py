@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from sparse_rl_jax.kv.compression_config import CompressionConfig
-from sparse_rl_jax.rl.corrections import Corrections, compute_corrections
+from sparse_rl_jax.rl.corrections import Corrections
+from sparse_rl_jax.rl.decoupled import jitted_corrections
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 from sparse_rl_jax.rollout.acceptance import score_acceptance
 from sparse_rl_jax.rollout.engine import generate_rollout
@@ -28,9 +29,6 @@ from sparse_rl_jax.rollout.scoring import ReplayRecord, score
 from sparse_rl_jax.tasks.rewards import compute_rewards, repeat_answers
 from sparse_rl_jax.training import memory_plan
 from sparse_rl_jax.training.run_config import RunConfig
-
-jitted_corrections = jax.jit(compute_corrections, static_argnames="cfg")
-
 
 @dataclasses.dataclass(frozen=True)
 class RolloutPolicy:

@@ -22,19 +22,23 @@ from sparse_rl_jax.records.checkpoint_state import (base_record, check_base, res
                                                     restored_params)
 from sparse_rl_jax.rl.optim import make_optimizer
 from sparse_rl_jax.training.preflight import load_checked_policy
+from sparse_rl_jax.training.role_mesh import role_devices
 from sparse_rl_jax.training.run_config import RunConfig
 from sparse_rl_jax.training.warm_start import build_default_model
 
 
 def make_run_mesh(cfg: RunConfig):
-    """The run's device mesh; sizes that do not fit the devices are a ConfigError naming the
+    """The run's (learner's) device mesh, over the devices ``mesh.rollout_devices`` leaves
+    it (``role_mesh.role_devices``); sizes that do not fit them are a ConfigError naming the
     mesh fields and the device count."""
+    devices = role_devices(cfg)[0]  # the learner's (all of them unless mesh.rollout_devices)
     try:
-        mesh = models.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        mesh = models.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     except ValueError as e:
         raise ConfigError(
-            f"mesh (data={cfg.mesh.data}, fsdp={cfg.mesh.fsdp}, tensor={cfg.mesh.tensor}) does "
-            f"not fit the {jax.device_count()} device(s): {e}") from e
+            f"mesh (data={cfg.mesh.data}, fsdp={cfg.mesh.fsdp}, tensor={cfg.mesh.tensor}, "
+            f"rollout_devices={cfg.mesh.rollout_devices}) does not fit the learner's "
+            f"{len(devices)} of {jax.device_count()} device(s): {e}") from e
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.trainer.minibatch_size % batch_devices:
         raise ValueError(
@@ -121,7 +125,8 @@ def load_policy(cfg: RunConfig, checkpoint: str | None = None, log: Callable[[st
         opt_state = jax.eval_shape(make_optimizer(cfg.optim).init,
                                    models.split_trainable(params)[0])
         with Checkpointer(ckpt_dir, read_only=True) as ckpt:
-            state, meta = ckpt.restore(restore_target(params, opt_state))
+            state, meta = ckpt.restore(restore_target(params, opt_state,
+                                                        cfg.trainer.lagged_versions))
         check_base(meta, base_record(path), f"checkpoint step {meta['step']} in {ckpt_dir}")
         params = restored_params(state, params)
         log(f"loaded step {meta['step']} from {ckpt_dir}")

@@ -24,14 +24,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.shapes import check_shape
 from sparse_rl_jax.rl.advantages import compute_advantages
-from sparse_rl_jax.rl.grpo_loss import LossBatch, check_loss_batch
+from sparse_rl_jax.rl.decoupled import decoupled_loss_batch
+from sparse_rl_jax.rl.grpo_loss import check_loss_batch
 from sparse_rl_jax.rl.update_step import Minibatch, dropout_key
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
 from sparse_rl_jax.rollout.scoring import sequence_positions
 from sparse_rl_jax.tasks.prompt_source import PromptSource
 from sparse_rl_jax.training import memory_plan
-from sparse_rl_jax.training.collect import RolloutPolicy, jitted_corrections, score_all, timed
-from sparse_rl_jax.training.collect_rounds import collect_rollouts
+from sparse_rl_jax.training.collect import RolloutPolicy, score_all, timed
+from sparse_rl_jax.training.collect_rounds import UpdateBatch, collect_rollouts
 from sparse_rl_jax.training.run_config import RunConfig
 
 BATCH_AXES = ("data", "fsdp")
@@ -100,8 +101,8 @@ def collect(ctx: StepContext, params, position: int
     ``position`` (prompt batches).
 
     Rollouts, rewards and dense old-policy scores (``collect_rounds.collect_rollouts``:
-    rounds of ``collect.collect_prompts`` over the prompt batches at the cursor), then the
-    reference scores (KL term), the sampler/learner corrections and the group advantages.
+    rounds of ``collect.collect_prompts`` over the prompt batches at the cursor), then
+    :func:`learner_batch` with the rollout's own dense scores as the proximal policy.
 
     Returns:
       ``(batch, metrics, seconds)``: the step's :class:`Minibatch` over all ``N`` rows
@@ -109,26 +110,40 @@ def collect(ctx: StepContext, params, position: int
       ``collect_rounds`` (the cursor's advance); seconds in ``rollout``, ``reward``,
       ``score``.
     """
-    cfg = ctx.cfg
     batch, metrics, clock = collect_rollouts(ctx, params, position)
+    full, more, t_score = learner_batch(ctx, params, batch, batch.logp_old)
+    metrics.update(more)
+    clock["score"] += t_score
+    return full, metrics, clock
+
+
+def learner_batch(ctx: StepContext, params, batch: UpdateBatch, proximal_NxM: jax.Array
+                  ) -> tuple[Minibatch, dict[str, Any], float]:
+    """The update's :class:`Minibatch` of the rollout rows ``batch`` under the decoupled
+    objective (``decoupled.decoupled_loss_batch``): behaviour = the sampler's log-probs,
+    proximal = ``proximal_NxM`` (dense under ``params``, the learner's at the start of the
+    update), plus the reference scores under ``params`` (KL term) and the group advantages.
+
+    Returns ``(minibatch, correction metrics, seconds spent scoring the reference)``.
+    """
+    cfg = ctx.cfg
     # Shadow-mask training (``batch.record`` is set): the learner's policy is the replayed
     # sparse one, so the PPO ratio is against the sampler's own log-probs (equal to the replay)
     # and the reference is scored under the same record; the dense scores still feed the
     # mismatch metrics.
-    logp_ref = None
+    logp_ref, t_ref = None, 0.0
     if ctx.reference is not None:
         logp_ref, t_ref = timed(score_all, ctx.policy, ctx.reference(params), batch.prompt,
                                 batch.prompt_mask, batch.response, batch.record)
-        clock["score"] += t_ref
     mask = batch.loss_mask
-    corrections = jitted_corrections(batch.logp_old, batch.logp_sparse, mask, cfg=cfg.correction)
     advantages = compute_advantages(jnp.asarray(batch.rewards), cfg.sampling.num_samples,
                                     cfg.advantage, mask, batch.valid)
-    behaviour = batch.logp_old if batch.record is None else batch.logp_sparse
-    loss_batch = LossBatch.from_corrections(behaviour, advantages, mask, corrections, logp_ref)
-    metrics.update(corrections.metrics)
+    loss_batch, corrections = decoupled_loss_batch(batch.logp_sparse, proximal_NxM, advantages,
+                                                   mask, cfg.correction, logp_ref)
+    if batch.record is not None:
+        loss_batch = loss_batch.replace(logp_old_dense=batch.logp_sparse)
     full = Minibatch(batch.prompt, batch.prompt_mask, batch.response, loss_batch, batch.record)
-    return full, metrics, clock
+    return full, dict(corrections.metrics), t_ref
 
 
 def check_minibatch(full: Minibatch) -> None:
@@ -192,6 +207,14 @@ def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None
     full, metrics, clock = collect(ctx, params, position)
     (params, opt_state, update_metrics), t_update = timed(
         update, ctx, params, opt_state, full, step)
+    return params, opt_state, step_metrics(ctx, metrics, clock, update_metrics, t_update)
+
+
+def step_metrics(ctx: StepContext, metrics: dict[str, Any], clock: dict[str, float],
+                 update_metrics: dict[str, float], t_update: float) -> dict[str, float]:
+    """One step's metrics as Python floats: the collect half's ``metrics`` (device scalars),
+    the update's, and the seconds of each phase (``clock``: ``rollout``, ``reward``,
+    ``score``; ``t_update``) with their shares and the tokens per second."""
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics.update(update_metrics)
     total = clock["rollout"] + clock["reward"] + clock["score"] + t_update
@@ -202,5 +225,4 @@ def rl_step(ctx: StepContext, params, opt_state, step: int, position: int | None
         tokens_per_second=metrics["response_length_mean"] * metrics["prompts_consumed"]
         * ctx.sampling.num_samples / total,
     )
-    return params, opt_state, metrics
-
+    return metrics

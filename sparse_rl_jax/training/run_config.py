@@ -146,16 +146,25 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh sizes over the axes (data, fsdp, tensor); one may be -1 (the rest)."""
+    """Device mesh sizes over the axes (data, fsdp, tensor); one may be -1 (the rest).
+
+    Attributes:
+      rollout_devices: with ``trainer.mode: async``, the first this many local devices run
+        the rollouts and the rest form the learner's (data, fsdp, tensor) mesh; the weights
+        are resharded onto them after each update (``time/weight_sync``). 0 (default): both
+        roles share every device.
+    """
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    rollout_devices: int = 0
 
     def __post_init__(self):
-        bad = mesh_size_error(dataclasses.asdict(self))
+        bad = mesh_size_error({"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor})
         if bad:
             reject(self, *bad)
+        check_int(self, "rollout_devices", 0, "must be an int >= 0 (0 = colocated)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +195,15 @@ class TrainerConfig:
         sequences holding a token with ``r_t < 1e-4`` (those a Sparse-RL veto drops), in any
         correction kind without dropping them: ``low_r_grad_norm_ratio`` and
         ``low_r_grad_share`` (``train_step.low_r_grad_metrics``). Costs a second backward.
+      mode: ``sync`` (step t's rollout is drawn from the params update t-1 left) or
+        ``async`` (rollouts run ahead of the learner on a fixed schedule, ``async_lag``;
+        logs ``async/lag``, ``time/wait_rollout``, ``time/wait_learner``,
+        ``time/weight_sync``). Async cannot serve ``data.dynamic_sampling``,
+        ``compression.adapt`` or ``correction.kind: shadow_mask``.
+      max_lag: in async mode, step t's rollout is drawn from exactly the params after update
+        ``t - max_lag`` (the initial params for the first steps); the learner's PPO ratio is
+        taken around its own params at the update (the decoupled objective,
+        ``rl.decoupled``). 0 is the sync run, bit for bit.
     """
 
     steps: int = 100
@@ -201,6 +219,8 @@ class TrainerConfig:
     plots: bool = True
     max_nonfinite_steps: int = 3
     low_r_grad_share: bool = False
+    mode: Literal["sync", "async"] = "sync"
+    max_lag: int = 1
 
     def __post_init__(self):
         for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",
@@ -214,6 +234,14 @@ class TrainerConfig:
               self, "micro_batch_size", rule)
         for field in ("export_final", "plots", "low_r_grad_share"):
             check_bool(self, field)
+        check_choice(self, "mode", ("sync", "async"))
+        check_int(self, "max_lag", 0)
+
+    @property
+    def lagged_versions(self) -> int:
+        """Older param versions a checkpoint holds besides the current one: ``max_lag`` in
+        async mode (its in-flight rollouts are drawn from them), else 0."""
+        return self.max_lag if self.mode == "async" else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +340,7 @@ class RunConfig:
               "trainer.score_batch", f"must divide the rollout's {sequences} sequences",
               trainer.score_batch)
         self._check_shadow_mask()
+        self._check_async()
         check(not (self.data.control_missed_increment and correction.kind == "shadow_mask"),
               self, "data.control_missed_increment", "cannot be used with correction.kind="
               "shadow_mask (the injected rows have no record to replay)",
@@ -335,6 +364,27 @@ class RunConfig:
         check(shadow or self.loss.distill_kind == "k3", self, "loss.distill_kind",
               f"needs correction.kind=shadow_mask (got {self.correction.kind!r})",
               self.loss.distill_kind)
+
+    def _check_async(self) -> None:
+        """What async mode (``trainer.mode``) cannot serve, and the device split it needs."""
+        if self.trainer.mode == "sync":
+            check(self.mesh.rollout_devices == 0, self, "mesh.rollout_devices",
+                  "needs trainer.mode=async (a sync rollout waits for the learner: a split "
+                  "would leave one group idle)", self.mesh.rollout_devices)
+            return
+        kind = self.correction.kind
+        unserved = (("data.dynamic_sampling", self.data.dynamic_sampling,
+                     self.data.dynamic_sampling,
+                     "it discards groups, and the paced producer keeps every group"),
+                    ("compression.adapt.enabled", self.compression.adapt.enabled,
+                     self.compression.adapt.enabled,
+                     "its closed loop sets a rollout's budget from the step before it, which "
+                     "a rollout running ahead has not seen"),
+                    ("correction.kind", kind, kind == "shadow_mask",
+                     "shadow_mask's learner replays the record under the rollout's own "
+                     "params, which async mode no longer holds at the update"))
+        for field, value, bad, why in unserved:
+            check(not bad, self, field, f"cannot be used with trainer.mode=async: {why}", value)
 
     def _check_task_fits(self) -> None:
         """The default model's tokenizer has one token per character: the shipped task's

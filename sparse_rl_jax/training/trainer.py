@@ -30,7 +30,8 @@ from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.quant_check import QuantErrorWarning
 from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.records.checkpoint_state import (BASE_KEY, base_record, check_base,
-                                                    restore_target, restored_params, train_state)
+                                                    restore_target, restored_lagged,
+                                                    restored_params, train_state)
 from sparse_rl_jax.records.metrics_writer import MetricsWriter, WandbRun, read_metrics
 from sparse_rl_jax.records.plots import plot_metrics
 from sparse_rl_jax.records.progress import TrainProgress
@@ -46,8 +47,10 @@ from sparse_rl_jax.training.policy import (export_policy, make_run_mesh, policy_
 from sparse_rl_jax.training.preflight import (check_model_fits, checked_eval_set,
                                               checked_prompt_source, default_task_tokenizer,
                                               load_checked_policy)
-from sparse_rl_jax.training.rl_step import StepContext, batch_sharding, rl_step
+from sparse_rl_jax.training.rl_step import StepContext, batch_sharding
+from sparse_rl_jax.training.role_mesh import rollout_mesh
 from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.training.step_modes import STEP_MODES
 from sparse_rl_jax.training.warm_start import tiny_model_config
 
 
@@ -122,6 +125,8 @@ def config_hash(cfg: RunConfig) -> str:
         relevant["compression"][old] = compression[section][key]
     relevant["trainer"] = {k: getattr(cfg.trainer, k)
                            for k in ("seed", "prompts_per_step", "minibatch_size")}
+    if cfg.trainer.mode == "async":  # which version draws each rollout (sync runs: as before)
+        relevant["trainer"]["max_lag"] = cfg.trainer.max_lag
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -166,7 +171,7 @@ def _in_training_eval(cfg: RunConfig, ctx: StepContext,
     return evaluate_now
 
 
-def _prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
+def prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
     """``(tokenizer, model, prompt source, eval set)`` with everything checked; the default
     model is built (in the run directory, so after :func:`_preflight_default`) when
     ``model.path`` is None."""
@@ -218,7 +223,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
     lead = jax.process_index() == 0
     manifest = check_resumable(run_dir, chash, lambda: _checkpoint_hash(run_dir / "checkpoints"),
                                take_over)
-    prepared = _prepare(cfg, mesh, log) if cfg.model.path is not None else None
+    prepared = prepare(cfg, mesh, log) if cfg.model.path is not None else None
     if prepared is None:
         _preflight_default(cfg)
     owner = open_run_dir(run_dir, chash, manifest, take_over) if lead else None
@@ -226,7 +231,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
         if lead:
             owner.write_manifest(manifest.get("last_good_step") if manifest else None)
             save_config(cfg, run_dir / "config.yaml")
-        return _train(cfg, prepared or _prepare(cfg, mesh, log), mesh, reward_fn, owner, log,
+        return _train(cfg, prepared or prepare(cfg, mesh, log), mesh, reward_fn, owner, log,
                       on_step)
     finally:
         if owner is not None:
@@ -234,14 +239,16 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
 
 
 def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log, base=None):
-    """``(params, opt_state, start step, data position, NonFiniteGuard)`` from the newest
-    checkpoint of ``ckpt`` that restores (corrupt newer ones are set aside), or the initial
-    ones at step 0 when there is none. ``base``: a LoRA run's ``base_record``, which the
-    checkpoint's must match (``checkpoint_state.check_base``)."""
+    """``(params, opt_state, start step, data position, NonFiniteGuard, older versions)``
+    from the newest checkpoint of ``ckpt`` that restores (corrupt newer ones are set aside),
+    or the initial ones at step 0 when there is none. ``base``: a LoRA run's
+    ``base_record``, which the checkpoint's must match (``checkpoint_state.check_base``).
+    The older versions are async mode's (``trainer.lagged_versions``, oldest first)."""
     guard = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
     if ckpt.latest_step() is None:
-        return params, opt_state, 0, 0, guard
-    state, meta = ckpt.restore_newest_good(restore_target(params, opt_state), log)
+        return params, opt_state, 0, 0, guard, []
+    state, meta = ckpt.restore_newest_good(
+        restore_target(params, opt_state, cfg.trainer.lagged_versions), log)
     start = meta["step"]
     if base is not None:
         check_base(meta, base, f"checkpoint step {start} in {ckpt.directory}")
@@ -251,20 +258,19 @@ def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log, 
         log(f"warning: the manifest records step {recorded} as saved; resuming from {start}")
     log(f"resumed from step {start} in {cfg.run_dir}")
     return (restored_params(state, params), state["opt_state"], start,
-            meta.get("data_position", start), guard)
+            meta.get("data_position", start), guard, restored_lagged(state, params))
 
 
-def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
-    """The loop of :func:`train` once the run directory is owned (``owner``: the lead
-    process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
-    run_dir = Path(cfg.run_dir)
-    tokenizer, model, source, eval_data = prepared
+def build_step_context(cfg: RunConfig, prepared, mesh, reward_fn):
+    """``(StepContext, params, opt_state)`` of a run from its prepared ``(tokenizer, model,
+    prompt source, eval set)`` (:func:`prepare`): the model split into graphdef and params,
+    the optimizer's initial state and the jitted update on ``mesh``."""
+    tokenizer, model, source, _ = prepared
     model.remat = cfg.model.remat
     # a kernel that cannot run here: an error naming model.attention before anything compiles
     model.attention = cfg.model.backend(jax.default_backend(), model.config,
                                         cfg.compression.page_size)
     graphdef, params = nnx.split(model)
-    del model
     reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(cfg.optim)
     opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
@@ -279,6 +285,16 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         tokenizer=tokenizer, source=source, reward_fn=reward_fn, update=update, mesh=mesh,
         reference=reference,
     )
+    return ctx, params, opt_state
+
+
+def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) -> dict:
+    """The loop of :func:`train` once the run directory is owned (``owner``: the lead
+    process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
+    run_dir = Path(cfg.run_dir)
+    ctx, params, opt_state = build_step_context(cfg, prepared, mesh, reward_fn)
+    graphdef, tokenizer, eval_data = ctx.graphdef, ctx.tokenizer, prepared[3]
+    del prepared
 
     chash = config_hash(cfg)
     with ExitStack() as closing:  # closed on error too (orbax threads, log filters, files)
@@ -286,8 +302,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
             run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints,
             save_every=cfg.trainer.checkpoint_every))
         base = base_record(policy_path(cfg, lambda _: None)) if cfg.model.lora else None
-        params, opt_state, start, position, guard = _restore(cfg, ckpt, params, opt_state, owner,
-                                                             log, base)
+        params, opt_state, start, position, guard, lagged = _restore(
+            cfg, ckpt, params, opt_state, owner, log, base)
         resumed = start and cfg.compression.adapt.enabled
         budget = BudgetLoop.start(cfg.compression, ckpt.read_meta(start) if resumed else None)
         writer = closing.enter_context(MetricsWriter(
@@ -300,11 +316,13 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         metrics: dict = {}
         pending = None  # the step of the last save started, until it is known to be committed
         quant_warning = QuantErrorWarning(cfg.compression.quant, log)
+        steps = closing.enter_context(STEP_MODES.get(cfg.trainer.mode)(
+            ctx, params, start, position, lagged, rollout_mesh(cfg)))
         with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
             for step in range(start, cfg.trainer.steps):
                 ckpt.check()  # a save that has already failed stops the run before another step
-                params, opt_state, metrics = rl_step(budget.context(ctx), params, opt_state, step,
-                                                     position)
+                params, opt_state, metrics = steps.step(budget.context(ctx), params, opt_state,
+                                                        step, position)
                 budget.observe(metrics)  # sparrow's closed loop (compression.adapt): log k, move it by p5
                 position += int(metrics["collect_rounds"])
                 done = step + 1
@@ -323,7 +341,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                 if on_step is not None:
                     on_step(done, metrics)
                 guard.record(done, nonfinite)
-                if ckpt.save(done, train_state(params, opt_state),
+                if ckpt.save(done, train_state(params, opt_state, steps.lagged(done)),
                              {"step": done, "config_hash": chash, "data_position": position,
                               "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped,
                               **budget.meta(), **({BASE_KEY: base} if base else {})},

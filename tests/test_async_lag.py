@@ -1,0 +1,87 @@
+"""Async mode's schedule on a tiny policy, in process: step t's rows are drawn from exactly
+version t - k (the rollout made from the saved params of update t - k), the lag is logged from
+the oldest version, and a producer that fails stops the learner with an error naming the step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import models
+from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
+from sparse_rl_jax.training.async_lag import AsyncRolloutError, AsyncSteps
+from sparse_rl_jax.training.collect_rounds import collect_rollouts
+from sparse_rl_jax.training.rl_step import batch_sharding
+from tiny_rl import G, PROMPTS, step_context, tiny_task_policy
+
+N = PROMPTS * G
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return tiny_task_policy(tmp_path_factory.mktemp("async"), dtype=jnp.float32)
+
+
+def _context(policy, *overrides):
+    """An async StepContext (one prompt length: one compiled shape) with a real SGD update
+    (test_rl_step's) and the initial ``(params, opt_state)`` on the one-device mesh."""
+    ctx = step_context(policy, "data.task.n_min=4", "trainer.mode=async", "trainer.steps=3",
+                       f"trainer.minibatch_size={N}", *overrides)
+    mesh = models.make_mesh()
+    params = jax.device_put(jax.tree.map(jnp.copy, policy[3]),
+                            models.param_shardings(policy[3], mesh))
+    optimizer = optax.sgd(0.05)
+    opt_state, opt_shardings = init_optimizer(optimizer, params, mesh)
+    update = jit_update_step(
+        ctx.graphdef, loss_cfg=ctx.cfg.loss, optimizer=optimizer,
+        param_shardings=jax.tree.map(lambda x: x.sharding, params),
+        opt_shardings=opt_shardings, batch_sharding=batch_sharding(mesh),
+        chunk_size=ctx.cfg.trainer.logp_chunk, temperature=ctx.cfg.sampling.temperature)
+    return dataclasses.replace(ctx, update=update, mesh=mesh), params, opt_state
+
+
+def test_lag_one_draws_step_t_from_the_params_of_update_t_minus_1(policy):
+    ctx, params, opt_state = _context(policy, "trainer.max_lag=1")
+    versions, rows, metrics = [jax.tree.map(jnp.copy, params)], [], []
+    with AsyncSteps(ctx, params, 0, 0) as steps:
+        for step in range(3):
+            params, opt_state, m = steps.step(ctx, params, opt_state, step)
+            versions.append(jax.tree.map(jnp.copy, params))
+            rows.append(steps.last)
+            metrics.append(m)
+    assert [r.version for r in rows] == [0, 0, 1]
+    assert [m["async/lag"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert all((r.versions_N == r.version).all() and len(r.versions_N) == N for r in rows)
+    # step 2's rows are the rollout of version 1 (the params saved after update 1) ...
+    again, _, _ = collect_rollouts(ctx, versions[1], 2)
+    np.testing.assert_array_equal(rows[2].batch.response, again.response)
+    np.testing.assert_array_equal(rows[2].batch.logp_sparse, again.logp_sparse)
+    # ... not of version 2, which the learner updated from (and scored them under)
+    newest, _, _ = collect_rollouts(ctx, versions[2], 2)
+    assert not np.array_equal(np.asarray(rows[2].batch.logp_old), np.asarray(newest.logp_old))
+    assert metrics[2]["async/lag_mismatch_k3"] > 0 and metrics[0]["async/lag_mismatch_k3"] == 0
+    for name in ("time/wait_rollout", "time/wait_learner", "time/weight_sync"):
+        assert all(m[name] >= 0 for m in metrics)
+
+
+def test_a_failing_producer_stops_the_learner_naming_the_step(policy):
+    ctx, params, opt_state = _context(policy, "trainer.max_lag=1")
+    calls = []
+
+    def reward(completions, answers):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("reward server down")
+        return np.zeros(len(completions), np.float32)
+
+    ctx = dataclasses.replace(ctx, reward_fn=reward)
+    with AsyncSteps(ctx, params, 0, 0) as steps:
+        params, opt_state, _ = steps.step(ctx, params, opt_state, 0)
+        with pytest.raises(AsyncRolloutError, match="step 2: the rollout producer failed: "
+                                                    "RuntimeError: reward server down"):
+            steps.step(ctx, params, opt_state, 1)
