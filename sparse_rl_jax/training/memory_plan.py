@@ -85,10 +85,9 @@ def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, dtype, *,
 
 
 def kv_bytes_per_token(cfg: ModelConfig, quant: str, dtype) -> int:
-    """Bytes one token's keys and values take in a rollout cache, every layer and KV head,
-    scales included (``quant``, a ``models.kv_quant`` format; ``dtype``: the cache's own)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * get_quant(quant).bytes_per_token(
-        cfg.head_dim, dtype)
+    """K + V bytes of a token in a ``quant`` cache of ``dtype``: every layer and KV head."""
+    per_head = get_quant(quant).bytes_per_token(cfg.head_dim, dtype)  # its scale included
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 def _blocks(t: int, s: int) -> tuple[int, int]:
