@@ -158,14 +158,6 @@ def update_batch(n: int, prompt_len: int, new_tokens: int, vocab: int):
                   is_weights=jnp.ones((n, m)), seq_mask=jnp.ones((n,), bool)))
 
 
-<<<<<<< HEAD
-def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64, repeats: int = 3,
-                dump: Path | None = None) -> dict:
-    """Compile and time one update (``micro`` rows per micro-batch, 0 = all): its compile
-    seconds, median step seconds of ``repeats`` after a warm-up, and XLA's temp / peak MiB
-    (None where the backend reports no memory analysis); ``dump``: write the compiled HLO
-    text there."""
-=======
 def update_model_and_batch(config, n: int, prompt_len: int, new_tokens: int, *,
                            dtype="float32", lora_rank: int = 0):
     """``(model, minibatch)`` of one update: :func:`update_model` and :func:`update_batch`."""
@@ -176,7 +168,6 @@ def update_model_and_batch(config, n: int, prompt_len: int, new_tokens: int, *,
 def _update_fn(graphdef, micro: int, chunk_size: int, donate: bool):
     """The jitted AdamW update (``update_step``, ``micro`` rows per micro-batch, 0 = all);
     ``donate``: params and optimizer state donated, as the trainer's ``jit_update_step``."""
->>>>>>> issue38-plan
     import jax
 
     from sparse_rl_jax.rl.loss_config import GRPOLossConfig
@@ -224,11 +215,12 @@ def compiled_update(config, n: int, prompt_len: int, new_tokens: int, **kw):
     return lowered_update(config, n, prompt_len, new_tokens, **kw)[0].compile()
 
 
-def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64) -> dict:
+def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64, repeats: int = 3,
+                dump: Path | None = None) -> dict:
     """Compile and time one update (``micro`` rows per micro-batch, 0 = all): its compile
-    seconds, median step seconds of 3 after a warm-up, and XLA's temp / peak MiB (None
-    where the backend reports no memory analysis; params and optimizer state are not
-    donated, so the peak holds both twice)."""
+    seconds, median step seconds of ``repeats`` after a warm-up, and XLA's temp / peak MiB
+    (None where the backend reports no memory analysis; params and optimizer state are not
+    donated, so the peak holds both twice); ``dump``: write the compiled HLO text there."""
     import jax
 
     import models

@@ -2,15 +2,10 @@
 update at a real model shape, compiled from abstract inputs on whatever backend is present.
 
     python benchmarks/hlo_cost.py --shape qwen2.5-1.5b --batch 32 --context 4096 \
-<<<<<<< HEAD
         --dtype float32 [--only decode_static_none ...] [--json FILE] [--dump-hlo DIR] \
         [--top N]
     python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE] [--top N]
-=======
-        --dtype float32 [--only decode_static_none ...] [--json FILE] [--dump-hlo DIR]
-    python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE]
     python benchmarks/hlo_cost.py --plan-grid [--json FILE]   # hlo_cost_plan.py
->>>>>>> issue38-plan
 
 Functions (``--only``; default all): ``decode_{static,continuous}_{none,rkv,sparrow}`` (one
 decode step of ``--batch`` rows each holding ``--context`` tokens; ``rkv`` keeps

@@ -35,10 +35,11 @@ def make_run_mesh(cfg: RunConfig):
     try:
         mesh = models.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     except ValueError as e:
-        raise ConfigError(
-            f"mesh (data={cfg.mesh.data}, fsdp={cfg.mesh.fsdp}, tensor={cfg.mesh.tensor}, "
-            f"rollout_devices={cfg.mesh.rollout_devices}) does not fit the learner's "
-            f"{len(devices)} of {jax.device_count()} device(s): {e}") from e
+        split = cfg.mesh.rollout_devices
+        where = (f"the learner's {len(devices)} of {jax.device_count()} device(s) "
+                 f"(rollout_devices={split})" if split else f"the {len(devices)} device(s)")
+        raise ConfigError(f"mesh (data={cfg.mesh.data}, fsdp={cfg.mesh.fsdp}, "
+                          f"tensor={cfg.mesh.tensor}) does not fit {where}: {e}") from e
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.trainer.minibatch_size % batch_devices:
         raise ValueError(

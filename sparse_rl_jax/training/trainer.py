@@ -101,13 +101,18 @@ def config_hash(cfg: RunConfig) -> str:
     """Hash of what determines the run (model, data, method, optimizer, seeds, batch shape),
     which a resumed run must share with the run it continues. Where the run lives
     (``run_dir``), how long it runs, checkpointing, plots, eval, logging and what changes
-    only memory or speed (``model.remat``, ``trainer.micro_batch_size``,
+    only memory or speed (``model.remat`` / ``attention``, ``mesh.rollout_devices``,
+    ``trainer.micro_batch_size``,
     ``compression.layout``, ``sampling.engine`` / ``slots`` / ``chunk`` / ``pool_pages`` /
     ``insert_prompts``) are left out, so a moved or copied run directory resumes and a
     finished run can be extended."""
     relevant = {k: v for k, v in to_dict(cfg).items()
                 if k not in ("run_dir", "trainer", "eval", "logging")}
-    relevant["model"] = {k: v for k, v in relevant["model"].items() if k != "remat"}
+    # remat and the attention backend change only speed and memory; where the rollouts run
+    # (mesh.rollout_devices) too: runs of older configs (no such fields) still resume
+    relevant["model"] = {k: v for k, v in relevant["model"].items()
+                         if k not in ("remat", "attention")}
+    relevant["mesh"] = {k: v for k, v in relevant["mesh"].items() if k != "rollout_devices"}
     # the rollout engine and its slots change only speed and memory (every row equals static
     # generate's), so they are left out like the layout: runs of older configs still resume
     relevant["sampling"] = {k: v for k, v in relevant["sampling"].items()
@@ -120,6 +125,8 @@ def config_hash(cfg: RunConfig) -> str:
     compression = relevant["compression"]
     relevant["compression"] = {"method": compression["method"],
                                "page_size": compression["page_size"]}
+    if compression["quant"] != "none":  # another sampler: a quantized run's own hash
+        relevant["compression"]["quant"] = compression["quant"]
     for old, new in CompressionConfig.MOVED_KEYS.items():
         section, key = new.split(".")
         relevant["compression"][old] = compression[section][key]
