@@ -68,11 +68,14 @@ COLLAPSE_TRUNCATION_FLOOR = 0.05
 ARM_KINDS = ("dense", "naive", "sparse-rl", "shadow-mask")  # the first word of an arm's label
 
 
-def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = ()
-         ) -> list[tuple[str, list[str]]]:
+def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (),
+         lags: tuple[int, ...] = ()) -> list[tuple[str, list[str]]]:
     """(label, overrides) of every arm: dense once, then naive and Sparse-RL on the positive
     control per rate in ``controls`` (dense rollouts, ``data.control_missed_increment``; walk
-    task only), then naive, Sparse-RL and shadow-mask per budget and method."""
+    task only), then naive, Sparse-RL and shadow-mask per budget and method. With ``lags``,
+    the per-budget arms are asynchronous instead (``trainer.mode: async``), one pair per lag
+    ``k``: Sparse-RL under the decoupled objective, against naive = standard PPO with the
+    ratio to the sampler's log-probs (``correction.kind: ppo_behaviour``)."""
     out = [("dense", ["compression.method=none", "correction.kind=none"])]
     for rate in controls:
         setting = ["compression.method=none", f"data.control_missed_increment={rate}"]
@@ -82,6 +85,14 @@ def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (
     for budget in budgets:
         for method in methods:
             setting = [f"compression.method={method}", f"compression.eviction.budget={budget}"]
+            for lag in lags:
+                timing = [*setting, "trainer.mode=async", f"trainer.max_lag={lag}"]
+                out.append((f"naive {method} {budget} lag {lag}",
+                            [*timing, "correction.kind=ppo_behaviour"]))
+                out.append((f"sparse-rl {method} {budget} lag {lag}",
+                            [*timing, "correction.kind=sparse_rl"]))
+            if lags:
+                continue
             # the naive arm also logs the gradient share a 1e-4 veto would have removed
             out.append((f"naive {method} {budget}", [*setting, "correction.kind=none",
                                                       "trainer.low_r_grad_share=true"]))
@@ -150,8 +161,11 @@ def plot_by_budget(runs: list[tuple[str, list[dict]]], budgets: list[int], out: 
     """One comparison figure per budget (``out/budget<b>/``): dense and that budget's arms;
     and one of dense and the positive-control arms (``out/control/``) when there are any."""
     for budget in budgets:
-        chosen = [run for run in runs if run[0] == "dense" or run[0].endswith(f" {budget}")]
-        plot_comparison(chosen, out / f"budget{budget}", COMPARE_KEYS, smooth=5)
+        # "<kind> <method> <budget>[ lag <k>]"
+        chosen = [run for run in runs if run[0] == "dense" or run[0].split(" ")[2:3] == [
+            str(budget)] and " control " not in run[0]]
+        if chosen:
+            plot_comparison(chosen, out / f"budget{budget}", COMPARE_KEYS, smooth=5)
     controls = [run for run in runs if run[0] == "dense" or " control " in run[0]]
     if len(controls) > 1:
         plot_comparison(controls, out / "control", COMPARE_KEYS, smooth=5)
@@ -175,6 +189,10 @@ def main(argv=None) -> int:
                         help="positive-control rates q (walk task): naive and Sparse-RL arms "
                              "trained on dense rollouts with q of the sequences rewritten as "
                              "after a bad eviction (data.control_missed_increment)")
+    parser.add_argument("--lags", nargs="*", type=int, default=[],
+                        help="asynchronous arms instead of the per-budget ones: naive (standard "
+                             "PPO to the sampler's log-probs) and Sparse-RL (decoupled "
+                             "objective) at each trainer.max_lag given")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", choices=ARM_KINDS, default=list(ARM_KINDS),
                         help="train only these kinds of arm (e.g. to add arms to an experiment "
@@ -204,7 +222,8 @@ def main(argv=None) -> int:
     results, curves = [], {}
     for seed in args.seeds:
         runs = []
-        for label, arm in arms(args.methods, args.budgets, tuple(args.controls)):
+        for label, arm in arms(args.methods, args.budgets, tuple(args.controls),
+                               tuple(args.lags)):
             if label.split(" ")[0] not in args.only:
                 continue
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")

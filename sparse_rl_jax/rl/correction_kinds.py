@@ -27,12 +27,16 @@ class CorrectionKind:
       truncates: the weight is ``min(r, is_upper)`` (reported as ``is_truncated_fraction``).
       vetoes: drops sequences with a valid token ``r_t < veto_threshold``.
       normalizes: the default of ``CorrectionConfig.normalize``.
+      ratio_to_behaviour: the PPO ratio is taken to the sampler's own log-probs (the
+        behaviour policy) instead of the proximal policy's dense ones. (``shadow_mask`` does
+        the same whenever its rows carry a record, which its learner replays.)
     """
 
     weigh: Callable[[jax.Array, Any], tuple[jax.Array, jax.Array]]
     truncates: bool = False
     vetoes: bool = False
     normalizes: bool = False
+    ratio_to_behaviour: bool = False
 
 
 CORRECTION_KINDS: Registry[CorrectionKind] = Registry("correction kind")
@@ -72,3 +76,7 @@ CORRECTION_KINDS.register("mis", CorrectionKind(masked))
 CORRECTION_KINDS.register("sparse_rl", CorrectionKind(sparse_rl, truncates=True, vetoes=True,
                                                       normalizes=True))
 CORRECTION_KINDS.register("shadow_mask", CorrectionKind(unweighted))
+# Standard PPO on the sampler's rows: the sampler's log-probs are the old policy (the ratio's
+# denominator), nothing weighted or rejected. The plain baseline of async training (AReaL's
+# "naive PPO"): its clip is the only thing that sees the compression and the lag.
+CORRECTION_KINDS.register("ppo_behaviour", CorrectionKind(unweighted, ratio_to_behaviour=True))

@@ -39,7 +39,9 @@ class CorrectionConfig:
       truncated IS weight `min(r, is_upper)`), `shadow_mask` (no weights, nothing rejected:
       the learner scores with the rollout's `Rollout.record`, so its PPO ratio is against the
       sampler's own log-probs; distillation to the dense policy is `loss.distill_coef`; see
-      `grpo_loss`).
+      `grpo_loss`), `ppo_behaviour` (standard PPO on the sampler's rows: no weights, nothing
+      rejected, the PPO ratio taken to the sampler's own log-probs; the plain baseline of
+      async training).
     level: which ratio the weight/rejection uses: `token` (per token), `sequence` (product over
       the response, `exp(sum log r)`), `geometric` (`exp(mean log r)`). Non-token levels reject
       whole sequences.
