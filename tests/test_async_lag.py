@@ -1,6 +1,7 @@
 """Async mode's schedule on a tiny policy, in process: step t's rows are drawn from exactly
 version t - k (the rollout made from the saved params of update t - k), the lag is logged from
-the oldest version, and a producer that fails stops the learner with an error naming the step."""
+the oldest version, and a producer that fails, or a weight sync that fails, stops the learner
+with an error naming the step."""
 
 from __future__ import annotations
 
@@ -85,3 +86,27 @@ def test_a_failing_producer_stops_the_learner_naming_the_step(policy):
         with pytest.raises(AsyncRolloutError, match="step 2: the rollout producer failed: "
                                                     "RuntimeError: reward server down"):
             steps.step(ctx, params, opt_state, 1)
+
+
+def test_a_failed_weight_sync_stops_the_learner_naming_the_step(policy, monkeypatch):
+    """The learner's publish of version 1 fails: the step raises, naming the step and the
+    sync, and leaving the context stops the producer (waiting for version 1) instead of
+    hanging."""
+    from sparse_rl_jax.training import async_lag
+    ctx, params, opt_state = _context(policy, "trainer.max_lag=1")
+    real, calls = async_lag.sync_weights, []
+
+    def sync(tree, mesh):
+        calls.append(1)
+        if len(calls) == 2:  # the first call places version 0; the second publishes version 1
+            raise RuntimeError("rollout device lost")
+        return real(tree, mesh)
+
+    monkeypatch.setattr(async_lag, "sync_weights", sync)
+    steps = AsyncSteps(ctx, params, 0, 0)
+    with pytest.raises(AsyncRolloutError, match="step 1: the weight sync to the rollout "
+                                                "devices failed: RuntimeError: rollout device "
+                                                "lost"):
+        with steps:
+            steps.step(ctx, params, opt_state, 0)
+    assert not steps.thread.is_alive()

@@ -1,5 +1,6 @@
-"""The RL trainer end to end: run.py in a subprocess, SIGKILL (during training or during a
-checkpoint save, then a moved run directory) + resume equals an uninterrupted run, a sharded update equals a single-device one, config errors.
+"""The RL trainer end to end: run.py in a subprocess, SIGKILL (during training, sync and
+async, or during a checkpoint save, then a moved run directory) + resume equals an
+uninterrupted run, a sharded update equals a single-device one, config errors.
 
 Runs that must die (SIGKILL) are ``python run.py`` child processes; the reference run, the
 resumes, the eval and the config error call ``run.py``'s ``main`` in this process (the same
@@ -81,8 +82,8 @@ def uninterrupted(run_env):
 
 
 def _comparable(records):
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("_share")
-             and k != "tokens_per_second"} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(("time_", "time/"))
+             and not k.endswith("_share") and k != "tokens_per_second"} for r in records]
 
 
 @pytest.mark.slow
@@ -104,13 +105,23 @@ def test_run_py_train_writes_metrics_plots_checkpoint_and_export(uninterrupted):
     assert list((run_dir / "tb").iterdir())
 
 
-@pytest.mark.slow
-def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
+ASYNC = ("trainer.mode=async", "trainer.max_lag=1", "trainer.steps=4")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_async(run_env):
+    """The async run (lag 1, 4 steps) that the killed async run must end equal to."""
+    root, config, _ = run_env
+    _main(["train", "--config", config, f"run_dir={root / 'a_async'}", *ASYNC])
+    return root / "a_async"
+
+
+def _kill_after_step_2_and_resume(run_env, reference, run_dir, *overrides):
+    """``run.py`` SIGKILLed once checkpoint 2 is written (mid-step 3), then resumed with the
+    same command: its metrics and final weights equal the uninterrupted run's."""
     root, config, env = run_env
-    reference, _ = uninterrupted
-    run_dir = root / "b"
     args = [sys.executable, str(ROOT / "run.py"), "train", "--config", str(config),
-            f"run_dir={run_dir}"]
+            f"run_dir={run_dir}", *overrides]
     proc = subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
@@ -122,7 +133,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
     assert proc.returncode == -signal.SIGKILL
     assert not (run_dir / "final").exists()  # it really died mid-training
 
-    assert "resumed from step" in _main(["train", "--config", config, f"run_dir={run_dir}"])
+    assert "resumed from step" in _main(["train", "--config", config, f"run_dir={run_dir}",
+                                         *overrides])
     assert _comparable(read_metrics(run_dir / "metrics.jsonl")) == _comparable(
         read_metrics(reference / "metrics.jsonl"))
     resumed = load_file(run_dir / "final" / "model.safetensors")
@@ -130,6 +142,20 @@ def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
     assert resumed.keys() == expected.keys()
     for name in expected:
         np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted):
+    _kill_after_step_2_and_resume(run_env, uninterrupted[0], run_env[0] / "b")
+
+
+@pytest.mark.slow
+def test_async_sigkill_then_resume_matches_uninterrupted_run(run_env, uninterrupted_async):
+    """Killed with the producer a step ahead (its rows for step 3 in flight or queued): the
+    resumed run draws them again from version 1, restored from checkpoint 2."""
+    _kill_after_step_2_and_resume(run_env, uninterrupted_async, run_env[0] / "b_async", *ASYNC)
+    records = read_metrics(uninterrupted_async / "metrics.jsonl")
+    assert [r["async/lag"] for r in records] == [0.0, 1.0, 1.0, 1.0]
 
 
 @pytest.mark.slow
