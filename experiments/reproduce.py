@@ -69,29 +69,44 @@ ARM_KINDS = ("dense", "naive", "sparse-rl", "shadow-mask")  # the first word of 
 
 
 def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (),
-         lags: tuple[int, ...] = ()) -> list[tuple[str, list[str]]]:
+         lags: tuple[int, ...] = (), quants: tuple[str, ...] = ()
+         ) -> list[tuple[str, list[str]]]:
     """(label, overrides) of every arm: dense once, then naive and Sparse-RL on the positive
     control per rate in ``controls`` (dense rollouts, ``data.control_missed_increment``; walk
     task only), then naive, Sparse-RL and shadow-mask per budget and method. With ``lags``,
     the per-budget arms are asynchronous instead (``trainer.mode: async``), one pair per lag
     ``k``: Sparse-RL under the decoupled objective, against naive = standard PPO with the
-    ratio to the sampler's log-probs (``correction.kind: ppo_behaviour``)."""
+    ratio to the sampler's log-probs (``correction.kind: ppo_behaviour``). With ``quants``
+    (quantized KV, ``compression.quant``), naive and Sparse-RL per level instead: on
+    quantization alone (``<kind> none <level>``, a dense cache of that level) and on each
+    budget's eviction with it (``<kind> <method> <budget> <level>``)."""
     out = [("dense", ["compression.method=none", "correction.kind=none"])]
     for rate in controls:
         setting = ["compression.method=none", f"data.control_missed_increment={rate}"]
         out.append((f"naive control {rate:g}", [*setting, "correction.kind=none",
                                                  "trainer.low_r_grad_share=true"]))
         out.append((f"sparse-rl control {rate:g}", [*setting, "correction.kind=sparse_rl"]))
+    for quant in quants:
+        alone = ["compression.method=none", "compression.layout=dense",
+                 f"compression.quant={quant}"]
+        out.append((f"naive none {quant}", [*alone, "correction.kind=none"]))
+        out.append((f"sparse-rl none {quant}", [*alone, "correction.kind=sparse_rl"]))
     for budget in budgets:
         for method in methods:
             setting = [f"compression.method={method}", f"compression.eviction.budget={budget}"]
+            for quant in quants:
+                out.append((f"naive {method} {budget} {quant}",
+                            [*setting, f"compression.quant={quant}", "correction.kind=none"]))
+                out.append((f"sparse-rl {method} {budget} {quant}",
+                            [*setting, f"compression.quant={quant}",
+                             "correction.kind=sparse_rl"]))
             for lag in lags:
                 timing = [*setting, "trainer.mode=async", f"trainer.max_lag={lag}"]
                 out.append((f"naive {method} {budget} lag {lag}",
                             [*timing, "correction.kind=ppo_behaviour"]))
                 out.append((f"sparse-rl {method} {budget} lag {lag}",
                             [*timing, "correction.kind=sparse_rl"]))
-            if lags:
+            if lags or quants:
                 continue
             # the naive arm also logs the gradient share a 1e-4 veto would have removed
             out.append((f"naive {method} {budget}", [*setting, "correction.kind=none",
@@ -161,9 +176,9 @@ def plot_by_budget(runs: list[tuple[str, list[dict]]], budgets: list[int], out: 
     """One comparison figure per budget (``out/budget<b>/``): dense and that budget's arms;
     and one of dense and the positive-control arms (``out/control/``) when there are any."""
     for budget in budgets:
-        # "<kind> <method> <budget>[ lag <k>]"
+        # "<kind> <method> <budget>[ lag <k> | <quant>]", "<kind> none <quant>"
         chosen = [run for run in runs if run[0] == "dense" or run[0].split(" ")[2:3] == [
-            str(budget)] and " control " not in run[0]]
+            str(budget)] and " control " not in run[0] or " none " in run[0]]
         if chosen:
             plot_comparison(chosen, out / f"budget{budget}", COMPARE_KEYS, smooth=5)
     controls = [run for run in runs if run[0] == "dense" or " control " in run[0]]
@@ -193,6 +208,10 @@ def main(argv=None) -> int:
                         help="asynchronous arms instead of the per-budget ones: naive (standard "
                              "PPO to the sampler's log-probs) and Sparse-RL (decoupled "
                              "objective) at each trainer.max_lag given")
+    parser.add_argument("--quants", nargs="*", default=[],
+                        help="quantized-KV arms instead of the per-budget ones: naive and "
+                             "Sparse-RL at each compression.quant level given, on quantization "
+                             "alone and with each budget's eviction")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", choices=ARM_KINDS, default=list(ARM_KINDS),
                         help="train only these kinds of arm (e.g. to add arms to an experiment "
@@ -223,7 +242,7 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         runs = []
         for label, arm in arms(args.methods, args.budgets, tuple(args.controls),
-                               tuple(args.lags)):
+                               tuple(args.lags), tuple(args.quants)):
             if label.split(" ")[0] not in args.only:
                 continue
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.reproduce import (inference_table, mean_records,  # noqa: E402
                                    plot_by_budget, reward_curve_table, training_table)
+from experiments.results_async import lag_table, regime_check  # noqa: E402
 from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell,  # noqa: E402
                                       count, degraded, early_mean, load, pass1)
 from experiments.results_verdicts import (NAIVE, SPARSE, collapse_definition,  # noqa: E402
@@ -36,13 +37,15 @@ from experiments.results_verdicts import (NAIVE, SPARSE, collapse_definition,  #
 
 COMMAND = "python experiments/results_page.py"
 README, RESULTS_PAGE = ROOT / "README.md", ROOT / "docs" / "results.md"
-EXPERIMENTS = ("regime", "local40", "control")
+EXPERIMENTS = ("regime", "local40", "control", "async")
 """The stored experiments (``docs/results/<name>/``): R-KV 32 on walk_local2 with its
-positive control; R-KV 40 on walk_local; the positive control on walk_ft."""
+positive control; R-KV 40 on walk_local; the positive control on walk_ft; the regime under
+lag (async mode)."""
 FIGURES = {"regime": {"budget32": "regime_walk.png", "control": "regime_walk_control.png"},
-           "local40": {"budget40": "local_walk.png"}, "control": {"control": "control_walk.png"}}
+           "local40": {"budget40": "local_walk.png"}, "control": {"control": "control_walk.png"},
+           "async": {"budget32": "async_walk.png"}}
 FULL_PAGES = {"regime": "regime_walk_results.md", "local40": "local_walk_results.md",
-              "control": "control_walk_results.md"}
+              "control": "control_walk_results.md", "async": "async_walk_results.md"}
 MARK = re.compile(r"(<!-- results_page:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
                   r"(<!-- /results_page:(?P=name) -->)", re.DOTALL)
 
@@ -141,8 +144,15 @@ def commands(exp: Experiment) -> str:
 def blocks() -> dict[str, str]:
     """Every generated block's text by name (experiments without stored runs are left out)."""
     stored = {name: load(name) for name in EXPERIMENTS}
-    out = {name: experiment_block(exp) for name, exp in stored.items() if exp is not None}
+    out = {name: experiment_block(exp) for name, exp in stored.items()
+           if exp is not None and name != "async"}
     regime = stored["regime"]
+    if stored["async"] is not None:
+        exp = stored["async"]
+        dense = [r for r in regime.arm("dense") if r["seed"] in exp.seeds()] if regime else []
+        out["async"] = "\n".join([provenance(exp), "", lag_table(exp, dense), "",
+                                   regime_check(exp, regime), "",
+                                   reward_curve_table(curves(exp))])
     if regime is not None:
         out["verdicts-readme"] = verdict_table(regime, stored, "docs/")
         out["verdicts"] = verdict_table(regime, stored, "")
@@ -190,8 +200,9 @@ def write_plots() -> None:
         if exp is None:
             continue
         with tempfile.TemporaryDirectory() as work:
-            budgets = sorted({int(a.split()[-1]) for a in exp.arms() if "control" not in a
-                              and a != "dense"})
+            # "<kind> <method> <budget>[ lag <k> | <quant>]" (and "<kind> none <quant>")
+            budgets = sorted({int(a.split()[2]) for a in exp.arms() if "control" not in a
+                              and a != "dense" and a.split()[2].isdigit()})
             plot_by_budget([(label, mean_records(runs)) for label, runs in curves(exp).items()],
                            budgets, Path(work))
             for folder, file in figures.items():

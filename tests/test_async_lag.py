@@ -1,6 +1,6 @@
 """Async mode's schedule on a tiny policy, in process: step t's rows are drawn from exactly
 version t - k (the rollout made from the saved params of update t - k), the lag is logged from
-the oldest version, and a producer that fails, or a weight sync that fails, stops the learner
+the oldest version, the mismatch split (``trainer.split_mismatch``) changes only the logs, and a producer that fails, or a weight sync that fails, stops the learner
 with an error naming the step."""
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def _context(policy, *overrides):
     return dataclasses.replace(ctx, update=update, mesh=mesh), params, opt_state
 
 
-def test_lag_one_draws_step_t_from_the_params_of_update_t_minus_1(policy):
-    ctx, params, opt_state = _context(policy, "trainer.max_lag=1")
+def _three_steps(policy, *overrides):
+    """Three async steps from the initial params: ``(versions 0..3, rows, metrics)``."""
+    ctx, params, opt_state = _context(policy, *overrides)
     versions, rows, metrics = [jax.tree.map(jnp.copy, params)], [], []
     with AsyncSteps(ctx, params, 0, 0) as steps:
         for step in range(3):
@@ -55,6 +56,16 @@ def test_lag_one_draws_step_t_from_the_params_of_update_t_minus_1(policy):
             versions.append(jax.tree.map(jnp.copy, params))
             rows.append(steps.last)
             metrics.append(m)
+    return ctx, versions, rows, metrics
+
+
+@pytest.fixture(scope="module")
+def lag_one_split(policy):
+    return _three_steps(policy, "trainer.max_lag=1", "trainer.split_mismatch=true")
+
+
+def test_lag_one_draws_step_t_from_the_params_of_update_t_minus_1(lag_one_split):
+    ctx, versions, rows, metrics = lag_one_split
     assert [r.version for r in rows] == [0, 0, 1]
     assert [m["async/lag"] for m in metrics] == [0.0, 1.0, 1.0]
     assert all((r.versions_N == r.version).all() and len(r.versions_N) == N for r in rows)
@@ -68,6 +79,25 @@ def test_lag_one_draws_step_t_from_the_params_of_update_t_minus_1(policy):
     assert metrics[2]["async/lag_mismatch_k3"] > 0 and metrics[0]["async/lag_mismatch_k3"] == 0
     for name in ("time/wait_rollout", "time/wait_learner", "time/weight_sync"):
         assert all(m[name] >= 0 for m in metrics)
+
+
+def test_without_the_split_the_lagged_rows_are_scored_once_and_train_the_same(policy,
+                                                                              lag_one_split):
+    """``trainer.split_mismatch`` off: the producer leaves a lagged version's rows unscored
+    (the learner scores them under its own params either way), so the run is the same run,
+    bit for bit, without the split's metrics after the steps whose version is their own."""
+    _, versions, rows, metrics = _three_steps(policy, "trainer.max_lag=1")
+    _, split_versions, split_rows, split_metrics = lag_one_split
+    assert rows[2].batch.logp_old is None and split_rows[2].batch.logp_old is not None
+    assert rows[0].batch.logp_old is not None  # step 0's rows are version 0's own
+    for got, want in zip(jax.tree.leaves(versions[-1]), jax.tree.leaves(split_versions[-1])):
+        np.testing.assert_array_equal(got, want)
+    timing = ("time", "async/", "tokens_per_second")
+    for got, want in zip(metrics, split_metrics):
+        assert "async/lag_mismatch_k3" in got or got["async/lag"] == 1.0
+        kept = [k for k in got if not k.startswith(timing) and not k.endswith("_share")]
+        assert {k: got[k] for k in kept} == {k: want[k] for k in kept}
+    assert "async/lag_mismatch_k3" not in metrics[2]
 
 
 def test_a_failing_producer_stops_the_learner_naming_the_step(policy):

@@ -149,3 +149,30 @@ def test_other_experiments_add_their_arms_to_the_first_two_claims():
         "(1.00, 1.00)): rkv 40: 1/2 collapse, 1/2 degrade, pass@1 0.72 ± 0.22 (0.50, 0.95)")
     _, _, evidence = results_verdicts.claim_prevents(regime(), {"local40": local})
     assert evidence.endswith("rkv 40: 0/2 collapse, 0/2 degrade, pass@1 0.97 ± 0.01 (0.96, 0.98)")
+
+
+def test_lag_table_pairs_each_lag_with_lag_zero_seed_by_seed():
+    from experiments import results_async
+    lag0, lag1, lag4 = (0.95, 0.90, 0.97), (0.93, 0.91, 0.90), (0.60, 0.70, 0.80)
+    runs = []
+    for seed in range(3):
+        for k, sparse in ((0, lag0), (1, lag1), (4, lag4)):
+            runs.append(run(f"naive rkv 32 lag {k}", seed, 0.5, collapsed=seed < 2))
+            runs.append(run(f"sparse-rl rkv 32 lag {k}", seed, sparse[seed], rejection=0.05))
+    exp = results_data.Experiment("async", tuple(runs), ({"commit": "abc", "date": "d"},))
+    dense = [run("dense", seed, 0.99) for seed in range(3)]
+    assert results_async.lag_arms(exp)[4] == {"naive": "naive rkv 32 lag 4",
+                                              "sparse-rl": "sparse-rl rkv 32 lag 4"}
+    gap1 = np.subtract(lag1, lag0)
+    assert results_async.paired_gap(exp.arm("sparse-rl rkv 32 lag 1"),
+                                    exp.arm("sparse-rl rkv 32 lag 0")) == pytest.approx(gap1)
+    rows = {line.split(" | ")[0][2:]: line for line in
+            results_async.lag_table(exp, dense).splitlines() if line[2:3].isdigit()}
+    mean1, se1 = np.mean(gap1), np.std(gap1, ddof=1) / np.sqrt(3)
+    assert f"holds ({mean1:+.3f} ± {se1:.3f})" in rows["1"]  # |-0.027| <= 0.03
+    assert "stated: does not hold" in rows["4"] and "(the reference)" in rows["0"]
+    assert "2/3 / 3/3" in rows["0"]  # naive: 2 collapse, all 3 degrade (0.5 < 0.99 - 0.1)
+    assert "0/3 / 3/3" in rows["4"].split(" | ")[4]  # Sparse-RL at lag 4: all degrade
+    with pytest.raises(ValueError, match="no lag-0 Sparse-RL arm"):
+        results_async.lag_table(results_data.Experiment(
+            "async", tuple(r for r in runs if "lag 0" not in r["arm"]), ()), dense)

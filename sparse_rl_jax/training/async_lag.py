@@ -16,9 +16,9 @@ on the device, the producer tokenises, decodes and rewards (and, with ``mesh.rol
 samples on its own devices); logging and checkpoint writes on the learner's side overlap the
 producer's rollouts. Logged per step: ``async/lag`` (the step minus the OLDEST version in its
 batch), ``time/wait_rollout`` (the learner waiting for rows), ``time/wait_learner`` (the
-producer waiting for the version it needs), ``time/weight_sync``, and the mismatch split
-(``decoupled.mismatch_split``). A producer that fails stops the trainer with an error naming
-the step, never a hang.
+producer waiting for the version it needs), ``time/weight_sync``, and, with
+``trainer.split_mismatch``, the mismatch split (``decoupled.mismatch_split``). A producer that
+fails stops the trainer with an error naming the step, never a hang.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ class LaggedRollout(NamedTuple):
       step: the RL step (0-based) the rows are for.
       version: the param version that sampled them (``max(0, step - max_lag)``).
       versions_N: ``[N]`` int, each row's policy version.
-      batch: the rows (``collect_rounds.UpdateBatch``; ``logp_old`` dense at ``version``).
+      batch: the rows (``collect_rounds.UpdateBatch``; ``logp_old`` dense at ``version``, or
+        None for a lagged version without ``trainer.split_mismatch``).
       metrics, clock: ``collect_rounds.collect_rollouts``'s metrics and phase seconds.
       wait_learner: seconds the producer waited for ``version`` to be published.
     """
@@ -171,7 +172,10 @@ class AsyncSteps:
                     return
                 begin = time.perf_counter()
                 waited = begin - start
-                batch, metrics, clock = collect_rollouts(self.ctx, params, position)
+                # rows of a lagged version are scored by the learner, under its own params
+                # (and here too, under their own, for the mismatch split)
+                score = version == step or self.ctx.cfg.trainer.split_mismatch
+                batch, metrics, clock = collect_rollouts(self.ctx, params, position, score)
                 self._spans("rollout", step, begin, clock)
                 position += int(metrics["collect_rounds"])
                 versions = np.full(batch.response.shape[0], version, np.int64)
@@ -235,8 +239,10 @@ class AsyncSteps:
             clock["score"] += t_prox
         full, more, t_ref = learner_batch(ctx, params, batch, proximal)
         clock["score"] += t_ref
-        metrics = {**item.metrics, **more, **mismatch_split(
-            batch.logp_sparse, batch.logp_old, proximal, batch.loss_mask)}
+        metrics = {**item.metrics, **more}
+        if batch.logp_old is not None:  # trainer.split_mismatch, or the version is the step's
+            metrics.update(mismatch_split(batch.logp_sparse, batch.logp_old, proximal,
+                                          batch.loss_mask))
         t_score = time.perf_counter() - begin
         (params, opt_state, update_metrics), t_update = timed(
             update, ctx, params, opt_state, full, step)

@@ -46,7 +46,8 @@ class UpdateBatch(NamedTuple):
       response: ``[N, M]`` sampled tokens.
       loss_mask: ``[N, M]`` response tokens entering the loss (0 on padding rows and, with
         ``overlong.mask_truncated``, on truncated responses).
-      logp_sparse: ``[N, M]`` sampler log-probs; logp_old: ``[N, M]`` dense scorer log-probs.
+      logp_sparse: ``[N, M]`` sampler log-probs; logp_old: ``[N, M]`` dense scorer log-probs
+        (None when the rows were collected unscored).
       rewards: ``[N]`` float32 task reward plus the overlong penalty.
       valid: ``[N]`` bool, False on padding rows (whole groups).
       record: None, or (``correction.kind: shadow_mask``) the rows' replay record
@@ -59,7 +60,7 @@ class UpdateBatch(NamedTuple):
     response: jax.Array
     loss_mask: jax.Array
     logp_sparse: jax.Array
-    logp_old: jax.Array
+    logp_old: jax.Array | None
     rewards: np.ndarray
     valid: np.ndarray
     record: ReplayRecord | None = None
@@ -92,15 +93,17 @@ def _control_edit(ctx, position: int, prompts: list[str]) -> Callable[[Rollout],
     return edit
 
 
-def _round(ctx, params, position: int) -> tuple[Collected, np.ndarray]:
+def _round(ctx, params, position: int, score: bool) -> tuple[Collected, np.ndarray]:
     """Collects prompt batch ``position`` with key ``fold_in(key(seed), position)``; returns
-    it and which of its groups carry a training signal (``[B]`` bool, :func:`group_filter`)."""
+    it and which of its groups carry a training signal (``[B]`` bool, :func:`group_filter`;
+    unscored, a row is in the loss when any of its tokens is)."""
     batch = ctx.source.batch(position)
     key = jax.random.fold_in(jax.random.key(ctx.cfg.trainer.seed), position)
-    out = collect_prompts(ctx.policy, params, batch.prompts, batch.answers, key,
+    out = collect_prompts(ctx.policy, params, batch.prompts, batch.answers, key, score=score,
                           edit=_control_edit(ctx, position, batch.prompts))
     corr = out.corrections
-    in_loss = np.asarray(corr.seq_mask & jnp.any(corr.token_mask, axis=1))
+    in_loss = np.asarray(jnp.any(out.loss_mask, axis=1) if corr is None else
+                         corr.seq_mask & jnp.any(corr.token_mask, axis=1))
     return out, group_filter(out.rewards, in_loss, ctx.sampling.num_samples)
 
 
@@ -138,7 +141,7 @@ def _assemble(ctx, rounds: list[Collected], groups: list[tuple[int, int]], valid
         response=cat(lambda o: o.rollout.response),
         loss_mask=loss_mask * jnp.asarray(valid_rows, loss_mask.dtype)[:, None],
         logp_sparse=cat(lambda o: o.rollout.logp),
-        logp_old=cat(lambda o: o.logp_old),
+        logp_old=None if rounds[0].logp_old is None else cat(lambda o: o.logp_old),
         rewards=rewards[rows].astype(np.float32),
         valid=valid_rows,
         record=record,
@@ -176,7 +179,7 @@ def _metrics(rounds: list[Collected], ctx) -> dict[str, jax.Array]:
     return metrics
 
 
-def collect_rollouts(ctx, params, position: int
+def collect_rollouts(ctx, params, position: int, score: bool = True
                      ) -> tuple[UpdateBatch, dict[str, Any], dict[str, float]]:
     """Rollouts, rewards and dense old-policy scores of one RL step, starting at prompt batch
     ``position``: rounds of :func:`collect_prompts` (``rl_step.collect`` adds the reference
@@ -186,6 +189,8 @@ def collect_rollouts(ctx, params, position: int
       ctx: the ``rl_step.StepContext``.
       params: the policy (sampling and old-policy scoring).
       position: the data cursor, in prompt batches.
+      score: False leaves the dense scores out (``logp_old`` None; async mode's lagged rows,
+        which the learner scores under its own params).
 
     Returns:
       ``(batch, metrics, seconds)``: the :class:`UpdateBatch`; rollout metrics over all rounds
@@ -200,7 +205,7 @@ def collect_rollouts(ctx, params, position: int
     keeps: list[np.ndarray] = []  # [B] per round: the group passes group_filter
     kept: list[tuple[int, int]] = []
     while True:
-        out, keep = _round(ctx, params, position + len(rounds))
+        out, keep = _round(ctx, params, position + len(rounds), score)
         rounds.append(out)
         keeps.append(keep)
         kept += [(len(rounds) - 1, k) for k in np.flatnonzero(keep if dynamic else

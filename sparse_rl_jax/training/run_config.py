@@ -154,6 +154,12 @@ class TrainerConfig:
         ``t - max_lag`` (the initial params for the first steps); the learner's PPO ratio is
         taken around its own params at the update (the decoupled objective,
         ``rl.decoupled``). 0 is the sync run, bit for bit.
+      split_mismatch: in async mode, the producer also scores its lagged rows densely under
+        their own version, and the logs split the mismatch the correction sees into
+        compression (``async/compression_mismatch_k3``: the sampler against dense at the
+        rollout's version) and lag (``async/lag_mismatch_k3``: that against the learner's
+        params). Costs one more dense scoring pass per step, on the rollout devices. Off,
+        the rows of a lagged version are scored once, by the learner.
     """
 
     steps: int = 100
@@ -171,6 +177,7 @@ class TrainerConfig:
     low_r_grad_share: bool = False
     mode: Literal["sync", "async"] = "sync"
     max_lag: int = 1
+    split_mismatch: bool = False
 
     def __post_init__(self):
         for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",
@@ -182,7 +189,7 @@ class TrainerConfig:
         check_int(self, "micro_batch_size", 0, rule)
         check(self.micro_batch_size == 0 or self.minibatch_size % self.micro_batch_size == 0,
               self, "micro_batch_size", rule)
-        for field in ("export_final", "plots", "low_r_grad_share"):
+        for field in ("export_final", "plots", "low_r_grad_share", "split_mismatch"):
             check_bool(self, field)
         check_choice(self, "mode", ("sync", "async"))
         check_int(self, "max_lag", 0)
