@@ -1,7 +1,8 @@
 """Async mode's schedule on a tiny policy, in process: step t's rows are drawn from exactly
 version t - k (the rollout made from the saved params of update t - k), the lag is logged from
-the oldest version, the mismatch split (``trainer.split_mismatch``) changes only the logs, and a producer that fails, or a weight sync that fails, stops the learner
-with an error naming the step."""
+the oldest version, the mismatch split (``trainer.split_mismatch``) changes only the logs, and
+a producer that fails, or a weight sync that fails, stops the learner with an error naming the
+step."""
 
 from __future__ import annotations
 

@@ -92,6 +92,23 @@ def test_tables_average_seeds_and_list_every_inference_mode():
     assert inference[2] == "| dense | 0.375 (0.188) | 0.500 (0.000) |"
 
 
+def test_lag_and_quant_arms_replace_the_per_budget_arms():
+    reproduce = _load_script("reproduce")
+    lagged = dict(reproduce.arms(["rkv"], [32], lags=(0, 2)))
+    assert list(lagged) == ["dense", "naive rkv 32 lag 0", "sparse-rl rkv 32 lag 0",
+                            "naive rkv 32 lag 2", "sparse-rl rkv 32 lag 2"]
+    assert {"trainer.mode=async", "trainer.max_lag=2", "correction.kind=ppo_behaviour",
+            "compression.eviction.budget=32"} <= set(lagged["naive rkv 32 lag 2"])
+    assert "correction.kind=sparse_rl" in lagged["sparse-rl rkv 32 lag 0"]
+    quant = dict(reproduce.arms(["rkv"], [32], quants=("int8",)))
+    assert list(quant) == ["dense", "naive none int8", "sparse-rl none int8",
+                           "naive rkv 32 int8", "sparse-rl rkv 32 int8"]
+    assert {"compression.method=none", "compression.layout=dense", "compression.quant=int8",
+            "correction.kind=none"} <= set(quant["naive none int8"])
+    assert {"compression.method=rkv", "compression.quant=int8",
+            "correction.kind=sparse_rl"} <= set(quant["sparse-rl rkv 32 int8"])
+
+
 def test_first_difference_counts_changed_tokens_and_early_stops():
     sweep = _load_script("regime_sweep")
     a = np.array([[1, 2, 3, 0], [1, 2, 3, 0], [5, 6, 0, 0]])

@@ -18,7 +18,8 @@ from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.rl.grpo_loss import grpo_loss, loss_norm
 from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
 from sparse_rl_jax.rollout.scoring import response_logprobs, score
-from sparse_rl_jax.training.rl_step import batch_sharding, collect, update
+from sparse_rl_jax.training.collect_rounds import collect_rollouts
+from sparse_rl_jax.training.rl_step import batch_sharding, collect, learner_batch, update
 from tiny_rl import G, MAX_NEW, PROMPTS, hash_reward, step_context, tiny_task_policy
 
 N = PROMPTS * G
@@ -96,6 +97,23 @@ def _update(ctx, params, batch, optimizer, low_r_share=False):
         temperature=ctx.cfg.sampling.temperature)  # as the trainer builds it
     return update(dataclasses.replace(ctx, update=step, mesh=mesh), params, opt_state, batch,
                   step=0)
+
+
+def test_ppo_behaviour_takes_the_ratio_to_the_sampler_with_no_correction(policy):
+    """``correction.kind: ppo_behaviour``: the PPO ratio's denominator is the sampler's own
+    log-probs, every weight 1, nothing rejected; ``none`` keeps the proximal (dense) one."""
+    ctx = step_context(policy, f"trainer.minibatch_size={N}", "correction.kind=ppo_behaviour")
+    rows, _, _ = collect_rollouts(ctx, policy[3], POSITION)
+    full, _, _ = learner_batch(ctx, policy[3], rows, rows.logp_old)
+    np.testing.assert_array_equal(full.loss.logp_old_dense, rows.logp_sparse)
+    assert (np.asarray(full.loss.is_weights) == 1).all() and np.asarray(full.loss.seq_mask).all()
+    mask = np.asarray(rows.loss_mask).astype(bool)
+    assert (np.asarray(full.loss.token_mask)[mask]).all()
+    none = dataclasses.replace(ctx.cfg.correction, kind="none")
+    naive = dataclasses.replace(ctx, cfg=dataclasses.replace(ctx.cfg, correction=none))
+    full, _, _ = learner_batch(naive, policy[3], rows, rows.logp_old)
+    np.testing.assert_array_equal(full.loss.logp_old_dense, rows.logp_old)
+    assert not np.array_equal(np.asarray(rows.logp_old)[mask], np.asarray(rows.logp_sparse)[mask])
 
 
 def test_update_with_zero_learning_rate_leaves_params_unchanged(collected, policy):
