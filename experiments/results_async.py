@@ -17,7 +17,8 @@ from experiments.results_data import (DEGRADED_BY, Experiment, cell, count, degr
                                       mean_se, pass1)
 
 WITHIN = 0.03
-"""The target: async Sparse-RL at k <= 2 within this held-out pass@1 of sync Sparse-RL."""
+"""The target: async Sparse-RL at k <= 2 within this held-out pass@1 of sync Sparse-RL. Read
+as "no worse by more than this": an async arm above sync is reported, not failed."""
 TARGET_LAGS = (1, 2)
 
 
@@ -41,9 +42,16 @@ def paired_gap(runs: list[dict], reference: list[dict]) -> list[float]:
 
 
 def verdict(gap: list[float]) -> str:
-    """Whether the mean paired gap is within ``WITHIN`` of zero."""
+    """Whether the mean paired gap is no worse than ``-WITHIN``; a gap above ``+WITHIN`` is
+    named (async better than sync), with how many standard errors it spans."""
     mean, se = mean_se(gap)
-    word = "holds" if abs(mean) <= WITHIN else "does not hold"
+    if mean < -WITHIN:
+        word = "does not hold"
+    elif mean <= WITHIN:
+        word = "holds"
+    else:
+        spans = "beyond" if se and mean > 2 * se else "within"
+        word = f"holds, async higher ({spans} 2 SE of 0)"
     return f"{word} ({mean:+.3f} ± {se:.3f})"
 
 
@@ -58,7 +66,7 @@ def lag_table(exp: Experiment, dense: list[dict]) -> str:
     head = ("| lag k | naive (PPO to the sampler): collapsed / degraded | naive pass@1 dense | "
             "naive mismatch k3 | Sparse-RL: collapsed / degraded | Sparse-RL pass@1 dense | "
             "Sparse-RL mismatch k3 | rejection | Sparse-RL minus lag 0, paired | "
-            f"within {WITHIN} of sync |")
+            f"no worse than sync by > {WITHIN} |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for k, labels in arms.items():
         cells = [str(k)]

@@ -171,6 +171,10 @@ def test_lag_table_pairs_each_lag_with_lag_zero_seed_by_seed():
     mean1, se1 = np.mean(gap1), np.std(gap1, ddof=1) / np.sqrt(3)
     assert f"holds ({mean1:+.3f} ± {se1:.3f})" in rows["1"]  # |-0.027| <= 0.03
     assert "stated: does not hold" in rows["4"] and "(the reference)" in rows["0"]
+    assert results_async.verdict([0.25, 0.004, 0.043]).startswith(
+        "holds, async higher (within 2 SE of 0)")
+    assert results_async.verdict([0.05, 0.04, 0.06]).startswith(
+        "holds, async higher (beyond 2 SE of 0)")
     assert "2/3 / 3/3" in rows["0"]  # naive: 2 collapse, all 3 degrade (0.5 < 0.99 - 0.1)
     assert "0/3 / 3/3" in rows["4"].split(" | ")[4]  # Sparse-RL at lag 4: all degrade
     with pytest.raises(ValueError, match="no lag-0 Sparse-RL arm"):
