@@ -54,7 +54,8 @@ DISTILL = 0.1  # shadow-mask arm's loss.distill_coef (the paper's value is not p
 COMPARE_KEYS = ("reward_mean", "rejection_rate", "clip_fraction", "mismatch_k3",
                 "repetition_fraction", "kv_token_savings", "kv_peak_savings",
                 "response_length_mean", "token_mask_fraction", "truncated_fraction",
-                "low_r_sequence_fraction", "low_r_grad_share", "entropy_estimate")
+                "low_r_sequence_fraction", "low_r_grad_share", "entropy_estimate",
+                "kv_quant_mismatch_k3", "kv_eviction_mismatch_k3")
 # Collapse, defined before any run (issue 14): a run collapses when, for at least a quarter
 # of its steps in a row, its training reward (smoothed over a tenth of the run) sits at least
 # COLLAPSE_DROP below its peak while its truncated fraction (smoothed alike) is at least
@@ -95,11 +96,11 @@ def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (
         for method in methods:
             setting = [f"compression.method={method}", f"compression.eviction.budget={budget}"]
             for quant in quants:
-                out.append((f"naive {method} {budget} {quant}",
-                            [*setting, f"compression.quant={quant}", "correction.kind=none"]))
+                # the record lets the run log its mismatch split by source (mismatch_sources)
+                both = [*setting, f"compression.quant={quant}", "sampling.record_evictions=true"]
+                out.append((f"naive {method} {budget} {quant}", [*both, "correction.kind=none"]))
                 out.append((f"sparse-rl {method} {budget} {quant}",
-                            [*setting, f"compression.quant={quant}",
-                             "correction.kind=sparse_rl"]))
+                            [*both, "correction.kind=sparse_rl"]))
             for lag in lags:
                 timing = [*setting, "trainer.mode=async", f"trainer.max_lag={lag}"]
                 out.append((f"naive {method} {budget} lag {lag}",

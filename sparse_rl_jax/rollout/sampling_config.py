@@ -33,7 +33,9 @@ class SamplingConfig:
         4-KV-head model at 1024 x 4.7k tokens); ``none`` has no record either way. None (the default) means "as needed": a run resolves it from
         what reads the record (``policy.resolve_sampling``: the ``shadow_mask`` learner, or
         ``sparrow``'s acceptance metric); the sampler alone, which cannot know, treats None
-        as off. Pass True to replay a rollout yourself.
+        as off. Pass True to replay a rollout yourself, or, with ``compression.quant`` on an
+        evicting method, to log the mismatch split by source
+        (``training.mismatch_sources``: ``kv_quant_mismatch_k3``, ``kv_eviction_mismatch_k3``).
       engine: ``static`` (``sampler.generate``: one batch decoded until its longest row
         ends) or ``continuous`` (``engine.generate_continuous``: ``slots`` decode slots
         refilled as rows end; row for row the same rollout for the same key).

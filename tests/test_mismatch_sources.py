@@ -1,0 +1,59 @@
+"""The mismatch of a quantized, evicting rollout split by source (``mismatch_sources``): each
+source replayed alone on the rollout's own rows, against NumPy's k3 of direct ``score`` calls
+under the same records; logged by ``collect_rollouts`` only where the record was kept."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_rl_jax.kv.state import QuantRecord
+from sparse_rl_jax.rollout.scoring import score
+from sparse_rl_jax.training.collect_rounds import collect_rollouts
+from sparse_rl_jax.training.mismatch_sources import SOURCE_ROWS, k3
+from tiny_rl import step_context, tiny_task_policy
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return tiny_task_policy(tmp_path_factory.mktemp("sources"), dtype=jnp.float32)
+
+
+def _numpy_k3(dense, replay, mask):
+    log_r = np.clip(np.asarray(dense, np.float64) - np.asarray(replay, np.float64), -20, 20)
+    valid = np.asarray(mask).astype(bool)
+    return (np.exp(log_r) - log_r - 1.0)[valid].mean()
+
+
+def test_k3_is_numpys():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(3, 5)) - 2, rng.normal(size=(3, 5)) - 2
+    mask = rng.random((3, 5)) < 0.7
+    np.testing.assert_allclose(k3(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+                                  jnp.asarray(mask)), _numpy_k3(a, b, mask), rtol=1e-5)
+
+
+def test_each_source_is_replayed_alone_on_the_first_rows(policy):
+    _, _, graphdef, params = policy
+    # shadow_mask hands the rows' record to the update batch, where this test reads it
+    ctx = step_context(policy, "compression.quant=int4", "sampling.record_evictions=true",
+                       "correction.kind=shadow_mask")
+    batch, metrics, _ = collect_rollouts(ctx, params, 0)
+    assert batch.record.quant == "int4"
+    rows = slice(0, SOURCE_ROWS)
+    args = (graphdef, params, batch.prompt[rows], batch.prompt_mask[rows],
+            batch.response[rows])
+    kw = dict(chunk_size=ctx.cfg.trainer.logp_chunk, temperature=ctx.sampling.temperature)
+    evict_only = score(*args, type(batch.record)(batch.record.evicted_at[rows], quant="none"),
+                       **kw).logp
+    quant_only = score(*args, QuantRecord(quant="int4"), **kw).logp
+    dense, mask = batch.logp_old[rows], batch.loss_mask[rows]
+    np.testing.assert_allclose(metrics["kv_eviction_mismatch_k3"],
+                               _numpy_k3(dense, evict_only, mask), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(metrics["kv_quant_mismatch_k3"],
+                               _numpy_k3(dense, quant_only, mask), rtol=1e-4, atol=1e-7)
+    assert metrics["kv_quant_mismatch_k3"] > 0 and metrics["kv_eviction_mismatch_k3"] > 0
+    # without the record (the default), the split is not logged
+    _, plain, _ = collect_rollouts(step_context(policy, "compression.quant=int4"), params, 0)
+    assert "kv_quant_mismatch_k3" not in plain and "kv_quant_key_error" in plain
