@@ -1,5 +1,5 @@
-"""The embedded default's warm-start recipe: it learns the task's lookup (on two seeds, in a
-shortened run), its held-out check against a string-level oracle, its batches, and the one
+"""The embedded default's warm-start recipe: it learns the task's lookup (in a shortened run;
+the full recipe's seeds 0-4 are measured by ``experiments/default_table.py``), its held-out check against a string-level oracle, its batches, and the one
 warning line of a warm start that never learned the task."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from sparse_rl_jax.training.warm_start_config import WarmStartConfig
 # The default recipe cut to 200 steps (curriculum 100) with one check at the end, on a smaller
 # task (4-5 labelled digits) so that it fits a unit test. The recipe before it (4 heads, no
 # curriculum, no shuffled rows, cosine decay) ends this run with the looked-up digits at 0.08
-# (seed 0) and 0.58 (seed 1); this one at 1.00 on both (2-core CPU).
+# (seed 0) and 0.58 (seed 1); this one at 1.00 on both (2-core CPU). The test runs seed 0 (the
+# one the old recipe failed hardest), which the short RL run below starts from too: one build.
 SHORT = dict(steps=200, curriculum_steps=100, check_every=200, check_problems=64,
              target_accuracy=None)
 SHORT_TASK = TaskConfig(n_min=4, n_max=5)
@@ -51,9 +52,8 @@ def short_warm_start(tmp_path_factory):
     return build
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_shortened_recipe_learns_the_lookup(short_warm_start, seed):
-    result = json.loads((short_warm_start(seed) / MARKER).read_text())["result"]
+def test_shortened_recipe_learns_the_lookup(short_warm_start):
+    result = json.loads((short_warm_start(0) / MARKER).read_text())["result"]
     assert result["steps"] == SHORT["steps"]
     assert result["lookups"] >= LOOKUP_FLOOR, result  # chance is 0.1
 
