@@ -14,11 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.results_data import (DEGRADED_BY, Experiment, cell, count, degraded,
-                                      mean_se, pass1)
+                                      paired_gap, pass1, verdict)
 
 WITHIN = 0.03
 """The target: async Sparse-RL at k <= 2 within this held-out pass@1 of sync Sparse-RL. Read
-as "no worse by more than this": an async arm above sync is reported, not failed."""
+as "no worse by more than this": an async arm above sync is reported, not failed
+(``results_data.verdict``)."""
 TARGET_LAGS = (1, 2)
 
 
@@ -30,29 +31,6 @@ def lag_arms(exp: Experiment) -> dict[int, dict[str, str]]:
         if len(words) == 5 and words[3] == "lag":
             out.setdefault(int(words[4]), {})[words[0]] = label
     return dict(sorted(out.items()))
-
-
-def paired_gap(runs: list[dict], reference: list[dict]) -> list[float]:
-    """Per seed: held-out dense pass@1 of ``runs`` minus that of ``reference``'s same seed."""
-    ref = {r["seed"]: pass1(r, "dense") for r in reference}
-    missing = [r["seed"] for r in runs if r["seed"] not in ref]
-    if missing:
-        raise ValueError(f"no reference run for seeds {missing}")
-    return [pass1(r, "dense") - ref[r["seed"]] for r in runs]
-
-
-def verdict(gap: list[float]) -> str:
-    """Whether the mean paired gap is no worse than ``-WITHIN``; a gap above ``+WITHIN`` is
-    named (async better than sync), with how many standard errors it spans."""
-    mean, se = mean_se(gap)
-    if mean < -WITHIN:
-        word = "does not hold"
-    elif mean <= WITHIN:
-        word = "holds"
-    else:
-        spans = "beyond" if se and mean > 2 * se else "within"
-        word = f"holds, async higher ({spans} 2 SE of 0)"
-    return f"{word} ({mean:+.3f} ± {se:.3f})"
 
 
 def lag_table(exp: Experiment, dense: list[dict]) -> str:
@@ -84,8 +62,9 @@ def lag_table(exp: Experiment, dense: list[dict]) -> str:
         sparse = exp.arm(labels["sparse-rl"]) if "sparse-rl" in labels else []
         gap = paired_gap(sparse, sync) if sparse and k else []
         cells.append(cell(gap, 3) if gap else "–")
-        cells.append(verdict(gap) if gap and k in TARGET_LAGS else
-                     (f"stated: {verdict(gap)}" if gap else "(the reference)"))
+        said = verdict(gap, WITHIN, "async") if gap else ""
+        cells.append(said if gap and k in TARGET_LAGS else
+                     (f"stated: {said}" if gap else "(the reference)"))
         lines.append("| " + " | ".join(cells) + " |")
     note = (f"Degraded: held-out dense pass@1 more than {DEGRADED_BY} below dense training of "
             "the same seed (the regime experiment's dense arm).")

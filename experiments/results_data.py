@@ -87,6 +87,30 @@ def degraded(runs: list[dict], dense: list[dict]) -> list[bool]:
     return [pass1(r, "dense") < reference[r["seed"]] - DEGRADED_BY for r in runs]
 
 
+def paired_gap(runs: list[dict], reference: list[dict]) -> list[float]:
+    """Per seed: held-out dense pass@1 of ``runs`` minus that of ``reference``'s same seed."""
+    ref = {r["seed"]: pass1(r, "dense") for r in reference}
+    missing = [r["seed"] for r in runs if r["seed"] not in ref]
+    if missing:
+        raise ValueError(f"no reference run for seeds {missing}")
+    return [pass1(r, "dense") - ref[r["seed"]] for r in runs]
+
+
+def verdict(gap: list[float], within: float, arm: str) -> str:
+    """Whether the mean paired gap of ``arm`` over its reference is no worse than
+    ``-within``; a gap above ``+within`` is named (``arm`` higher), with whether it spans
+    2 standard errors."""
+    mean, se = mean_se(gap)
+    if mean < -within:
+        word = "does not hold"
+    elif mean <= within:
+        word = "holds"
+    else:
+        spans = "beyond" if se and mean > 2 * se else "within"
+        word = f"holds, {arm} higher ({spans} 2 SE of 0)"
+    return f"{word} ({mean:+.3f} ± {se:.3f})"
+
+
 def mean_se(values) -> tuple[float, float]:
     """Mean and standard error (sample std / sqrt(n); 0 for one value)."""
     values = np.asarray(list(values), float)

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.reproduce import (inference_table, mean_records,  # noqa: E402
                                    plot_by_budget, reward_curve_table, training_table)
 from experiments.results_async import lag_table, regime_check  # noqa: E402
+from experiments.results_quant import quant_table  # noqa: E402
 from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell,  # noqa: E402
                                       count, degraded, early_mean, load, pass1)
 from experiments.results_verdicts import (NAIVE, SPARSE, collapse_definition,  # noqa: E402
@@ -37,15 +38,16 @@ from experiments.results_verdicts import (NAIVE, SPARSE, collapse_definition,  #
 
 COMMAND = "python experiments/results_page.py"
 README, RESULTS_PAGE = ROOT / "README.md", ROOT / "docs" / "results.md"
-EXPERIMENTS = ("regime", "local40", "control", "async")
+EXPERIMENTS = ("regime", "local40", "control", "async", "quant")
 """The stored experiments (``docs/results/<name>/``): R-KV 32 on walk_local2 with its
 positive control; R-KV 40 on walk_local; the positive control on walk_ft; the regime under
-lag (async mode)."""
+lag (async mode); the regime on quantized KV."""
 FIGURES = {"regime": {"budget32": "regime_walk.png", "control": "regime_walk_control.png"},
            "local40": {"budget40": "local_walk.png"}, "control": {"control": "control_walk.png"},
-           "async": {"budget32": "async_walk.png"}}
+           "async": {"budget32": "async_walk.png"}, "quant": {"budget32": "quant_walk.png"}}
 FULL_PAGES = {"regime": "regime_walk_results.md", "local40": "local_walk_results.md",
-              "control": "control_walk_results.md", "async": "async_walk_results.md"}
+              "control": "control_walk_results.md", "async": "async_walk_results.md",
+              "quant": "quant_walk_results.md"}
 MARK = re.compile(r"(<!-- results_page:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
                   r"(<!-- /results_page:(?P=name) -->)", re.DOTALL)
 
@@ -145,13 +147,17 @@ def blocks() -> dict[str, str]:
     """Every generated block's text by name (experiments without stored runs are left out)."""
     stored = {name: load(name) for name in EXPERIMENTS}
     out = {name: experiment_block(exp) for name, exp in stored.items()
-           if exp is not None and name != "async"}
+           if exp is not None and name not in ("async", "quant")}
     regime = stored["regime"]
     if stored["async"] is not None:
         exp = stored["async"]
         dense = [r for r in regime.arm("dense") if r["seed"] in exp.seeds()] if regime else []
         out["async"] = "\n".join([provenance(exp), "", lag_table(exp, dense), "",
                                    regime_check(exp, regime), "",
+                                   reward_curve_table(curves(exp))])
+    if stored["quant"] is not None and regime is not None:
+        exp = stored["quant"]
+        out["quant"] = "\n".join([provenance(exp), "", quant_table(exp, regime), "",
                                    reward_curve_table(curves(exp))])
     if regime is not None:
         out["verdicts-readme"] = verdict_table(regime, stored, "docs/")

@@ -164,19 +164,42 @@ def test_lag_table_pairs_each_lag_with_lag_zero_seed_by_seed():
     assert results_async.lag_arms(exp)[4] == {"naive": "naive rkv 32 lag 4",
                                               "sparse-rl": "sparse-rl rkv 32 lag 4"}
     gap1 = np.subtract(lag1, lag0)
-    assert results_async.paired_gap(exp.arm("sparse-rl rkv 32 lag 1"),
+    assert results_data.paired_gap(exp.arm("sparse-rl rkv 32 lag 1"),
                                     exp.arm("sparse-rl rkv 32 lag 0")) == pytest.approx(gap1)
     rows = {line.split(" | ")[0][2:]: line for line in
             results_async.lag_table(exp, dense).splitlines() if line[2:3].isdigit()}
     mean1, se1 = np.mean(gap1), np.std(gap1, ddof=1) / np.sqrt(3)
     assert f"holds ({mean1:+.3f} ± {se1:.3f})" in rows["1"]  # |-0.027| <= 0.03
     assert "stated: does not hold" in rows["4"] and "(the reference)" in rows["0"]
-    assert results_async.verdict([0.25, 0.004, 0.043]).startswith(
+    assert results_data.verdict([0.25, 0.004, 0.043], 0.03, "async").startswith(
         "holds, async higher (within 2 SE of 0)")
-    assert results_async.verdict([0.05, 0.04, 0.06]).startswith(
+    assert results_data.verdict([0.05, 0.04, 0.06], 0.03, "async").startswith(
         "holds, async higher (beyond 2 SE of 0)")
     assert "2/3 / 3/3" in rows["0"]  # naive: 2 collapse, all 3 degrade (0.5 < 0.99 - 0.1)
     assert "0/3 / 3/3" in rows["4"].split(" | ")[4]  # Sparse-RL at lag 4: all degrade
     with pytest.raises(ValueError, match="no lag-0 Sparse-RL arm"):
         results_async.lag_table(results_data.Experiment(
             "async", tuple(r for r in runs if "lag 0" not in r["arm"]), ()), dense)
+
+
+def test_quant_table_pairs_each_arm_with_its_unquantized_regime_arm():
+    from experiments import results_quant
+    base = regime(sparse_dense=(0.95, 0.97, 0.96))
+    runs = []
+    for seed, (naive, sparse) in enumerate([(0.5, 0.94), (0.4, 0.93), (0.45, 0.95)]):
+        runs.append(run("naive none int8", seed, 0.98))
+        runs.append(run("naive rkv 32 int8", seed, naive, collapsed=True))
+        runs.append(run("sparse-rl rkv 32 int8", seed, sparse, rejection=0.06))
+    exp = results_data.Experiment("quant", tuple(runs), ({"commit": "abc", "date": "d"},))
+    assert results_quant.reference_label("naive none int4") == "dense"
+    assert results_quant.reference_label("sparse-rl rkv 32 int4") == "sparse-rl rkv 32"
+    rows = {line.split(" | ")[0][2:]: line for line in
+            results_quant.quant_table(exp, base).splitlines() if line.startswith("| n")
+            or line.startswith("| s")}
+    gap = np.subtract((0.94, 0.93, 0.95), (0.95, 0.97, 0.96))
+    mean, se = np.mean(gap), np.std(gap, ddof=1) / np.sqrt(3)
+    assert f"holds ({mean:+.3f} ± {se:.3f})" in rows["sparse-rl rkv 32 int8"]  # -0.02
+    none_gap = np.subtract((0.98, 0.98, 0.98), (0.99, 0.99, 0.99))
+    assert results_data.cell(none_gap, 3) in rows["naive none int8"]  # paired with dense
+    assert rows["naive rkv 32 int8"].split(" | ")[1] == "3/3 / 3/3"
+    assert rows["naive rkv 32 int8"].endswith("| – |")  # a verdict only for the target
