@@ -40,7 +40,9 @@ def np_corrections(old, sparse, mask, cfg):
             lv = np.full(len(idx), np.clip(lr.mean(), -c, c))
         r = np.exp(lv)
         level_ratio[i, idx] = r
-        if cfg.kind in ("none", "shadow_mask"):  # shadow_mask: the learner is on-policy
+        # weight 1, nothing rejected (shadow_mask: the learner is on-policy; ppo_behaviour: the
+        # PPO ratio itself is to the sampler)
+        if cfg.kind in ("none", "shadow_mask", "ppo_behaviour"):
             w, rej = np.ones_like(r), np.zeros(len(idx), bool)
         elif cfg.kind == "tis":
             w, rej = np.minimum(r, cfg.is_upper), np.zeros(len(idx), bool)

@@ -13,7 +13,7 @@ from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP, CorrectionConfig, GRPO
         (
             {"kind": "icepop"},
             r"CorrectionConfig\.kind='icepop' must be one of "
-            r"\('none', 'tis', 'mis', 'sparse_rl', 'shadow_mask'\)",
+            r"\('none', 'tis', 'mis', 'sparse_rl', 'shadow_mask', 'ppo_behaviour'\)",
         ),
         (
             {"level": "tokens"},

@@ -84,7 +84,8 @@ def test_config_allowed_values_are_the_registries_names():
         assert _rule(make) == f"must be one of {names}"
     assert POLICY_LOSSES.names() == ("ppo_clip", "cispo")
     assert KL_ESTIMATORS.names() == ("k1", "k2", "k3")
-    assert CORRECTION_KINDS.names() == ("none", "tis", "mis", "sparse_rl", "shadow_mask")
+    assert CORRECTION_KINDS.names() == ("none", "tis", "mis", "sparse_rl", "shadow_mask",
+                                        "ppo_behaviour")
     assert ESTIMATORS.names() == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
     assert methods() == ("none", *EVICTION_SCORES.names(), "sparrow")
     assert EVICTION_SCORES.names() == ("snapkv", "rkv", "streaming")
