@@ -55,7 +55,7 @@ COMPARE_KEYS = ("reward_mean", "rejection_rate", "clip_fraction", "mismatch_k3",
                 "repetition_fraction", "kv_token_savings", "kv_peak_savings",
                 "response_length_mean", "token_mask_fraction", "truncated_fraction",
                 "low_r_sequence_fraction", "low_r_grad_share", "entropy_estimate",
-                "kv_quant_mismatch_k3", "kv_eviction_mismatch_k3")
+                "mismatch_k3_from_quant", "mismatch_k3_from_eviction")
 # Collapse, defined before any run (issue 14): a run collapses when, for at least a quarter
 # of its steps in a row, its training reward (smoothed over a tenth of the run) sits at least
 # COLLAPSE_DROP below its peak while its truncated fraction (smoothed alike) is at least

@@ -38,8 +38,8 @@ def quant_table(exp: Experiment, regime: Experiment) -> str:
     rollouts carried (the whole, and each source alone where split), the rejection rate, and
     the paired gap to the same arm without quantization, with the target's verdict."""
     dense = regime.arm("dense")
-    head = ("| arm | collapsed / degraded | pass@1 dense | mismatch k3 | quantization alone, "
-            "k3 | eviction alone, k3 | rejection | minus the same arm unquantized, paired | "
+    head = ("| arm | collapsed / degraded | pass@1 dense | mismatch k3 | k3 from quantization | "
+            "k3 from eviction | rejection | minus the same arm unquantized, paired | "
             f"verdict (no worse by > {WITHIN}) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label in exp.arms():
@@ -51,11 +51,13 @@ def quant_table(exp: Experiment, regime: Experiment) -> str:
         lines.append(
             f"| {label} | {count(r['collapsed'] for r in runs)} / {bad} | "
             f"{cell(pass1(r, 'dense') for r in runs)} | {_mean(runs, 'mismatch_k3')} | "
-            f"{_mean(runs, 'kv_quant_mismatch_k3')} | {_mean(runs, 'kv_eviction_mismatch_k3')} | "
+            f"{_mean(runs, 'mismatch_k3_from_quant')} | "
+            f"{_mean(runs, 'mismatch_k3_from_eviction')} | "
             f"{_mean(runs, 'rejection_rate')} | {cell(gap, 3) if gap else '–'} | "
             f"{verdict(gap, WITHIN, 'quantized') if gap and label == TARGET else '–'} |")
     note = (f"Degraded: held-out dense pass@1 more than {DEGRADED_BY} below dense training of "
-            "the same seed (the regime experiment's dense arm). The split by source is "
-            "measured on each step's first 4 rows (`training/mismatch_sources.py`); it needs "
-            "the eviction record, so quantization alone has only the whole.")
+            "the same seed (the regime experiment's dense arm). The split by source (the "
+            "sampler against its replay with one source removed, on each step's first 4 rows: "
+            "`training/mismatch_sources.py`) needs the eviction record, so quantization alone "
+            "has only the whole; a dash where the runs did not log it.")
     return "\n".join(lines + ["", note])

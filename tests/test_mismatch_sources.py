@@ -1,6 +1,7 @@
-"""The mismatch of a quantized, evicting rollout split by source (``mismatch_sources``): each
-source replayed alone on the rollout's own rows, against NumPy's k3 of direct ``score`` calls
-under the same records; logged by ``collect_rollouts`` only where the record was kept."""
+"""The mismatch of a quantized, evicting rollout split by source (``mismatch_sources``): the
+sampler against each replay with one source removed, on the rollout's own rows, against
+NumPy's k3 of direct ``score`` calls under the same records; logged by ``collect_rollouts``
+only where the record was kept."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def policy(tmp_path_factory):
     return tiny_task_policy(tmp_path_factory.mktemp("sources"), dtype=jnp.float32)
 
 
-def _numpy_k3(dense, replay, mask):
-    log_r = np.clip(np.asarray(dense, np.float64) - np.asarray(replay, np.float64), -20, 20)
+def _numpy_k3(replay, sampler, mask):
+    log_r = np.clip(np.asarray(replay, np.float64) - np.asarray(sampler, np.float64), -20, 20)
     valid = np.asarray(mask).astype(bool)
     return (np.exp(log_r) - log_r - 1.0)[valid].mean()
 
@@ -48,12 +49,13 @@ def test_each_source_is_replayed_alone_on_the_first_rows(policy):
     evict_only = score(*args, type(batch.record)(batch.record.evicted_at[rows], quant="none"),
                        **kw).logp
     quant_only = score(*args, QuantRecord(quant="int4"), **kw).logp
-    dense, mask = batch.logp_old[rows], batch.loss_mask[rows]
-    np.testing.assert_allclose(metrics["kv_eviction_mismatch_k3"],
-                               _numpy_k3(dense, evict_only, mask), rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(metrics["kv_quant_mismatch_k3"],
-                               _numpy_k3(dense, quant_only, mask), rtol=1e-4, atol=1e-7)
-    assert metrics["kv_quant_mismatch_k3"] > 0 and metrics["kv_eviction_mismatch_k3"] > 0
+    sampler, mask = batch.logp_sparse[rows], batch.loss_mask[rows]
+    # what quantization adds: the sampler against its eviction alone; and the reverse
+    np.testing.assert_allclose(metrics["mismatch_k3_from_quant"],
+                               _numpy_k3(evict_only, sampler, mask), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(metrics["mismatch_k3_from_eviction"],
+                               _numpy_k3(quant_only, sampler, mask), rtol=1e-4, atol=1e-7)
+    assert metrics["mismatch_k3_from_quant"] > 0 and metrics["mismatch_k3_from_eviction"] > 0
     # without the record (the default), the split is not logged
     _, plain, _ = collect_rollouts(step_context(policy, "compression.quant=int4"), params, 0)
-    assert "kv_quant_mismatch_k3" not in plain and "kv_quant_key_error" in plain
+    assert "mismatch_k3_from_quant" not in plain and "kv_quant_key_error" in plain

@@ -35,7 +35,7 @@ class SamplingConfig:
         ``sparrow``'s acceptance metric); the sampler alone, which cannot know, treats None
         as off. Pass True to replay a rollout yourself, or, with ``compression.quant`` on an
         evicting method, to log the mismatch split by source
-        (``training.mismatch_sources``: ``kv_quant_mismatch_k3``, ``kv_eviction_mismatch_k3``).
+        (``training.mismatch_sources``: ``mismatch_k3_from_quant``, ``_from_eviction``).
       engine: ``static`` (``sampler.generate``: one batch decoded until its longest row
         ends) or ``continuous`` (``engine.generate_continuous``: ``slots`` decode slots
         refilled as rows end; row for row the same rollout for the same key).

@@ -233,9 +233,8 @@ def collect_rollouts(ctx, params, position: int, score: bool = True
             jnp.concatenate([first.prompt_mask[rows], first.response_mask[rows]], 1), quant)
         metrics["kv_quant_key_error"] = jnp.max(error)
         metrics["kv_quant_key_error_layer"] = jnp.argmax(error).astype(jnp.float32)
-        if rounds[0].logp_old is not None:  # the mismatch by source, where a record was kept
-            metrics.update(mismatch_by_source(ctx.policy, params, first, rounds[0].logp_old,
-                                              rounds[0].loss_mask))
+        # the mismatch by source, where a record was kept
+        metrics.update(mismatch_by_source(ctx.policy, params, first, rounds[0].loss_mask))
     passes = np.concatenate(keeps)
     per_round = len(keeps[0])
     metrics["groups_kept"] = float(sum(passes[r * per_round + k] for r, k in kept))

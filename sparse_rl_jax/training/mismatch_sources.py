@@ -2,12 +2,15 @@
 
 A rollout whose cache both evicts and quantizes differs from the dense learner in two ways.
 Its replay record (``kv.state.EvictionRecord``, with the level in ``quant``) lets the learner
-replay either alone on the same rows: eviction without quantization
+replay the policy with one source removed, on the same rows: eviction without quantization
 (``record.replace(quant="none")``) and quantization without eviction
-(``kv.state.QuantRecord``, every key kept). The k3 estimate of each against the dense scores
-(``r - log r - 1`` with ``r = pi_dense / pi_replay``, as ``mismatch_k3``) says which source
-the correction is paying for. Two more scoring passes over a few rows, so it runs on a sample
-(:data:`SOURCE_ROWS`), and only where the rollout kept its record
+(``kv.state.QuantRecord``, every key kept). How far the sampler is from each says what the
+removed source contributes: the k3 estimate of KL(sampler || replay), ``r - log r - 1`` with
+``r = pi_replay / pi_sampler``, which is unbiased because the tokens were drawn from the
+sampler (the same estimator as ``mismatch_k3``, whose ``pi_dense`` removes both). Taking the
+ratio to the dense scores instead would weigh each replay at tokens it did not draw, and blows
+up where a replay rules out a token the sampler took. Two more scoring passes over a few rows,
+so it runs on a sample (:data:`SOURCE_ROWS`), and only where the rollout kept its record
 (``sampling.record_evictions: true``).
 """
 
@@ -26,25 +29,26 @@ SOURCE_ROWS = 4
 """Rows of a step's first round that each source is replayed on."""
 
 
-def k3(logp_dense_NxM: jax.Array, logp_replay_NxM: jax.Array, mask_NxM: jax.Array
+def k3(logp_replay_NxM: jax.Array, logp_sampler_NxM: jax.Array, mask_NxM: jax.Array
        ) -> jax.Array:
-    """Mean over ``mask`` of ``r - log r - 1``, ``log r = logp_dense - logp_replay``."""
+    """Mean over ``mask`` of ``r - log r - 1``, ``log r = logp_replay - logp_sampler``."""
     valid = as_mask(mask_NxM)
-    log_r = safe_log_ratio(logp_dense_NxM, logp_replay_NxM, valid, LOG_RATIO_CLAMP)
+    log_r = safe_log_ratio(logp_replay_NxM, logp_sampler_NxM, valid, LOG_RATIO_CLAMP)
     return masked_mean(jnp.exp(log_r) - log_r - 1.0, valid)
 
 
 def mismatch_by_source(policy: RolloutPolicy, params, rollout: Rollout,
-                       logp_dense_NxM: jax.Array, loss_mask_NxM: jax.Array,
-                       rows: int = SOURCE_ROWS) -> dict[str, jax.Array]:
-    """``kv_quant_mismatch_k3`` (quantization alone) and ``kv_eviction_mismatch_k3``
-    (eviction alone) over the first ``rows`` rows of ``rollout``; empty when its record is
-    not a quantized eviction record (nothing to split, or no record kept).
+                       loss_mask_NxM: jax.Array, rows: int = SOURCE_ROWS
+                       ) -> dict[str, jax.Array]:
+    """``mismatch_k3_from_quant`` (the sampler against its eviction without quantization)
+    and ``mismatch_k3_from_eviction`` (against its quantization without eviction) over the
+    first ``rows`` rows of ``rollout``; empty when its record is not a quantized eviction
+    record (nothing to split, or no record kept).
 
     Args:
       policy, params: the rollout's policy and params (the replays score under them).
-      rollout: the sampled rows, with ``record``.
-      logp_dense_NxM: dense scores of the rollout's rows; loss_mask_NxM: the tokens counted.
+      rollout: the sampled rows, with ``record`` and the sampler's ``logp``.
+      loss_mask_NxM: the tokens counted.
     """
     record = rollout.record
     if not isinstance(record, EvictionRecord) or record.quant == "none":
@@ -56,6 +60,6 @@ def mismatch_by_source(policy: RolloutPolicy, params, rollout: Rollout,
     evict_only = score_all(policy, params, *sample,
                            jax.tree.map(lambda x: x[take], record.replace(quant="none")),
                            size=n)
-    dense, mask = logp_dense_NxM[take], loss_mask_NxM[take]
-    return {"kv_quant_mismatch_k3": k3(dense, quant_only, mask),
-            "kv_eviction_mismatch_k3": k3(dense, evict_only, mask)}
+    sampler, mask = rollout.logp[take], loss_mask_NxM[take]
+    return {"mismatch_k3_from_quant": k3(evict_only, sampler, mask),
+            "mismatch_k3_from_eviction": k3(quant_only, sampler, mask)}
