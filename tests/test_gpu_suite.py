@@ -3,7 +3,7 @@ priority order; a cell's rows reach the results file as it measures them, so a c
 at its budget keeps them; and a ``--cpu-scaled`` run writes a markdown and a JSON table with
 every cell it was asked for, each with a status, numbers for every cell that runs on a CPU,
 and (``--dump-hlo``) HLO files that ``hlo_cost.py --hlo`` walks. The scaled cells run in two
-groups (three runs), so no test takes a minute."""
+groups (three runs), so each test stays short."""
 
 from __future__ import annotations
 
