@@ -178,8 +178,8 @@ def plot_by_budget(runs: list[tuple[str, list[dict]]], budgets: list[int], out: 
     and one of dense and the positive-control arms (``out/control/``) when there are any."""
     for budget in budgets:
         # "<kind> <method> <budget>[ lag <k> | <quant>]", "<kind> none <quant>"
-        chosen = [run for run in runs if run[0] == "dense" or run[0].split(" ")[2:3] == [
-            str(budget)] and " control " not in run[0] or " none " in run[0]]
+        chosen = [run for run in runs if run[0] == "dense" or " none " in run[0]
+                  or (run[0].split(" ")[2:3] == [str(budget)] and " control " not in run[0])]
         if chosen:
             plot_comparison(chosen, out / f"budget{budget}", COMPARE_KEYS, smooth=5)
     controls = [run for run in runs if run[0] == "dense" or " control " in run[0]]

@@ -51,7 +51,7 @@ def decoupled_loss_batch(behaviour_NxM: jax.Array, proximal_NxM: jax.Array,
     return batch, corrections
 
 
-def _k3(log_r: jax.Array, valid: jax.Array) -> jax.Array:
+def k3_mean(log_r: jax.Array, valid: jax.Array) -> jax.Array:
     """Mean over ``valid`` of ``r - log r - 1`` (the ``mismatch_k3`` estimator)."""
     return masked_mean(jnp.exp(log_r) - log_r - 1.0, valid)
 
@@ -65,5 +65,5 @@ def mismatch_split(behaviour_NxM: jax.Array, rollout_dense_NxM: jax.Array,
     valid = as_mask(loss_mask_NxM)
     compression = safe_log_ratio(rollout_dense_NxM, behaviour_NxM, valid, LOG_RATIO_CLAMP)
     lag = safe_log_ratio(proximal_NxM, rollout_dense_NxM, valid, LOG_RATIO_CLAMP)
-    return {"async/compression_mismatch_k3": _k3(compression, valid),
-            "async/lag_mismatch_k3": _k3(lag, valid)}
+    return {"async/compression_mismatch_k3": k3_mean(compression, valid),
+            "async/lag_mismatch_k3": k3_mean(lag, valid)}

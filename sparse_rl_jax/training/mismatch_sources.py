@@ -17,10 +17,10 @@ so it runs on a sample (:data:`SOURCE_ROWS`), and only where the rollout kept it
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from sparse_rl_jax.core.masked_math import as_mask, masked_mean, safe_log_ratio
+from sparse_rl_jax.core.masked_math import as_mask, safe_log_ratio
 from sparse_rl_jax.kv.state import EvictionRecord, QuantRecord
+from sparse_rl_jax.rl.decoupled import k3_mean
 from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP
 from sparse_rl_jax.rollout.sampler import Rollout
 from sparse_rl_jax.training.collect import RolloutPolicy, score_all
@@ -33,8 +33,8 @@ def k3(logp_replay_NxM: jax.Array, logp_sampler_NxM: jax.Array, mask_NxM: jax.Ar
        ) -> jax.Array:
     """Mean over ``mask`` of ``r - log r - 1``, ``log r = logp_replay - logp_sampler``."""
     valid = as_mask(mask_NxM)
-    log_r = safe_log_ratio(logp_replay_NxM, logp_sampler_NxM, valid, LOG_RATIO_CLAMP)
-    return masked_mean(jnp.exp(log_r) - log_r - 1.0, valid)
+    return k3_mean(safe_log_ratio(logp_replay_NxM, logp_sampler_NxM, valid, LOG_RATIO_CLAMP),
+                   valid)
 
 
 def mismatch_by_source(policy: RolloutPolicy, params, rollout: Rollout,
