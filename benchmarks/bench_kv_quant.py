@@ -7,12 +7,17 @@ engine for ``compression.quant`` none / int8 / int4, with and without R-KV evict
 The KV byte budget is what ``--slots`` rows take in a bf16 slot cache (``models.KVCache``:
 keys, values and positions, ``memory_plan.kv_cache_bytes``) at the method's capacity (dense:
 prompt + ``max_new`` slots; ``rkv``: budget + buffer). Each quant level gets as many slots
-as fit in that budget (codes, float32 scales and positions included), and the continuous
+as fit in that budget (codes, float16 scales and positions included), and the continuous
 engine (``engine.run_continuous``) runs ``--rows`` rows with lognormal response caps through
 them (the lengths of ``bench_engine.py``; no EOS, so a row's useful tokens are its cap).
-Reported per method and level: bytes per token (keys + values of every layer and KV head),
-rows in flight, their ratio to none, seconds (the fastest of ``--repeats`` calls after a
-warm-up of the same shapes) and useful tokens/s with its ratio to none. Model: a random
+``pool`` (``none`` on the paged layout) shares a page pool instead: the budget is the bf16
+pages of ``--slots`` max-length rows, each level gets the pages that fit in those bytes
+(``memory_plan.page_bytes``), the engine ``4 x`` the slots whose max-length rows the pool
+holds (at most ``--rows``), and rows in flight are measured (the schedule's peak), not
+arithmetic: rows hold only the pages they fill. Reported per method and level: bytes per
+token (keys + values of every layer and KV head), rows in flight, their ratio to none,
+seconds (the fastest of ``--repeats`` calls after a warm-up of the same shapes) and useful
+tokens/s with its ratio to none. Model: a random
 Qwen2-shaped bf16 decoder with head_dim 128 (the Qwen2.5 head size; 2 layers, 2 query / 1 KV
 heads, vocab 2048), CPU-sized.
 """
@@ -36,10 +41,12 @@ from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.kv.compression_sections import EvictionConfig  # noqa: E402
 from sparse_rl_jax.rollout.engine import run_continuous  # noqa: E402
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
-from sparse_rl_jax.training.memory_plan import kv_bytes_per_token, kv_cache_bytes  # noqa: E402
+from sparse_rl_jax.training.memory_plan import (kv_bytes_per_token, kv_cache_bytes,  # noqa: E402
+                                                page_bytes)
 
 METHODS = {"none": dict(method="none", layout="dense"),
-           "rkv": dict(method="rkv", eviction=EvictionConfig(budget=48, buffer=16, window=8))}
+           "rkv": dict(method="rkv", eviction=EvictionConfig(budget=48, buffer=16, window=8)),
+           "pool": dict(method="none", layout="paged")}
 QUANTS = ("none", "int8", "int4")
 
 
@@ -58,6 +65,19 @@ def slots_at_equal_bytes(cfg, comp: CompressionConfig, budget_bytes: int, max_le
     per_row = kv_cache_bytes(cfg, 1, comp.cache_capacity(max_len), jnp.bfloat16,
                              quant=comp.quant)
     return budget_bytes // per_row
+
+
+def engine_plan(cfg, comp: CompressionConfig, bf16_rows: int, rows: int,
+                max_len: int) -> dict[str, int]:
+    """``slots`` (and ``pool_pages`` for the paged layout) of ``comp``'s quant level in the KV
+    bytes of ``bf16_rows`` max-length bf16 rows of the same layout."""
+    if comp.cache_layout != "paged":
+        budget = kv_cache_bytes(cfg, bf16_rows, comp.cache_capacity(max_len), jnp.bfloat16)
+        return dict(slots=slots_at_equal_bytes(cfg, comp, budget, max_len))
+    row_pages = -(-max_len // comp.page_size)
+    budget = bf16_rows * row_pages * page_bytes(cfg, comp.page_size, jnp.bfloat16)
+    pages = budget // page_bytes(cfg, comp.page_size, jnp.bfloat16, comp.quant)
+    return dict(slots=min(rows, 4 * (pages // row_pages)), pool_pages=pages)
 
 
 def main(argv=None) -> None:
@@ -82,26 +102,27 @@ def main(argv=None) -> None:
           "| vs none |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for method in args.methods:
-        budget = kv_cache_bytes(cfg, args.slots, CompressionConfig(**METHODS[method])
-                                .cache_capacity(max_len), jnp.bfloat16)
         base = None
         for quant in args.quants:
             comp = CompressionConfig(**METHODS[method], quant=quant)
-            slots = slots_at_equal_bytes(cfg, comp, budget, max_len)
+            plan = engine_plan(cfg, comp, args.slots, args.rows, max_len)
             sampling = SamplingConfig(max_new_tokens=LOGNORMAL_MAX_NEW, num_samples=SAMPLES,
-                                      prompt_bucket=PROMPT, engine="continuous", slots=slots)
+                                      prompt_bucket=PROMPT, engine="continuous", **plan)
 
             def call(key, sampling=sampling, comp=comp):
                 return run_continuous(graphdef, params, prompt, mask, key, sampling, comp,
                                       row_caps=caps)
 
-            call(jax.random.key(0))  # warm-up: compiles
+            schedule = call(jax.random.key(0))[3]  # warm-up: compiles
+            in_flight = schedule.peak_live if "pool_pages" in plan else plan["slots"]
             seconds = min(timed(lambda: call(jax.random.key(1)))[1]
                           for _ in range(args.repeats))
             tps = useful / seconds
-            base = base or (slots, tps)
-            print(f"| {method} | {quant} | {kv_bytes_per_token(cfg, quant, jnp.bfloat16)} | "
-                  f"{slots} | {slots / base[0]:.2f}x | {seconds:.2f} | {tps:.0f} | "
+            base = base or (in_flight, tps)
+            label = (f"{method}, {plan['pool_pages']} pages / {plan['slots']} slots"
+                     if "pool_pages" in plan else method)
+            print(f"| {label} | {quant} | {kv_bytes_per_token(cfg, quant, jnp.bfloat16)} | "
+                  f"{in_flight} | {in_flight / base[0]:.2f}x | {seconds:.2f} | {tps:.0f} | "
                   f"{tps / base[1]:.2f}x |", flush=True)
 
 

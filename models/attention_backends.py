@@ -50,7 +50,7 @@ class AttentionBackend:
         forward over its own right-padded tokens: no cache, no ``k_expiry``, ``mask`` or
         ``q_pages`` (every cache and replay view refuses it).
       reads_pages_in_chunks: a paged cache may read with its own chunked online softmax
-        (``models.paged_cache.paged_attention``, this backend's math); False: the cache calls
+        (``models.paged_cache.chunked_attention``, this backend's math); False: the cache calls
         ``attend`` over all its slots.
       page_kernel: the Pallas kernel (:data:`models.paged_kernels.KERNELS`) through which a
         paged cache's decode step (one query per row) reads its pages in place; None: the
@@ -100,12 +100,14 @@ def visibility_backend(name: str, who: str) -> AttentionBackend:
 
 @dataclasses.dataclass(frozen=True)
 class KernelShapes:
-    """What a page kernel must take: the KV page size and the model's attention heads."""
+    """What a page kernel must take: the KV page size, the model's attention heads and the
+    KV's ``models.kv_quant`` format."""
 
     page_size: int
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    quant: str = "none"
 
 
 def _runs(backend: AttentionBackend, platform: str, shapes: KernelShapes | None) -> str | None:

@@ -131,12 +131,8 @@ class KVCache(WriteIndexCache):
         positions were written by :meth:`begin_forward`) and push the newest queries
         ``q [B, T, Hq, D]`` into the ring (a quantizing cache stores their codes and scales).
         In-place updates of the carried buffers: nothing is copied."""
-        quant = get_quant(self.quant)
-        new = dict(k=k, v=v)
-        if quant.quantizes:
-            (new["k"], new["k_scale"]), (new["v"], new["v_scale"]) = quant.encode(k), quant.encode(v)
         updates = {}
-        for name, value in new.items():  # value [B, Hkv, T, ...]
+        for name, value in encoded_kv(self.quant, k, v).items():  # value [B, Hkv, T, ...]
             buf = getattr(self, name)
             if self.index.ndim:  # per-row index: one scatter per buffer
                 rows, slots = self._row_slots(k.shape[2])
@@ -183,6 +179,17 @@ class KVCache(WriteIndexCache):
                             v_scale=fan_out(self.v_scale))
 
 
+def encoded_kv(quant: str, k: jax.Array, v: jax.Array) -> dict[str, jax.Array]:
+    """A cache's new entries for keys and values ``[..., D]``, by buffer name: ``k, v``
+    themselves, or, when ``quant`` quantizes, their codes ``[..., D / per_byte]`` and
+    scales ``[...]`` (``k``, ``k_scale``, ``v``, ``v_scale``)."""
+    fmt = get_quant(quant)
+    if not fmt.quantizes:
+        return dict(k=k, v=v)
+    (k, k_scale), (v, v_scale) = fmt.encode(k), fmt.encode(v)
+    return dict(k=k, k_scale=k_scale, v=v, v_scale=v_scale)
+
+
 def decoded_kv(quant: str, k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
                v_scale: jax.Array | None, dtype) -> tuple[jax.Array, jax.Array]:
     """Keys and values ``[..., D]`` in ``dtype`` from a cache's stored ``k, v`` (codes
@@ -209,23 +216,25 @@ def init_cache(
     """An empty cache: zero keys/values, every slot empty (``pos == -1``), index 0, and a
     zero query ring ``[L, B, num_heads, window, D]`` when ``window > 0`` (else None).
     ``quant`` (a ``models.kv_quant`` format) stores codes and zero scales instead."""
-    fmt = get_quant(quant)
-    fmt.check_head_dim(head_dim, "init_cache")
     shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-    stored = shape[:-1] + (fmt.stored_dim(head_dim),)
     if window and num_heads < 1:
         raise ValueError(f"init_cache: a query ring (window={window}) needs num_heads >= 1, "
                          f"got {num_heads}")
     ring = (jnp.zeros((num_layers, batch, num_heads, window, head_dim), dtype) if window
             else None)
+    return KVCache(**empty_kv(shape, dtype, quant, "init_cache"),
+                   pos=jnp.full(shape[:-1], -1, jnp.int32), index=jnp.zeros((), jnp.int32),
+                   queries=ring, quant=quant)
+
+
+def empty_kv(shape: tuple[int, ...], dtype, quant: str, who: str) -> dict[str, jax.Array]:
+    """Zero key/value buffers of ``shape`` (``[..., D]``) in ``dtype``, or, when ``quant``
+    quantizes, zero codes ``[..., D / per_byte]`` and zero scales ``[...]`` (keys ``k``,
+    ``v``, ``k_scale``, ``v_scale``; scales None unquantized); ValueError naming ``who``
+    for a head dim ``quant`` cannot pack."""
+    fmt = get_quant(quant)
+    fmt.check_head_dim(shape[-1], who)
+    stored = shape[:-1] + (fmt.stored_dim(shape[-1]),)
+    codes = jnp.zeros(stored, fmt.code_dtype or dtype)
     scales = jnp.zeros(shape[:-1], SCALE_DTYPE) if fmt.quantizes else None
-    return KVCache(
-        k=jnp.zeros(stored, fmt.code_dtype or dtype),
-        v=jnp.zeros(stored, fmt.code_dtype or dtype),
-        pos=jnp.full(shape[:-1], -1, jnp.int32),
-        index=jnp.zeros((), jnp.int32),
-        queries=ring,
-        k_scale=scales,
-        v_scale=scales,
-        quant=quant,
-    )
+    return dict(k=codes, v=codes, k_scale=scales, v_scale=scales)

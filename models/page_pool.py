@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention_backends import attention, visibility_backend
+from models.cache import decoded_kv, empty_kv
 from models.paged_cache import (CHUNK_PAGES, PagedKVCache, PositionSlots, _rows, _slots,
                                 check_kernel_shapes, chunked_attention, default_chunk_pages)
 from models.shapes import check_shape
@@ -51,7 +52,10 @@ class PagePoolCache(PositionSlots):
       pos: ``[B, C]`` int32 original token position of each logical slot, ``-1`` = empty or
         padding; shared by every layer and KV head.
       index: ``[]`` or ``[B]`` int32, the next slot to write.
-      page_size, chunk_pages: as ``models.paged_cache.PagedKVCache`` (static).
+      k_scale, v_scale: ``[L, Hkv, N, page_size]`` float16 scale of each slot's key / value
+        when ``quant`` quantizes (``k``, ``v`` then hold codes ``[..., D / per_byte]``); None
+        otherwise. A page then costs the quantized bytes: the same bytes hold more pages.
+      page_size, chunk_pages, quant: as ``models.paged_cache.PagedKVCache`` (static).
     """
 
     k: jax.Array
@@ -59,8 +63,11 @@ class PagePoolCache(PositionSlots):
     pages: jax.Array
     pos: jax.Array
     index: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
     page_size: int = struct.field(pytree_node=False, default=16)
     chunk_pages: int = struct.field(pytree_node=False, default=CHUNK_PAGES["cpu"])
+    quant: str = struct.field(pytree_node=False, default="none")
 
     @property
     def capacity(self) -> int:
@@ -82,13 +89,12 @@ class PagePoolCache(PositionSlots):
         ``[batch, t]`` tokens (shapes; room for ``t`` more tokens when the index is known; a
         backend that takes per-key visibility; a page kernel that takes ``page_size`` and the
         model's heads)."""
-        dims = dict(L=config.num_layers, Hkv=config.num_kv_heads, N=None, P=self.page_size)
-        check_shape("PagePoolCache.k", self.k, **dims, D=config.head_dim)
-        check_shape("PagePoolCache.v", self.v, **dims, D=config.head_dim)
+        self.check_kv(config, L=config.num_layers, Hkv=config.num_kv_heads, N=None,
+                      P=self.page_size)
         check_shape("PagePoolCache.pages", self.pages, B=batch, R=None)
         check_shape("PagePoolCache.pos", self.pos, B=batch, C=self.capacity)
         self.check_room(t, backend)
-        check_kernel_shapes(backend, self.page_size, config, "PagePoolCache")
+        check_kernel_shapes(backend, self.page_size, config, "PagePoolCache", self.quant)
 
     def slot_index(self, rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(page, offset)`` in the pool of logical slots ``slots`` of rows ``rows``
@@ -106,27 +112,27 @@ class PagePoolCache(PositionSlots):
         (``k[(layer,) + index]``; see ``models.paged_cache.PositionSlots.kv_index``)."""
         return (heads,) + self.slot_index(rows, slots)
 
-    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array,
-              q_pos: jax.Array) -> PagePoolCache:
-        """Write ``k, v [B, Hkv, T, D]`` of ``layer`` at the pool slots of their positions
-        ``q_pos [B, T]`` (padding and unmapped pages are dropped): one scatter per buffer."""
-        page, offset = self.slot_index(_rows(q_pos), _slots(q_pos, self.capacity))
-        # advanced indices (layer; page, offset) around a slice put [B, T] first: [B, T, Hkv, D]
-        return self.replace(
-            k=self.k.at[layer, :, page, offset].set(
-                k.transpose(0, 2, 1, 3).astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, :, page, offset].set(
-                v.transpose(0, 2, 1, 3).astype(self.v.dtype), mode="drop"))
+    def write_index(self, q_pos: jax.Array) -> tuple:
+        """Index of positions ``q_pos [B, T]`` into the buffers' axes 1-3: the heads' slice,
+        then advanced ``(page, offset)`` (``[B, T]`` first); padding and unmapped pages at
+        page ``N``."""
+        return (slice(None),) + self.slot_index(_rows(q_pos), _slots(q_pos, self.capacity))
 
-    def _gather(self, buf: jax.Array, layer: jax.Array, pages: jax.Array) -> jax.Array:
-        """``[B, Hkv, R' * page_size, D]``: logical pages ``pages [B, R']`` of ``layer``
-        gathered from ``buf`` (unmapped pages read as zeros), in one gather whose output is
-        already the attention's operand layout (the final reshape merges adjacent axes)."""
+    def _gather(self, layer: jax.Array, pages: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+        """Keys and values ``[B, Hkv, R' * page_size, D]`` (decoded to ``dtype`` when
+        quantized): logical pages ``pages [B, R']`` of ``layer`` (unmapped pages read as
+        zeros), one gather per buffer whose output is already the attention's operand layout
+        (the final reshape merges adjacent axes)."""
         heads = jnp.arange(self.num_kv_heads)[None, :, None]
-        # advanced indices (layer, heads, pages) side by side: [B, Hkv, R', P, D]
-        got = buf.at[layer, heads, pages[:, None, :]].get(mode="fill", fill_value=0)
-        b, hkv, r, p, d = got.shape
-        return got.reshape(b, hkv, r * p, d)
+
+        def get(buf):  # advanced indices (layer, heads, pages) side by side: [B, Hkv, R', P, ...]
+            if buf is None:
+                return None
+            got = buf.at[layer, heads, pages[:, None, :]].get(mode="fill", fill_value=0)
+            return got.reshape(got.shape[:2] + (-1,) + got.shape[4:])
+
+        return decoded_kv(self.quant, get(self.k), get(self.v), get(self.k_scale),
+                          get(self.v_scale), dtype)
 
     def page_buffers(self) -> tuple[jax.Array, jax.Array]:
         """``[L, Hkv, N, page_size, D]``: the pool's own buffers, the page kernels' layout."""
@@ -151,7 +157,7 @@ class PagePoolCache(PositionSlots):
         if chosen.page_kernel is not None and q.shape[1] == 1:
             return self.kernel_read(layer, q, q_pos, chosen.page_kernel)
         if not chosen.reads_pages_in_chunks:
-            k, v = (self._gather(buf, layer, self.pages) for buf in (self.k, self.v))
+            k, v = self._gather(layer, self.pages, q.dtype)
             k_pos = jnp.broadcast_to(self.pos[:, None], k.shape[:3])
             return attention(q, k, v, q_pos, k_pos, backend=backend)
         chunk_pages = min(self.chunk_pages, self.pages.shape[1])
@@ -159,7 +165,7 @@ class PagePoolCache(PositionSlots):
         def fetch(start):
             pages = jax.lax.dynamic_slice_in_dim(self.pages, start // self.page_size,
                                                  chunk_pages, axis=1)
-            return self._gather(self.k, layer, pages), self._gather(self.v, layer, pages)
+            return self._gather(layer, pages, q.dtype)
 
         return chunked_attention(q, self.pos, q_pos, fetch, hkv=self.num_kv_heads,
                                  filled=jnp.max(q_pos) + 1,
@@ -169,17 +175,26 @@ class PagePoolCache(PositionSlots):
         """The pool with rows ``rows [I]`` (``B`` = none) set to the ``I`` rows of a paged
         cache of the same capacity and page size (``src``, e.g. their prefill): its pages
         copied to the pages the rows' tables map (unmapped pages dropped), its positions
-        and write index taken."""
-        l, i, hkv, c, d = src.k.shape
+        and write index taken (codes and scales as they are: ``src`` stores the pool's
+        ``quant``)."""
+        if src.quant != self.quant:
+            raise ValueError(f"PagePoolCache.put_rows: the rows store quant {src.quant!r}, "
+                             f"the pool {self.quant!r}")
+        l, i, hkv, c = src.k.shape[:4]
         r = c // self.page_size
         pages = self.pages.at[rows].get(mode="fill", fill_value=self.num_pages)  # [I, R]
 
-        def put(dst, new):  # [L, I, Hkv, C, D] -> pages [L, Hkv, I, R, P, D]
-            new = new.reshape(l, i, hkv, r, self.page_size, d).transpose(0, 2, 1, 3, 4, 5)
-            return dst.at[:, :, pages].set(new.astype(dst.dtype), mode="drop")
+        def put(dst, new):  # [L, I, Hkv, C, ...] -> pages [L, Hkv, I, R, P, ...]
+            if dst is None:
+                return None
+            new = new.reshape((l, i, hkv, r, self.page_size) + new.shape[4:])
+            return dst.at[:, :, pages].set(jnp.swapaxes(new, 1, 2).astype(dst.dtype),
+                                           mode="drop")
 
         index = jnp.broadcast_to(self.index, (self.pages.shape[0],))
         return self.replace(k=put(self.k, src.k), v=put(self.v, src.v),
+                            k_scale=put(self.k_scale, src.k_scale),
+                            v_scale=put(self.v_scale, src.v_scale),
                             pos=self.pos.at[rows].set(src.pos, mode="drop"),
                             index=index.at[rows].set(src.index, mode="drop"))
 
@@ -190,9 +205,10 @@ class PagePoolCache(PositionSlots):
 
 def init_page_pool(num_layers: int, batch: int, num_kv_heads: int, max_len: int,
                    head_dim: int, num_pages: int, dtype=jnp.float32, *, page_size: int = 16,
-                   chunk_pages: int | None = None) -> PagePoolCache:
+                   chunk_pages: int | None = None, quant: str = "none") -> PagePoolCache:
     """An empty pool of ``num_pages`` pages for ``batch`` rows of up to ``max_len`` positions
-    (``R = ceil(max_len / page_size)`` logical pages each): zero keys/values, every table
+    (``R = ceil(max_len / page_size)`` logical pages each): zero keys/values (codes and
+    scales when ``quant``, a ``models.kv_quant`` format, quantizes), every table
     entry unmapped, every slot empty, per-row index ``[batch]`` 0; ``chunk_pages`` None =
     ``models.paged_cache.default_chunk_pages``."""
     chunk_pages = default_chunk_pages() if chunk_pages is None else chunk_pages
@@ -202,8 +218,8 @@ def init_page_pool(num_layers: int, batch: int, num_kv_heads: int, max_len: int,
             raise ValueError(f"init_page_pool: {name}={value!r} must be an int >= 1")
     r = -(-max_len // page_size)
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    return PagePoolCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    return PagePoolCache(**empty_kv(shape, dtype, quant, "init_page_pool"),
                          pages=jnp.full((batch, r), num_pages, jnp.int32),
                          pos=jnp.full((batch, r * page_size), -1, jnp.int32),
                          index=jnp.zeros((batch,), jnp.int32), page_size=page_size,
-                         chunk_pages=chunk_pages)
+                         chunk_pages=chunk_pages, quant=quant)

@@ -167,15 +167,18 @@ class PageSparseCache:
                             selected=jnp.repeat(self.selected, n, axis=1))
 
 
-def page_sparse_cache(cache: PositionSlots, *, max_k: int,
-                      dense_layers: tuple[int, ...]) -> PageSparseCache:
+def page_sparse_cache(cache: PositionSlots, *, max_k: int, dense_layers: tuple[int, ...],
+                      dtype=None) -> PageSparseCache:
     """A :class:`PageSparseCache` over an empty paged ``cache`` (a ``PagedKVCache`` or a
     ``models.page_pool.PagePoolCache``: ``pos [B, C]``): zero page keys ``[L, B, Hkv,
-    C / page_size, D]``, budget and first positions 0, ``selected`` all ``NO_PAGE``."""
-    n_layers, hkv, d = cache.k.shape[0], cache.num_kv_heads, cache.k.shape[-1]
+    C / page_size, D]`` in ``dtype`` (None: the cache's, float32 for a quantized one),
+    budget and first positions 0, ``selected`` all ``NO_PAGE``."""
+    n_layers, hkv, d = cache.k.shape[0], cache.num_kv_heads, cache.head_dim
     b, p = cache.pos.shape[0], cache.capacity // cache.page_size
+    if dtype is None:
+        dtype = jnp.float32 if cache.quant != "none" else cache.k.dtype
     return PageSparseCache(
-        cache=cache, page_keys=jnp.zeros((n_layers, b, hkv, p, d), cache.k.dtype),
+        cache=cache, page_keys=jnp.zeros((n_layers, b, hkv, p, d), dtype),
         budget=jnp.zeros((b,), jnp.int32), first_position=jnp.zeros((b,), jnp.int32),
         selected=jnp.full((n_layers, b, hkv, selected_slots(max_k, p)), NO_PAGE, jnp.int32),
         max_k=max_k, dense_layers=tuple(dense_layers))
@@ -188,7 +191,8 @@ def refresh_page_keys(page_keys: jax.Array, cache: PositionSlots,
     Args:
       page_keys: ``[L, B, Hkv, P, D]`` page-mean keys.
       cache: the paged cache (``pos [B, C]``, ``C = P * page_size``; its keys read through
-        its ``kv_index``: a ``PagedKVCache`` or a ``models.page_pool.PagePoolCache``).
+        its ``kv_index``, decoded when quantized, so the means are of the keys attention
+        reads: a ``PagedKVCache`` or a ``models.page_pool.PagePoolCache``).
       pages: ``[B, n]`` int page indices to refresh (``P`` or more = skipped).
 
     Returns ``page_keys`` with those pages set to the mean of their written keys (zero for a
@@ -202,8 +206,7 @@ def refresh_page_keys(page_keys: jax.Array, cache: PositionSlots,
     index = cache.kv_index(jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
                            slots[:, None, :])
     # advanced indices side by side after the layer slice: [L, B, Hkv, n*ps, D]
-    keys = cache.k.at[(slice(None),) + index].get(
-        mode="fill", fill_value=0).astype(jnp.float32)
+    keys = cache.decoded_at("k", (slice(None),) + index, jnp.float32).astype(jnp.float32)
     keys = jnp.where(got[None, :, None, :, None], keys, 0.0).reshape(n_layers, b, h, -1, ps, d)
     count = jnp.sum(got.reshape(b, -1, ps), axis=-1)[None, :, None, :, None]
     means = jnp.sum(keys, axis=-2) / jnp.maximum(count, 1)  # [L, B, Hkv, n, D]
@@ -310,32 +313,26 @@ def selected_slots_positions(k_pos: jax.Array, pages: jax.Array,
     return slots, jnp.where(used, got, -1)
 
 
-def gather_pages(
-    k: jax.Array, v: jax.Array, k_pos: jax.Array, pages: jax.Array, layer: jax.Array,
-    page_size: int, kv_index=None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def gather_pages(cache: PositionSlots, pages: jax.Array, layer: jax.Array,
+                 dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Keys, values and positions of the selected pages of one layer only.
 
     Args:
-      k, v: ``[L, B, Hkv, C, D]`` a paged cache's buffers (slot = position), or a pool's
-        ``[L, Hkv, N, page_size, D]`` with its ``kv_index``; k_pos: ``[B, C]`` (``-1``
-        empty).
+      cache: a paged cache or page pool (``pos [B, C]``; a row's logical slots found through
+        its ``kv_index``).
       pages: ``[B, Hkv, K]`` page indices (``NO_PAGE`` unused).
       layer: ``[]`` int the layer to read.
-      kv_index: ``(rows, heads, slots) -> index`` into axes 1-3 of ``k, v``, where a row's
-        logical slot lives (``PositionSlots.kv_index``); None = ``(rows, heads, slots)``.
+      dtype: what a quantized cache's keys and values are decoded to.
 
     Returns:
       ``k, v [B, Hkv, K * page_size, D]`` and positions ``[B, Hkv, K * page_size]`` (see
       :func:`selected_slots_positions`).
     """
     b, h = pages.shape[:2]
-    slots, positions = selected_slots_positions(k_pos, pages, page_size)
-    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
-    index = (layer,) + ((rows, heads, slots) if kv_index is None
-                        else kv_index(rows, heads, slots))
-    return (k.at[index].get(mode="fill", fill_value=0),
-            v.at[index].get(mode="fill", fill_value=0), positions)
+    slots, positions = selected_slots_positions(cache.pos, pages, cache.page_size)
+    index = (layer,) + cache.kv_index(jnp.arange(b)[:, None, None],
+                                      jnp.arange(h)[None, :, None], slots)
+    return cache.kv_at(index, dtype) + (positions,)
 
 
 def page_sparse_attention(
@@ -373,6 +370,5 @@ def page_sparse_attention(
         out = paged_kernel_attention(q, k_pages, v_pages, layer, cache.page_ids(pages),
                                      positions, q_pos, live, kernel=kernel.platform)
         return out, pages
-    gk, gv, gpos = gather_pages(cache.k, cache.v, cache.pos, pages, layer, page_size,
-                                cache.kv_index)
+    gk, gv, gpos = gather_pages(cache, pages, layer, q.dtype)
     return attention(q, gk, gv, q_pos, gpos, backend=backend), pages

@@ -32,7 +32,8 @@ from flax import struct
 
 from models.attention import online_softmax_finish, online_softmax_init, online_softmax_step
 from models.attention_backends import attention, visibility_backend
-from models.cache import WriteIndexCache
+from models.cache import WriteIndexCache, decoded_kv, empty_kv, encoded_kv
+from models.kv_quant import get_quant
 from models.paged_kernels import paged_kernel_attention
 from models.shapes import check_shape
 
@@ -56,6 +57,48 @@ class PositionSlots(WriteIndexCache):
         """``write`` the layer's keys/values, then ``read`` over the filled chunks."""
         cache = self.write(layer, k, v, q_pos)
         return cache.read(layer, q, q_pos, backend), cache
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array):
+        """Write ``k, v [B, Hkv, T, D]`` of ``layer`` at the slots of their positions ``q_pos
+        [B, T]`` (padding, and slots the view does not map, are dropped): one in-place
+        scatter per buffer (codes and scales when ``quant`` quantizes)."""
+        index = (layer,) + self.write_index(q_pos)  # [B, T] first, then Hkv (and D)
+        return self.replace(**{
+            name: getattr(self, name).at[index].set(
+                jnp.moveaxis(value, 2, 1).astype(getattr(self, name).dtype), mode="drop")
+            for name, value in encoded_kv(self.quant, k, v).items()})
+
+    def decoded_at(self, name: str, index: tuple, dtype) -> jax.Array:
+        """Buffer ``name`` (``"k"`` or ``"v"``) at ``index`` (into its axes before ``D``; out
+        of range reads zeros), decoded to ``dtype`` when ``quant`` quantizes (as stored
+        otherwise)."""
+        got = getattr(self, name).at[index].get(mode="fill", fill_value=0)
+        quant = get_quant(self.quant)
+        if not quant.quantizes:
+            return got
+        scale = getattr(self, f"{name}_scale").at[index].get(mode="fill", fill_value=0)
+        return quant.decode(got, scale, dtype)
+
+    def kv_at(self, index: tuple, dtype) -> tuple[jax.Array, jax.Array]:
+        """Keys and values at ``index`` (:meth:`decoded_at`)."""
+        return self.decoded_at("k", index, dtype), self.decoded_at("v", index, dtype)
+
+    @property
+    def head_dim(self) -> int:
+        """Values ``D`` per key (the stored last axis times the quant's values per byte)."""
+        return self.k.shape[-1] * get_quant(self.quant).per_byte
+
+    def check_kv(self, config, **dims) -> None:
+        """ValueError naming the buffer whose shape is not ``dims`` (then ``D``, stored as
+        ``quant`` packs it; the scales without it), or a head dim ``quant`` cannot pack."""
+        who = type(self).__name__
+        quant = get_quant(self.quant)
+        quant.check_head_dim(config.head_dim, who)
+        for name in ("k", "v"):
+            check_shape(f"{who}.{name}", getattr(self, name), **dims,
+                        D=quant.stored_dim(config.head_dim))
+            if quant.quantizes:
+                check_shape(f"{who}.{name}_scale", getattr(self, f"{name}_scale"), **dims)
 
     def row_tokens(self) -> jax.Array:
         """``[B]`` int32 resident (non-empty) slots of each row."""
@@ -106,44 +149,42 @@ class PagedKVCache(PositionSlots):
       pos: ``[B, C]`` int32 original token position of each slot, ``-1`` = empty or padding;
         shared by every layer and KV head.
       index: ``[]`` int32, the next slot to write, shared by all rows.
+      k_scale, v_scale: ``[L, B, Hkv, C]`` float16 scale of each slot's key / value when
+        ``quant`` quantizes (``k``, ``v`` then hold codes ``[..., D / per_byte]``,
+        ``models.kv_quant``; attention reads them decoded); None otherwise.
       page_size: slots per page (static).
       chunk_pages: pages read per iteration of the attention loop (static; see
         :func:`default_chunk_pages`).
+      quant: the ``models.kv_quant`` format of ``k`` and ``v`` (static).
     """
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
     index: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
     page_size: int = struct.field(pytree_node=False, default=16)
     chunk_pages: int = struct.field(pytree_node=False, default=CHUNK_PAGES["cpu"])
+    quant: str = struct.field(pytree_node=False, default="none")
 
     def check(self, config, batch: int, t: int, backend: str) -> None:
         """ValueError naming the field when the cache does not fit ``config`` and a forward
         of ``[batch, t]`` tokens: shapes, whole pages, room for ``t`` more tokens (when the
         index is known, not under jit), a backend that takes per-key visibility (not
         ``"fused"``), a page kernel that takes ``page_size`` and the model's heads."""
-        dims = dict(L=config.num_layers, B=batch, Hkv=config.num_kv_heads, C=None)
-        check_shape("PagedKVCache.k", self.k, **dims, D=config.head_dim)
-        check_shape("PagedKVCache.v", self.v, **dims, D=config.head_dim)
+        self.check_kv(config, L=config.num_layers, B=batch, Hkv=config.num_kv_heads, C=None)
         check_shape("PagedKVCache.pos", self.pos, B=batch, C=self.capacity)
         if self.capacity % self.page_size:
             raise ValueError(f"PagedKVCache: capacity {self.capacity} is not a whole number "
                              f"of pages of page_size={self.page_size}")
         self.check_room(t, backend)
-        check_kernel_shapes(backend, self.page_size, config, "PagedKVCache")
+        check_kernel_shapes(backend, self.page_size, config, "PagedKVCache", self.quant)
 
-    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array,
-              q_pos: jax.Array) -> PagedKVCache:
-        """Write ``k, v [B, Hkv, T, D]`` of ``layer`` at the slots of their positions
-        ``q_pos [B, T]`` (padding is dropped): one in-place scatter per buffer."""
-        rows, slots = _rows(q_pos), _slots(q_pos, self.capacity)
-        # advanced indices (layer, rows, slots) around a slice put [B, T] first: [B, T, Hkv, D]
-        return self.replace(
-            k=self.k.at[layer, rows, :, slots].set(
-                k.transpose(0, 2, 1, 3).astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, rows, :, slots].set(
-                v.transpose(0, 2, 1, 3).astype(self.v.dtype), mode="drop"))
+    def write_index(self, q_pos: jax.Array) -> tuple:
+        """Index of positions ``q_pos [B, T]`` into the buffers' axes 1-3 (advanced ``(rows,
+        slots)`` around the heads' slice: ``[B, T]`` first); padding at slot ``C``."""
+        return _rows(q_pos), slice(None), _slots(q_pos, self.capacity)
 
     def read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
              backend: str) -> jax.Array:
@@ -159,10 +200,22 @@ class PagedKVCache(PositionSlots):
         if not chosen.reads_pages_in_chunks:
             b, hkv = self.pos.shape[0], self.k.shape[2]
             k_pos = jnp.broadcast_to(self.pos[:, None], (b, hkv, self.capacity))
-            return attention(q, self.k[layer], self.v[layer], q_pos, k_pos, backend=backend)
-        return paged_attention(q, self.k, self.v, self.pos, q_pos, layer,
-                               filled=jnp.max(q_pos) + 1,
-                               chunk=min(self.chunk_pages * self.page_size, self.capacity))
+            return attention(q, *self.kv_at((layer,), q.dtype), q_pos, k_pos, backend=backend)
+        chunk = min(self.chunk_pages * self.page_size, self.capacity)
+        b, hkv = self.k.shape[1:3]
+
+        def fetch(start):  # dynamic slices at (layer, chunk): no layer is copied whole
+            def cut(buf):
+                if buf is None:
+                    return None
+                at = (layer, 0, 0, start) + (0,) * (buf.ndim - 4)
+                return jax.lax.dynamic_slice(buf, at, (1, b, hkv, chunk) + buf.shape[4:])[0]
+
+            return decoded_kv(self.quant, cut(self.k), cut(self.v), cut(self.k_scale),
+                              cut(self.v_scale), q.dtype)
+
+        return chunked_attention(q, self.pos, q_pos, fetch, hkv=hkv,
+                                 filled=jnp.max(q_pos) + 1, chunk=chunk)
 
     def page_buffers(self) -> tuple[jax.Array, jax.Array]:
         """``[L, 1, B * Hkv * R, page_size, D]``: the buffers with each (row, head)'s ``R``
@@ -182,16 +235,18 @@ class PagedKVCache(PositionSlots):
 
     def repeat_rows(self, n: int) -> PagedKVCache:
         """The cache with each row repeated ``n`` times (row ``i`` -> rows ``i*n .. i*n+n-1``)."""
-        return self.replace(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1),
-                            pos=jnp.repeat(self.pos, n, axis=0))
+        fan_out = lambda x: None if x is None else jnp.repeat(x, n, axis=1)  # noqa: E731
+        return self.replace(k=fan_out(self.k), v=fan_out(self.v), k_scale=fan_out(self.k_scale),
+                            v_scale=fan_out(self.v_scale), pos=jnp.repeat(self.pos, n, axis=0))
 
 
-def check_kernel_shapes(backend: str, page_size: int, config, who: str) -> None:
+def check_kernel_shapes(backend: str, page_size: int, config, who: str,
+                        quant: str = "none") -> None:
     """ValueError naming ``who`` when ``backend``'s page kernel (if any) cannot take
-    ``page_size`` and the heads of the model ``config``."""
+    ``page_size``, the heads of the model ``config`` and KV stored as ``quant``."""
     kernel = visibility_backend(backend, who).page_kernel
     problem = kernel and kernel.shape_error(page_size, config.num_heads, config.num_kv_heads,
-                                            config.head_dim)
+                                            config.head_dim, quant)
     if problem:
         raise ValueError(f"{who}: attention_backend={backend!r} cannot take {problem}")
 
@@ -208,9 +263,10 @@ def _slots(positions: jax.Array, capacity: int) -> jax.Array:
 
 def init_paged_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: int,
                      head_dim: int, dtype=jnp.float32, *, page_size: int = 16,
-                     chunk_pages: int | None = None) -> PagedKVCache:
+                     chunk_pages: int | None = None, quant: str = "none") -> PagedKVCache:
     """An empty paged cache holding ``max_len`` tokens per row in ``ceil(max_len /
-    page_size)`` pages: zero keys/values, every slot empty (``pos == -1``), index 0;
+    page_size)`` pages: zero keys/values (codes and scales when ``quant``, a
+    ``models.kv_quant`` format, quantizes), every slot empty (``pos == -1``), index 0;
     ``chunk_pages`` None = :func:`default_chunk_pages`."""
     chunk_pages = default_chunk_pages() if chunk_pages is None else chunk_pages
     for name, value in (("page_size", page_size), ("chunk_pages", chunk_pages),
@@ -219,44 +275,16 @@ def init_paged_cache(num_layers: int, batch: int, num_kv_heads: int, max_len: in
             raise ValueError(f"init_paged_cache: {name}={value!r} must be an int >= 1")
     capacity = -(-max_len // page_size) * page_size
     shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    return PagedKVCache(**empty_kv(shape, dtype, quant, "init_paged_cache"),
                         pos=jnp.full((batch, capacity), -1, jnp.int32),
                         index=jnp.zeros((), jnp.int32), page_size=page_size,
-                        chunk_pages=chunk_pages)
+                        chunk_pages=chunk_pages, quant=quant)
 
 
 def default_chunk_pages() -> int:
     """Pages per iteration of the paged attention loop on the default JAX platform:
     :data:`CHUNK_PAGES` where measured, else :data:`OTHER_CHUNK_PAGES` (read when called)."""
     return CHUNK_PAGES.get(jax.default_backend(), OTHER_CHUNK_PAGES)
-
-
-def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_pos: jax.Array,
-                    q_pos: jax.Array, layer: jax.Array, *, filled: jax.Array,
-                    chunk: int) -> jax.Array:
-    """Attention of ``q`` over the first ``filled`` slots of ``layer``, ``chunk`` slots at a
-    time (:func:`chunked_attention` reading each chunk with dynamic slices).
-
-    Args:
-      q: ``[B, T, Hq, D]`` queries (after RoPE), ``Hq`` a multiple of ``Hkv``.
-      k, v: ``[L, B, Hkv, C, D]`` every layer's keys/values (read by dynamic slices).
-      k_pos: ``[B, C]`` int32 slot positions (``-1`` empty), shared by layers and heads.
-      q_pos: ``[B, T]`` int32 query positions (``-1`` padding: zero output).
-      layer: ``[]`` int the layer to read.
-      filled: ``[]`` int slots ``[0, filled)`` may hold keys (traced: sets the trip count).
-      chunk: slots per iteration (static, ``<= C``).
-
-    Returns:
-      ``[B, T, Hq, D]`` in ``q.dtype``.
-    """
-    b, hkv, c, d = k.shape[1:]
-
-    def fetch(start):
-        kb = jax.lax.dynamic_slice(k, (layer, 0, 0, start, 0), (1, b, hkv, chunk, d))[0]
-        vb = jax.lax.dynamic_slice(v, (layer, 0, 0, start, 0), (1, b, hkv, chunk, d))[0]
-        return kb, vb
-
-    return chunked_attention(q, k_pos, q_pos, fetch, hkv=hkv, filled=filled, chunk=chunk)
 
 
 def chunked_attention(q: jax.Array, k_pos: jax.Array, q_pos: jax.Array, fetch, *, hkv: int,

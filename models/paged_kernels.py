@@ -211,8 +211,9 @@ class PageKernel:
     power_of_two: bool
 
     def shape_error(self, page_size: int, num_q_heads: int, num_kv_heads: int,
-                    head_dim: int) -> str | None:
-        """Why the kernel cannot take these shapes (None: it can)."""
+                    head_dim: int, quant: str = "none") -> str | None:
+        """Why the kernel cannot take these shapes, or pages stored as ``quant`` (a
+        ``models.kv_quant`` format; the kernels read unquantized pages only), None: it can."""
         problems = [f"{name}={value} (needs a multiple of {multiple}"
                     + (", a power of two)" if self.power_of_two else ")")
                     for name, value, multiple in (("page_size", page_size, self.page_multiple),
@@ -221,6 +222,10 @@ class PageKernel:
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             problems.append(f"num_q_heads={num_q_heads} not a multiple of "
                             f"num_kv_heads={num_kv_heads}")
+        if quant != "none":
+            problems.append(f"compression.quant={quant!r} (the page kernels read unquantized "
+                            f"pages; quant levels they read: ('none',); the XLA path reads "
+                            f"every level)")
         return "; ".join(problems) or None
 
 

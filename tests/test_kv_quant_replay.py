@@ -18,7 +18,7 @@ import models
 from sparse_rl_jax.core.config_checks import ConfigError
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
-from sparse_rl_jax.kv.compression_sections import EvictionConfig
+from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 from sparse_rl_jax.rollout.engine import generate_continuous
 from sparse_rl_jax.rollout.sampler import generate
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
@@ -39,16 +39,24 @@ def _max_diff(a, b, mask):
 
 
 EVICT = EvictionConfig(budget=12, buffer=4, window=4)
-CASES = [("rkv", "int8"), ("snapkv", "fp8"), ("streaming", "int4"), ("none", "int8")]
+SPARROW = SparrowConfig(budget_schedule=((0, 1), (32, 3)), dense_layers=(0,))
+CASES = [("rkv", None, "int8"), ("snapkv", None, "fp8"), ("streaming", None, "int4"),
+         ("none", "dense", "int8"), ("none", "paged", "fp8"), ("sparrow", None, "int4"),
+         ("sparrow", None, "int8")]
 
 
-@pytest.mark.parametrize("method,quant", CASES)
-def test_quantized_rollout_equals_its_replay(tiny, method, quant):
+def _compression(method, layout, quant):
+    """The tests' config: eviction every few steps, or Sparrow on 4-token pages."""
+    return CompressionConfig(method=method, layout=layout, quant=quant, eviction=EVICT,
+                             page_size=4, sparrow=SPARROW)
+
+
+@pytest.mark.parametrize("method,layout,quant", CASES)
+def test_quantized_rollout_equals_its_replay(tiny, method, layout, quant):
     graphdef, params, prompt, mask = tiny
     sampling = SamplingConfig(max_new_tokens=16, num_samples=2, prompt_bucket=4,
                               record_evictions=True)
-    layout = "dense" if method == "none" else None
-    compression = CompressionConfig(method=method, layout=layout, quant=quant, eviction=EVICT)
+    compression = _compression(method, layout, quant)
     rollout = generate(graphdef, params, prompt, mask, jax.random.key(3), sampling, compression)
     assert rollout.record.quant == quant
     replay = score(graphdef, params, rollout.prompt, rollout.prompt_mask, rollout.response,
@@ -66,8 +74,11 @@ def test_quantized_rollout_equals_its_replay(tiny, method, quant):
     assert np.mean(replay_err <= 1e-4) >= 0.85
     # the same record at full precision is another policy, far from the sampler's
     assert exact_err.max() > 1e-2 and replay_err.max() <= 0.05 * exact_err.max()
-    if method != "none":
+    if method in ("rkv", "snapkv", "streaming"):
         assert int(rollout.num_compressions) >= 3
+    if method == "sparrow":  # some decode steps left middle pages out
+        pages = np.asarray(rollout.record.pages)[:, 1:]
+        assert (pages[..., 1:-2] == -1).any() and (pages[..., 1:-2] >= 1).any()
 
 
 def test_quantized_cache_stores_codes_and_scales():
@@ -82,8 +93,6 @@ def test_quantized_cache_stores_codes_and_scales():
 def test_bad_quant_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="quant.*must be one of.*'int8'"):
         CompressionConfig(method="rkv", quant="int2")
-    with pytest.raises(ConfigError, match="quant.*layout 'paged'"):
-        CompressionConfig(method="sparrow", quant="int8")
     with pytest.raises(ValueError, match="head_dim divisible by 2, got 7"):
         kv_state.init_state(CompressionConfig(method="rkv", quant="int4", eviction=EVICT),
                             num_layers=1, batch=1, num_heads=2, num_kv_heads=1, head_dim=7,
@@ -102,15 +111,19 @@ def test_memory_plan_counts_codes_and_scales():
         assert got == vectors * per_vector + 4 * positions, quant
 
 
-@pytest.mark.parametrize("method,quant", [("rkv", "int8"), ("none", "int4")])
-def test_engine_rows_equal_static_rows_on_a_quantized_cache(tmp_path, method, quant):
+@pytest.mark.parametrize("method,layout,quant", [("rkv", None, "int8"), ("none", "dense", "int4"),
+                                                 ("none", "paged", "int8"),
+                                                 ("sparrow", None, "int4")])
+def test_engine_rows_equal_static_rows_on_a_quantized_cache(tmp_path, method, layout, quant):
+    """Slots, and the page pool (layout ``paged``: ``none``, ``sparrow``) holding codes and
+    scales."""
     from test_engine import SAMPLING, assert_rows_match  # the engine tests' oracle
     path = make_tiny_hf(tmp_path, "qwen2", tokenizer=False, std=0.2)
     graphdef, params = nnx.split(models.load_pretrained(path, dtype=jnp.float32))
     prompt, mask = left_padded_batch(np.random.default_rng(0), [11, 5, 8], width=11)
-    compression = CompressionConfig(method=method, layout="dense" if method == "none" else None,
-                                    quant=quant, eviction=EVICT)
-    sampling = dataclasses.replace(SAMPLING, top_p=0.95)
+    compression = _compression(method, layout, quant)
+    sampling = dataclasses.replace(SAMPLING, top_p=0.95,
+                                   pool_pages=12 if layout == "paged" or method == "sparrow" else 0)
     static = generate(graphdef, params, prompt, mask, jax.random.key(2), sampling, compression)
     engine = generate_continuous(graphdef, params, prompt, mask, jax.random.key(2), sampling,
                                  compression)

@@ -173,8 +173,7 @@ def test_page_sparse_attention_equals_masked_reference(backend):
                               jnp.asarray(q_pos), jnp.asarray(head_pos), mask=jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
     # only the selected pages are read: the gather holds K * ps slots, not C
-    gk, _, gpos = gather_pages(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), pages,
-                               jnp.asarray(layer), ps)
+    gk, _, gpos = gather_pages(cache, pages, jnp.asarray(layer), jnp.float32)
     assert gk.shape[2] == (3 + 3) * ps and int(jnp.sum(gpos >= 0)) == int(mask.sum())
 
 

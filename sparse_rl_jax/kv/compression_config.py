@@ -76,8 +76,10 @@ class CompressionConfig:
         cache dtype), ``int8``, ``fp8`` or ``int4`` (two values a byte; an even head_dim), a
         scale per token and KV head computed when the token is written; attention and
         eviction scores read the decoded values, and a replay of the rollout's record
-        (``score(..., record)``) quantizes its own keys and values the same way. Runs on the
-        slot cache (layouts ``dense`` and ``budget``).
+        (``score(..., record)``) quantizes its own keys and values the same way. Runs on every
+        layout: the slot cache (``dense``, ``budget``), the paged cache and the continuous
+        engine's page pool (``paged``: ``none``, ``sparrow``'s page means of decoded keys),
+        through the XLA attention path (the Pallas page kernels read unquantized pages).
       eviction: the evicting methods' budget cache and score (:class:`EvictionConfig`).
       sparrow: ``sparrow``'s page budget and dense layers (:class:`SparrowConfig`).
       alpha: the logged acceptance alpha of a recorded rollout (:class:`AlphaConfig`).
@@ -114,10 +116,6 @@ class CompressionConfig:
         self._check_layout()
         check_int(self, "page_size", 1)
         check_choice(self, "quant", KV_QUANTS.names())
-        check(self.quant == "none" or self.cache_layout != "paged", self, "quant",
-              f"runs on the slot cache (layouts dense and budget); method {self.method!r} on "
-              f"layout 'paged' takes quant 'none' only (method none: set layout dense)",
-              self.quant)
         for name, section in _SECTIONS.items():
             check(isinstance(getattr(self, name), section), self, name,
                   f"must be of type {section.__name__}")

@@ -48,7 +48,8 @@ def num_pages(max_len: int, page_size: int) -> int:
 
 
 def replay_from_page_record(
-    record: jax.Array, positions: jax.Array, prompt_lengths: jax.Array, page_size: int
+    record: jax.Array, positions: jax.Array, prompt_lengths: jax.Array, page_size: int,
+    quant: str = "none",
 ) -> PageReplay:
     """The selection record as the per-query pages of a teacher-forced forward over
     prompt + response (``models.Decoder(..., kv=replay)``), which replays the
@@ -62,6 +63,8 @@ def replay_from_page_record(
         ``scoring.sequence_positions``.
       prompt_lengths: ``[B]`` real prompt tokens per row.
       page_size: tokens per page of ``record``.
+      quant: the ``models.kv_quant`` format the rollout's cache stored (the replay's keys and
+        values are quantized and decoded the same way).
 
     Returns:
       :class:`PageReplay` with ``pages [L, B, Hkv, S, K]`` (``-1`` only on prompt and padding
@@ -75,7 +78,7 @@ def replay_from_page_record(
     index = jnp.broadcast_to(jnp.clip(r, 0, m - 1)[None, :, None, :, None], (n_layers, b, h, s, k))
     pages = jnp.take_along_axis(record.astype(jnp.int32), index, axis=3)
     pages = jnp.where(in_resp[None, :, None, :, None], pages, NO_PAGE)
-    return PageReplay(pages=pages, page_size=page_size)
+    return PageReplay(pages=pages, page_size=page_size, quant=quant)
 
 
 @struct.dataclass
@@ -88,10 +91,13 @@ class PageRecord:
         ``r`` attended to (``NO_PAGE`` = -1 unused; all -1 on dense layers and steps that
         never ran).
       page_size: tokens per page (static).
+      quant: the ``models.kv_quant`` format of the rollout's cache (static): the replay
+        quantizes its own keys and values the same way.
     """
 
     pages: jax.Array
     page_size: int = struct.field(pytree_node=False, default=16)
+    quant: str = struct.field(pytree_node=False, default="none")
     fill: ClassVar[int] = NO_PAGE
 
     def replay_view(self, positions: jax.Array, prompt_lengths: jax.Array,
@@ -103,4 +109,4 @@ class PageRecord:
         check_shape("record.pages", self.pages, N=positions.shape[0], L=None, Hkv=None,
                     M=response_len, K=None)
         return replay_from_page_record(jnp.moveaxis(self.pages, 0, 1), positions,
-                                       prompt_lengths, self.page_size)
+                                       prompt_lengths, self.page_size, self.quant)

@@ -90,13 +90,14 @@ def init_state(
         )
     if cfg.cache_layout == "paged":
         cache = init_paged_cache(num_layers, batch, num_kv_heads, max_len, head_dim, dtype,
-                                 page_size=cfg.page_size)
+                                 page_size=cfg.page_size, quant=cfg.quant)
     else:
         cache = init_cache(num_layers, batch, num_kv_heads, cfg.cache_capacity(max_len),
                            head_dim, dtype, num_heads=num_heads,
                            window=cfg.eviction.window if cfg.compresses else 0, quant=cfg.quant)
     if cfg.page_sparse:
-        cache = page_sparse_cache(cache, max_k=cfg.max_pages_k, dense_layers=cfg.sparrow.dense_layers)
+        cache = page_sparse_cache(cache, max_k=cfg.max_pages_k,
+                                  dense_layers=cfg.sparrow.dense_layers, dtype=dtype)
     return SparseKVState(
         cache=cache,
         evicted_at=jnp.full((num_layers, batch, num_kv_heads,

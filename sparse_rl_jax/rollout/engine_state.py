@@ -78,10 +78,11 @@ def slot_state(cfg: CompressionConfig, model_cfg, *, slots: int, max_len: int, d
     (every table entry unmapped; ``sparrow``'s page-sparse cache wraps it)."""
     if pool_pages and pooled(cfg):
         cache = init_page_pool(model_cfg.num_layers, slots, model_cfg.num_kv_heads, max_len,
-                               model_cfg.head_dim, pool_pages, dtype, page_size=cfg.page_size)
+                               model_cfg.head_dim, pool_pages, dtype, page_size=cfg.page_size,
+                               quant=cfg.quant)
         if cfg.page_sparse:
             cache = page_sparse_cache(cache, max_k=cfg.max_pages_k,
-                                      dense_layers=cfg.sparrow.dense_layers)
+                                      dense_layers=cfg.sparrow.dense_layers, dtype=dtype)
         return kv_state.SparseKVState(cache=cache, evicted_at=jnp.zeros(
             (model_cfg.num_layers, slots, model_cfg.num_kv_heads, 0), jnp.int32))
     state = kv_state.init_state(

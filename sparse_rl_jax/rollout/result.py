@@ -58,7 +58,8 @@ def replay_record_of(evicted_at: jax.Array, page_record: jax.Array,
     """``Rollout.record`` from a decode loop's raw arrays (the state's ``evicted_at [L, N, Hkv,
     P + M]``, ``page_record [L, N, Hkv, M, K]``; last axis 0 unrecorded), rows moved first."""
     if page_record.shape[-1]:
-        return PageRecord(jnp.moveaxis(page_record, 1, 0), compression.page_size)
+        return PageRecord(jnp.moveaxis(page_record, 1, 0), compression.page_size,
+                          compression.quant)
     if evicted_at.shape[-1]:
         return kv_state.EvictionRecord(jnp.moveaxis(evicted_at, 1, 0), quant=compression.quant)
     if compression.quant != "none":

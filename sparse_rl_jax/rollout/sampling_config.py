@@ -34,7 +34,7 @@ class SamplingConfig:
         what reads the record (``policy.resolve_sampling``: the ``shadow_mask`` learner, or
         ``sparrow``'s acceptance metric); the sampler alone, which cannot know, treats None
         as off. Pass True to replay a rollout yourself, or, with ``compression.quant`` on an
-        evicting method, to log the mismatch split by source
+        evicting method or ``sparrow``, to log the mismatch split by source
         (``training.mismatch_sources``: ``mismatch_k3_from_quant``, ``_from_eviction``).
       engine: ``static`` (``sampler.generate``: one batch decoded until its longest row
         ends) or ``continuous`` (``engine.generate_continuous``: ``slots`` decode slots

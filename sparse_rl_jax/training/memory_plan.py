@@ -137,11 +137,10 @@ def _check_args(kind: str, remat: str, **sizes) -> None:
             raise ValueError(f"{name}: must be an int >= {smallest}, got {value!r}")
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
+def page_bytes(cfg: ModelConfig, page_size: int, dtype, quant: str = "none") -> int:
     """Bytes of one page of a ``models.page_pool.PagePoolCache``: keys + values of
-    ``page_size`` positions in every layer and KV head."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * (
-        np.dtype(dtype).itemsize)
+    ``page_size`` positions in every layer and KV head (``quant``'s codes and scales)."""
+    return page_size * kv_bytes_per_token(cfg, quant, dtype)
 
 
 def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
@@ -175,7 +174,7 @@ def _rollout_parts(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: in
         "kv_cache": kv_cache_bytes(cfg, kv_rows, slots, dtype, paged=paged,
                                    quant=compression.quant)
         + (batch * (slots + slots // compression.page_size) * 4 if pool else 0),
-        "kv_pool": pool * page_bytes(cfg, compression.page_size, dtype),
+        "kv_pool": pool * page_bytes(cfg, compression.page_size, dtype, compression.quant),
         "page_keys": cfg.num_layers * (batch + prompts) * kv * pages * cfg.head_dim * itemsize,
         "query_ring": ring,
         "record": record,
@@ -341,7 +340,8 @@ def engine_sizes(cfg: ModelConfig, limit: int, *, rows: int, prompt_len: int,
     if not pooled(compression):
         return min(rows, dense), 0
     row_pages = -(-(prompt_len + new_tokens) // compression.page_size)
-    page = page_bytes(cfg, compression.page_size, kw.get("dtype", np.float32))
+    page = page_bytes(cfg, compression.page_size, kw.get("dtype", np.float32),
+                      compression.quant)
     slots = min(rows, 2 * dense)
     rest = limit - estimate("rollout", cfg, batch=slots, **kw, pool_pages=1).total + page
     pool = min(rest // page, slots * row_pages)

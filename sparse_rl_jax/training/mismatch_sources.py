@@ -1,7 +1,8 @@
 """The sampler/learner mismatch of a quantized, evicting rollout, split by source.
 
 A rollout whose cache both evicts and quantizes differs from the dense learner in two ways.
-Its replay record (``kv.state.EvictionRecord``, with the level in ``quant``) lets the learner
+Its replay record (``kv.state.EvictionRecord``, or ``sparrow``'s ``kv.page_sparsity.PageRecord``,
+whose page selection plays the part of eviction; the level in ``quant``) lets the learner
 replay the policy with one source removed, on the same rows: eviction without quantization
 (``record.replace(quant="none")``) and quantization without eviction
 (``kv.state.QuantRecord``, every key kept). How far the sampler is from each says what the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import jax
 
 from sparse_rl_jax.core.masked_math import as_mask, safe_log_ratio
+from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.kv.state import EvictionRecord, QuantRecord
 from sparse_rl_jax.rl.decoupled import k3_mean
 from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP
@@ -42,8 +44,8 @@ def mismatch_by_source(policy: RolloutPolicy, params, rollout: Rollout,
                        ) -> dict[str, jax.Array]:
     """``mismatch_k3_from_quant`` (the sampler against its eviction without quantization)
     and ``mismatch_k3_from_eviction`` (against its quantization without eviction) over the
-    first ``rows`` rows of ``rollout``; empty when its record is not a quantized eviction
-    record (nothing to split, or no record kept).
+    first ``rows`` rows of ``rollout``; empty when its record is not a quantized eviction or
+    page-selection record (nothing to split, or no record kept).
 
     Args:
       policy, params: the rollout's policy and params (the replays score under them).
@@ -51,7 +53,7 @@ def mismatch_by_source(policy: RolloutPolicy, params, rollout: Rollout,
       loss_mask_NxM: the tokens counted.
     """
     record = rollout.record
-    if not isinstance(record, EvictionRecord) or record.quant == "none":
+    if not isinstance(record, (EvictionRecord, PageRecord)) or record.quant == "none":
         return {}
     take = slice(0, rows)
     sample = (rollout.prompt[take], rollout.prompt_mask[take], rollout.response[take])

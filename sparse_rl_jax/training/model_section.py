@@ -47,13 +47,14 @@ class ModelSection:
         check_choice(self, "remat", REMAT_POLICIES)
         check_choice(self, "attention", attention_choices())
 
-    def backend(self, platform: str, model_config, page_size: int) -> str:
+    def backend(self, platform: str, model_config, page_size: int, quant: str = "none") -> str:
         """The attention backend ``attention`` selects on ``platform`` for a model of
-        ``model_config`` (``models.ModelConfig``) paged in ``page_size``-token pages;
-        :class:`FieldError` naming ``model.attention``, why and the choices that work here
-        when the kernel cannot run there or take those shapes."""
+        ``model_config`` (``models.ModelConfig``) paged in ``page_size``-token pages of KV
+        stored as ``quant`` (``compression.quant``); :class:`FieldError` naming
+        ``model.attention``, why and the choices that work here when the kernel cannot run
+        there or take those shapes (``auto`` falls back to XLA)."""
         shapes = KernelShapes(page_size, model_config.num_heads, model_config.num_kv_heads,
-                              model_config.head_dim)
+                              model_config.head_dim, quant)
         problem = attention_error(self.attention, platform, shapes)
         if problem is not None:
             raise FieldError("model", "attention", problem, self.attention)

@@ -276,7 +276,7 @@ def build_step_context(cfg: RunConfig, prepared, mesh, reward_fn):
     model.remat = cfg.model.remat
     # a kernel that cannot run here: an error naming model.attention before anything compiles
     model.attention = cfg.model.backend(jax.default_backend(), model.config,
-                                        cfg.compression.page_size)
+                                        cfg.compression.page_size, cfg.compression.quant)
     graphdef, params = nnx.split(model)
     reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(cfg.optim)
