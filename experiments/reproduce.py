@@ -239,6 +239,10 @@ def main(argv=None) -> int:
     inference = [dataclasses.replace(comp, method=m,
                                      eviction=dataclasses.replace(comp.eviction, budget=b))
                  for b in args.budgets for m in args.methods]
+    # quantized arms are also evaluated under their own setting: each sparse one and the
+    # dense cache at each level
+    inference += [dataclasses.replace(c, quant=q) for q in args.quants
+                  for c in [dataclasses.replace(comp, method="none"), *inference]]
     results, curves = [], {}
     for seed in args.seeds:
         runs = []

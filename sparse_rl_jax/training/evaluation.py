@@ -45,10 +45,13 @@ HEADER = f"{'mode':<28} {'pass@1':>8} {'avg@k':>9} {'k':>3} {'length':>9} {'kv s
 
 
 def mode_name(compression: CompressionConfig) -> str:
-    """The eval-table name of an inference setting: ``dense`` or ``sparse (<method> <budget>)``."""
+    """The eval-table name of an inference setting: ``dense`` or ``sparse (<method>
+    <budget>)``, with `` <quant>`` (``compression.quant``) added inside the brackets of a
+    quantized one (``dense`` quantized: ``quantized (<quant>)``)."""
+    quant = "" if compression.quant == "none" else f" {compression.quant}"
     if not compression.compresses:
-        return "dense"
-    return f"sparse ({compression.method} {compression.eviction.budget})"
+        return f"quantized ({compression.quant})" if quant else "dense"
+    return f"sparse ({compression.method} {compression.eviction.budget}{quant})"
 
 
 def _mean_reward(policy: RolloutPolicy, params, prompts, answers, sampling, compression, key,
