@@ -368,7 +368,8 @@ def page_sparse_attention(
         k_pages, v_pages = buffers
         live = jnp.full((b,), pages.shape[-1], jnp.int32)
         out = paged_kernel_attention(q, k_pages, v_pages, layer, cache.page_ids(pages),
-                                     positions, q_pos, live, kernel=kernel.platform)
+                                     positions, q_pos, live, kernel=kernel.platform,
+                                     scales=cache.page_scales())
         return out, pages
     gk, gv, gpos = gather_pages(cache, pages, layer, q.dtype)
     return attention(q, gk, gv, q_pos, gpos, backend=backend), pages

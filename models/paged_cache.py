@@ -126,6 +126,14 @@ class PositionSlots(WriteIndexCache):
         an id outside ``[0, N)``)."""
         return None
 
+    def page_scales(self) -> tuple[jax.Array, jax.Array] | None:
+        """The scales of quantized ``page_buffers``, ``[L, Hp, N, page_size]`` (page by page
+        as the buffers), or None when the keys and values are stored unquantized."""
+        if self.k_scale is None:
+            return None
+        n_layers, hp, n, ps = self.page_buffers()[0].shape[:4]
+        return self.k_scale.reshape(n_layers, hp, n, ps), self.v_scale.reshape(n_layers, hp, n, ps)
+
     def kernel_read(self, layer: jax.Array, q: jax.Array, q_pos: jax.Array,
                     kernel) -> jax.Array:
         """Attention ``[B, T, Hq, D]`` of ``q`` (positions ``q_pos [B, T]``) over each row's
@@ -136,7 +144,7 @@ class PositionSlots(WriteIndexCache):
         live = (jnp.max(q_pos, axis=1) + self.page_size) // self.page_size  # -1 -> 0 pages
         return paged_kernel_attention(
             q, k_pages, v_pages, layer, self.page_ids(jnp.arange(r)[None, None]),
-            self.pos[:, None], q_pos, live, kernel=kernel.platform)
+            self.pos[:, None], q_pos, live, kernel=kernel.platform, scales=self.page_scales())
 
 
 @struct.dataclass

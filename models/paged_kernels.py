@@ -24,6 +24,9 @@ Both kernels below share one layout and one online-softmax fold (:func:`_fold`, 
 - ``pos [B, Hs, R, page_size]`` int32 original position of each table slot (``-1`` empty),
   ``Hs`` 1 or ``Hkv``;
 - ``live [B]`` int32: table entries ``[0, live)`` are read (ragged rows: the trip count);
+- quantized pages (``models.kv_quant``; the GPU kernel, ``int8`` and ``fp8``): the pages hold
+  codes and ``[L, Hp, N, page_size]`` scale pages sit beside them; each page is decoded
+  (codes times its slots' scales, in the query's dtype) as it is read, as the XLA path does;
 - the ``G = Hq / Hkv`` query heads of a KV head and the ``T`` queries of a row are the rows
   of one query block (padded to a power of two >= 16 with position ``-1``), so each page is
   read once per KV head, not once per query head (GQA).
@@ -89,20 +92,32 @@ def _table_entry(i, h, e, table_heads: int, entries: int):
     return (i * table_heads + _head(h, table_heads)) * entries + e
 
 
-def _gpu_kernel(layer_ref, live_ref, q_ref, qpos_ref, tables_ref, pos_ref, k_ref, v_ref, o_ref,
-                *, page_heads, scale):
-    """One (row, KV head): fold its ``live`` table entries' pages, one page at a time."""
+def _gpu_kernel(layer_ref, live_ref, q_ref, qpos_ref, tables_ref, pos_ref, k_ref, v_ref,
+                *refs, page_heads, scale):
+    """One (row, KV head): fold its ``live`` table entries' pages, one page at a time;
+    ``refs``: ``(o_ref,)``, or ``(k_scale_ref, v_scale_ref, o_ref)`` for quantized pages
+    (codes times each slot's scale, in the query's dtype, as ``models.kv_quant`` decodes)."""
+    *scales, o_ref = refs
     hp = _head(pl.program_id(1), page_heads)
     layer, num_pages = layer_ref[0], k_ref.shape[2]
     q_MxD, qpos_Mx1 = q_ref[...], qpos_ref[...]
     rows, d = q_MxD.shape
 
+    def page_of(ref, scale_ref, at):
+        if scale_ref is None:
+            return ref[layer, hp, at]
+        codes_PxD = ref[layer, hp, at].astype(jnp.float32)
+        return (codes_PxD * scale_ref[layer, hp, at].astype(jnp.float32)[:, None]
+                ).astype(q_MxD.dtype)
+
+    k_scale_ref, v_scale_ref = scales or (None, None)
+
     def body(r, carry):
         page = tables_ref[r]
         at = jnp.clip(page, 0, num_pages - 1)
         visible_MxP = _visible(page, num_pages, pos_ref[pl.ds(r, 1), :], qpos_Mx1)
-        return _fold(carry, q_MxD, k_ref[layer, hp, at], v_ref[layer, hp, at], visible_MxP,
-                     scale)
+        return _fold(carry, q_MxD, page_of(k_ref, k_scale_ref, at),
+                     page_of(v_ref, v_scale_ref, at), visible_MxP, scale)
 
     init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, d), jnp.float32))
@@ -110,8 +125,9 @@ def _gpu_kernel(layer_ref, live_ref, q_ref, qpos_ref, tables_ref, pos_ref, k_ref
     o_ref[...] = _finish(l_Mx1, acc_MxD).astype(o_ref.dtype)
 
 
-def _gpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret):
-    """``pallas_call`` of :func:`_gpu_kernel` over a (row, KV head) grid."""
+def _gpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *scales, interpret):
+    """``pallas_call`` of :func:`_gpu_kernel` over a (row, KV head) grid (``scales``: the
+    ``[L, Hp, N, page_size]`` scale pages of quantized ``k_pages, v_pages``, or none)."""
     b, hkv, rows, d = q.shape
     _, hp, n, ps, _ = k_pages.shape
     ht, hs, r = tables.shape[1], pos.shape[1], tables.shape[2]
@@ -127,11 +143,12 @@ def _gpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)
             pl.BlockSpec((None, None, r, ps), lambda i, h: (i, _head(h, hs), 0, 0)),
             pl.BlockSpec(k_pages.shape, lambda i, h: (0, 0, 0, 0, 0)),
             pl.BlockSpec(v_pages.shape, lambda i, h: (0, 0, 0, 0, 0)),
+            *(pl.BlockSpec(x.shape, lambda i, h: (0, 0, 0, 0)) for x in scales),
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),  # Triton, not
-    )(layer, live[:, None], q, qpos, tables, pos, k_pages, v_pages)  # Mosaic GPU
+    )(layer, live[:, None], q, qpos, tables, pos, k_pages, v_pages, *scales)  # Mosaic GPU
 
 
 def _tpu_kernel(layer_ref, tables_ref, live_ref, q_ref, qpos_ref, pos_ref, k_ref, v_ref, o_ref,
@@ -163,7 +180,8 @@ def _tpu_kernel(layer_ref, tables_ref, live_ref, q_ref, qpos_ref, pos_ref, k_ref
 
 def _tpu_call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret):
     """``pallas_call`` of :func:`_tpu_kernel` over a (row, KV head, table entry) grid with the
-    layer, the flattened tables and ``live`` prefetched as scalars."""
+    layer, the flattened tables and ``live`` prefetched as scalars (unquantized pages only:
+    ``PageKernel.quants``)."""
     b, hkv, rows, d = q.shape
     _, hp, n, ps, _ = k_pages.shape
     ht, hs, r = tables.shape[1], pos.shape[1], tables.shape[2]
@@ -199,9 +217,12 @@ class PageKernel:
 
     Attributes:
       platform: the JAX platform it is compiled for (elsewhere it runs interpreted).
-      call: ``call(layer, live, q, qpos, tables, pos, k_pages, v_pages, *, interpret)``.
+      call: ``call(layer, live, q, qpos, tables, pos, k_pages, v_pages, [k_scales,
+        v_scales,] *, interpret)``.
       page_multiple, head_dim_multiple: ``page_size`` and ``head_dim`` must be multiples.
       power_of_two: ``page_size`` and ``head_dim`` must also be powers of two (Triton).
+      quants: the ``models.kv_quant`` formats of the pages it reads (codes with a scale page
+        beside them; not ``int4``, whose nibbles it does not unpack).
     """
 
     platform: str
@@ -209,6 +230,7 @@ class PageKernel:
     page_multiple: int
     head_dim_multiple: int
     power_of_two: bool
+    quants: tuple[str, ...] = ("none",)
 
     def shape_error(self, page_size: int, num_q_heads: int, num_kv_heads: int,
                     head_dim: int, quant: str = "none") -> str | None:
@@ -222,16 +244,16 @@ class PageKernel:
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             problems.append(f"num_q_heads={num_q_heads} not a multiple of "
                             f"num_kv_heads={num_kv_heads}")
-        if quant != "none":
-            problems.append(f"compression.quant={quant!r} (the page kernels read unquantized "
-                            f"pages; quant levels they read: ('none',); the XLA path reads "
-                            f"every level)")
+        if quant not in self.quants:
+            problems.append(f"compression.quant={quant!r} (quant levels the {self.platform} "
+                            f"page kernel reads: {self.quants}; the XLA path reads every "
+                            f"level)")
         return "; ".join(problems) or None
 
 
 KERNELS = {  # by name; Triton dots need >= 16 along every axis, Mosaic (8, 128) tiles
     "gpu": PageKernel("gpu", _gpu_call, page_multiple=16, head_dim_multiple=16,
-                      power_of_two=True),
+                      power_of_two=True, quants=("none", "int8", "fp8")),
     "tpu": PageKernel("tpu", _tpu_call, page_multiple=8, head_dim_multiple=128,
                       power_of_two=False),
 }
@@ -240,7 +262,8 @@ KERNELS = {  # by name; Triton dots need >= 16 along every axis, Mosaic (8, 128)
 def paged_kernel_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            layer: jax.Array, tables: jax.Array, pos: jax.Array,
                            q_pos: jax.Array, live: jax.Array, *, kernel: str,
-                           interpret: bool | None = None) -> jax.Array:
+                           interpret: bool | None = None,
+                           scales: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Attention of ``q`` over the pages each row's table names, read in place by a Pallas
     kernel (see the module docstring for the layout).
 
@@ -255,6 +278,9 @@ def paged_kernel_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       live: ``[B]`` int entries ``[0, live)`` of each row are read (at most ``R``).
       kernel: a name in :data:`KERNELS` (``"gpu"``, ``"tpu"``).
       interpret: Pallas interpret mode; None = unless JAX's default platform is ``kernel``.
+      scales: ``(k_scales, v_scales)`` ``[L, Hp, N, page_size]`` when the pages hold
+        quantized codes (``models.kv_quant``, a level in the kernel's ``quants``); None:
+        the pages are keys and values.
 
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``.
@@ -282,10 +308,13 @@ def paged_kernel_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          ((0, 0), (0, rows - t * g)), constant_values=-1)[..., None]
     if interpret is None:
         interpret = jax.default_backend() != kernel
+    if scales is not None and KERNELS[kernel].quants == ("none",):
+        raise ValueError(f"paged_kernel_attention: the {kernel} kernel reads unquantized "
+                         f"pages only, got scale pages")
     out = KERNELS[kernel].call(
         jnp.asarray(layer, jnp.int32).reshape(1), jnp.clip(live, 0, r).astype(jnp.int32),
         q_BxKxMxD, qpos_BxMx1, tables.astype(jnp.int32),
         pos.astype(jnp.int32).reshape(b, pos.shape[1], r, ps), k_pages, v_pages,
-        interpret=interpret)
+        *(scales or ()), interpret=interpret)
     out = out[:, :, :t * g].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, hq, d)

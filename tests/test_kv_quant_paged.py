@@ -3,8 +3,8 @@ engine's page pool and Sparrow's page-sparse cache over either. Oracle: the same
 precision fed the keys and values ``models.kv_quant.fake_quant`` gives (itself tested against
 NumPy in ``test_kv_quant``): a quantized view must read exactly those, chunked or over every
 slot, and Sparrow must select its pages by the means of those keys. Plus what a quantized page
-stores, what the pool copies from a prefill, the bytes of a page, and the backends that cannot
-read quantized pages."""
+stores, what the pool copies from a prefill, the bytes of a page; the GPU page kernel reading
+int8 / fp8 pages as the XLA path does, and the levels each kernel refuses."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from models.config import ModelConfig
 from models.kv_quant import fake_quant, get_quant
 from models.page_pool import init_page_pool
-from models.page_sparse import page_sparse_cache
+from models.page_sparse import page_sparse_attention, page_sparse_cache
 from models.paged_cache import init_paged_cache
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.training.memory_plan import engine_sizes, page_bytes
@@ -116,14 +116,53 @@ def test_a_quantized_page_costs_its_codes_and_scales_and_the_pool_gets_more_page
     assert bf16 / page_bytes(cfg, 16, jnp.bfloat16, "int4") >= 3.5
 
 
-def test_page_kernels_cannot_read_quantized_pages():
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["paged", "pool", "sparrow"])
+def test_gpu_page_kernel_reads_quantized_pages_as_xla(kind, quant):
+    """A decode step read in place by the GPU kernel (interpreted here) with the scale pages
+    beside the code pages == the XLA path, which decodes chunk by chunk."""
+    rng = np.random.default_rng(11)
+    cfg, hq, hkv, d = _config(4, 2).__class__("llama", 64, 4 * 16, 32, L, num_heads=4,
+                                              num_kv_heads=2, head_dim=16), 4, 2, 16
+    view = (init_page_pool(L, B, hkv, 96, d, 13, page_size=16, quant=quant).replace(
+        pages=jnp.asarray([[5, 0, 3, 9, 13, 13], [2, 6, 7, 13, 13, 13]], jnp.int32))
+        if kind == "pool" else init_paged_cache(L, B, hkv, 96, d, page_size=16, quant=quant))
+
+    def tokens(t):
+        return [rng.normal(size=shape).astype(np.float32)
+                for shape in ((B, t, hq, d), (B, hkv, t, d), (B, hkv, t, d))]
+
+    lengths = np.array([61, 20])  # ragged rows: row 1 left-padded by 41
+    prefill = np.where(np.arange(61) >= 61 - lengths[:, None],
+                       np.arange(61) - (61 - lengths[:, None]), -1).astype(np.int32)
+    _, view = _forward(view, cfg, LAYER, *tokens(61), prefill, "blockwise")
+    step, step_pos = tokens(1), lengths[:, None].astype(np.int32)
+    if kind == "sparrow":  # the sink, 1 of row 0's middle pages 1-2, the 2 newest
+        view = view.write(jnp.asarray(LAYER), jnp.asarray(step[1]), jnp.asarray(step[2]),
+                          jnp.asarray(step_pos))
+        page_keys = jnp.asarray(rng.normal(size=(B, hkv, 6, d)), jnp.float32)
+        (want, pages), (got, _) = (page_sparse_attention(
+            jnp.asarray(step[0]), view, jnp.asarray(step_pos), jnp.asarray(LAYER), page_keys,
+            jnp.ones((B,), jnp.int32), max_k=1, backend=backend)
+            for backend in ("blockwise", "pallas_gpu"))
+        assert (np.asarray(pages)[0, :, 1] >= 1).all()
+    else:
+        want, _ = _forward(view, cfg, LAYER, *step, step_pos, "blockwise")
+        got, _ = _forward(view, cfg, LAYER, *step, step_pos, "pallas_gpu")
+    assert np.abs(np.asarray(want)).max() > 0.1
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_page_kernels_refuse_levels_they_cannot_read():
     heads = _config(4, 2).__class__("llama", 64, 4 * 64, 32, L, num_heads=4, num_kv_heads=2,
                                     head_dim=64)
-    with pytest.raises(ValueError, match=r"model\.attention.*compression.quant='int8'.*"
-                                         r"quant levels they read: \('none',\)"):
-        ModelSection(attention="pallas_gpu").backend("gpu", heads, 16, "int8")
-    assert ModelSection(attention="auto").backend("gpu", heads, 16, "int8") == "blockwise"
-    assert ModelSection(attention="auto").backend("gpu", heads, 16) == "pallas_gpu"
+    with pytest.raises(ValueError, match=r"model\.attention.*compression.quant='int4'.*"
+                                         r"gpu page kernel reads: \('none', 'int8', 'fp8'\)"):
+        ModelSection(attention="pallas_gpu").backend("gpu", heads, 16, "int4")
+    assert ModelSection(attention="pallas_gpu").backend("gpu", heads, 16, "fp8") == "pallas_gpu"
+    assert ModelSection(attention="auto").backend("gpu", heads, 16, "int4") == "blockwise"
+    with pytest.raises(ValueError, match=r"model\.attention.*tpu page kernel reads: \('none',\)"):
+        ModelSection(attention="pallas_tpu").backend("tpu", heads, 16, "int8")
     with pytest.raises(ValueError, match="PagedKVCache.*compression.quant='int4'"):
         init_paged_cache(L, B, 2, 16, 64, page_size=16, quant="int4").check(
             heads, B, 1, "pallas_gpu")

@@ -76,10 +76,12 @@ class CompressionConfig:
         cache dtype), ``int8``, ``fp8`` or ``int4`` (two values a byte; an even head_dim), a
         scale per token and KV head computed when the token is written; attention and
         eviction scores read the decoded values, and a replay of the rollout's record
-        (``score(..., record)``) quantizes its own keys and values the same way. Runs on every
-        layout: the slot cache (``dense``, ``budget``), the paged cache and the continuous
-        engine's page pool (``paged``: ``none``, ``sparrow``'s page means of decoded keys),
-        through the XLA attention path (the Pallas page kernels read unquantized pages).
+        (``score(..., record)``) quantizes its own keys and values the same way. Runs in
+        every cache (the slot cache of layouts ``dense`` and ``budget``; the paged cache and
+        the continuous engine's page pool of ``paged``, ``sparrow`` taking its page means of
+        the decoded keys); the XLA attention path reads every level, the GPU page kernel
+        (``model.attention``) ``int8`` and ``fp8`` pages with their scale pages, the TPU
+        kernel none.
       eviction: the evicting methods' budget cache and score (:class:`EvictionConfig`).
       sparrow: ``sparrow``'s page budget and dense layers (:class:`SparrowConfig`).
       alpha: the logged acceptance alpha of a recorded rollout (:class:`AlphaConfig`).
