@@ -235,7 +235,7 @@ class PageKernel:
     def shape_error(self, page_size: int, num_q_heads: int, num_kv_heads: int,
                     head_dim: int, quant: str = "none") -> str | None:
         """Why the kernel cannot take these shapes, or pages stored as ``quant`` (a
-        ``models.kv_quant`` format; the kernels read unquantized pages only), None: it can."""
+        ``models.kv_quant`` format, one of :attr:`quants`), None: it can."""
         problems = [f"{name}={value} (needs a multiple of {multiple}"
                     + (", a power of two)" if self.power_of_two else ")")
                     for name, value, multiple in (("page_size", page_size, self.page_multiple),
