@@ -21,7 +21,9 @@ Compared with the slot cache (``models.cache.KVCache``):
 Visibility is the slot cache's: slot ``s`` is visible to a query at position ``t`` iff
 ``0 <= pos[s] <= t``. Positions must be below the capacity (the caller sizes it; a row's
 positions never exceed its forwarded columns, which ``check`` bounds when the index is known).
-Rollouts only (no gradient through the loop).
+Rollouts only (no gradient through the loop). With ``quant`` (``models.kv_quant``) the
+buffers hold codes and a scale per slot and KV head (written by the same scatter), and every
+read decodes what it reads (a chunk, selected pages, never a layer whole).
 """
 
 from __future__ import annotations
