@@ -84,6 +84,20 @@ def test_avg_at_k_at_a_vanishing_temperature_is_greedy_pass_at_1(policy):
     assert hot.k == cold.k == 3 and cold.mode == "dense"
 
 
+def test_a_quantized_cache_is_evaluated_under_its_own_name(policy):
+    """The dense cache at a quant level gets its own row (``quantized (<level>)``), as does a
+    quantized sparse one (``sparse (<method> <budget> <level>)``), after the dense row (what
+    the quantized samplers compute: ``test_kv_quant_replay``)."""
+    _, tok, graphdef, params, sampling = policy
+    rkv = CompressionConfig(method="rkv", eviction=EvictionConfig(budget=64, buffer=8, window=2))
+    rows = evaluate(graphdef, params, tok, PROMPTS, ANSWERS, contains_answer, sampling,
+                    [CompressionConfig(method="none", quant="int8"),
+                     CompressionConfig(method="rkv", quant="fp8", eviction=rkv.eviction)],
+                    samples=2, temperature=1.0, batch_size=8)
+    assert [r.mode for r in rows] == ["dense", "quantized (int8)", "sparse (rkv 64 fp8)"]
+    assert all(0 <= r.pass_at_1 <= 1 for r in rows)
+
+
 def test_eval_of_a_directory_without_checkpoints_fails_before_building_a_warm_start(tmp_path):
     cfg = load_config(RunConfig, None, [f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(FileNotFoundError, match="neither an HF checkpoint .* nor a run dir"):

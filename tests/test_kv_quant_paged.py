@@ -57,13 +57,13 @@ def test_quantized_view_reads_the_fake_quantized_keys(quant, kind, backend):
     assert coded.k_scale.dtype == jnp.float16 and float(jnp.max(coded.k_scale)) > 0
 
 
-@pytest.mark.parametrize("kind", ["paged", "pool"])
-def test_sparrow_on_quantized_pages_selects_by_the_keys_attention_reads(kind):
+def test_sparrow_on_quantized_pages_selects_by_the_keys_attention_reads():
+    """On the paged cache (the pool's Sparrow rows: ``test_kv_quant_replay``'s engine rows)."""
     rng = np.random.default_rng(8)
-    views = [page_sparse_cache(_views(kind, quant, ps=2), max_k=2, dense_layers=(0,),
+    views = [page_sparse_cache(_views("paged", quant, ps=2), max_k=2, dense_layers=(0,),
                                dtype=jnp.float32).replace(budget=jnp.asarray([2, 1], jnp.int32))
              for quant in ("int4", "none")]
-    for _, _, _, q_pos in _steps(rng, 9, np.array([9, 4]), [1] * 6, HQ, HKV):
+    for _, _, _, q_pos in _steps(rng, 9, np.array([9, 4]), [1] * 4, HQ, HKV):
         t = q_pos.shape[1]
         tokens = [(rng.normal(size=(B, t, HQ, D)).astype(np.float32),
                    *(rng.normal(size=(B, HKV, t, D)).astype(np.float32) for _ in range(2)))
@@ -75,7 +75,7 @@ def test_sparrow_on_quantized_pages_selects_by_the_keys_attention_reads(kind):
         np.testing.assert_allclose(views[0].page_keys, views[1].page_keys, atol=1e-6)
         np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-6)
     assert views[0].page_keys.dtype == jnp.float32 and views[0].page_keys.shape[-1] == D
-    # row 0 (15 tokens, 8 pages) is sparse: 2 of its 5 middle pages left out at the last step
+    # row 0 (13 tokens, 7 pages) is sparse: 2 of its 4 middle pages left out at the last step
     assert (np.asarray(views[0].selected)[1:, 0] >= 0).sum(-1).max() == 2 + 3
 
 

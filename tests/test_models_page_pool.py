@@ -7,6 +7,7 @@ no writes; and the inputs it rejects."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -68,6 +69,12 @@ def test_pool_attention_equals_the_paged_cache(page_size, chunk_pages, hq, hkv, 
     assert not np.asarray(pool.k)[:, :, np.setdiff1d(np.arange(pool_pages), table)].any()
 
 
+@jax.jit
+def _attend(view, layer, q, k, v, q_pos):
+    """One layer's ``attend`` (compiled once per view type and shapes)."""
+    return view.attend(layer, q, k, v, q_pos, "blockwise")
+
+
 def _all_layers(view, q_pos, tokens):
     """One forward of every layer through ``view`` as the decoder runs it (per-layer fields
     scanned): ``(outputs [L] of [B, T, Hq, D], view)``."""
@@ -76,9 +83,8 @@ def _all_layers(view, q_pos, tokens):
     outs = []
     for layer, (q, k, v) in enumerate(tokens):
         one = {name: x[layer] for name, x in per_layer.items()}
-        out, new = join_layers(carried, one).attend(
-            jnp.asarray(layer), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-            jnp.asarray(q_pos), "blockwise")
+        out, new = _attend(join_layers(carried, one), jnp.asarray(layer), jnp.asarray(q),
+                           jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos))
         carried = split_layers(new)[0]
         outs.append(np.asarray(out))
     return outs, join_layers(carried, per_layer).end_forward(q_pos.shape[1])

@@ -77,9 +77,11 @@ def _mean_reward(policy: RolloutPolicy, params, prompts, answers, sampling, comp
 
 def _modes(compression: CompressionConfig | Sequence[CompressionConfig]
            ) -> list[CompressionConfig]:
-    """Dense first, then each compressing setting of ``compression`` in order."""
+    """Dense first, then each setting of ``compression`` that compresses or quantizes (the
+    dense cache at a ``compression.quant`` level), in order."""
     sparse = [compression] if isinstance(compression, CompressionConfig) else list(compression)
-    return [CompressionConfig(method="none")] + [c for c in sparse if c.compresses]
+    return [CompressionConfig(method="none")] + [c for c in sparse
+                                                  if c.compresses or c.quant != "none"]
 
 
 def _greedy(sampling: SamplingConfig) -> SamplingConfig:
@@ -91,7 +93,7 @@ def eval_metrics(graphdef, params, tokenizer, prompts: Sequence[str], answers: S
                  *, batch_size: int, samples: int, temperature: float,
                  add_special_tokens: bool = False) -> dict[str, float]:
     """Greedy pass@1 and sampled avg@k of the current policy, dense and (if ``compression``
-    compresses) sparse: the evaluation run during training (``eval.every_steps``), through the
+    compresses or quantizes) under the rollouts' own cache, named ``sparse``: the evaluation run during training (``eval.every_steps``), through the
     same sampler (:func:`evaluate` with seed 0). Greedy pass@1 moves only when an argmax
     flips; avg@k (``samples`` draws per prompt at ``temperature``, one fixed key so successive
     evals share their noise) is the accuracy of the sampling policy that RL optimises.
@@ -139,7 +141,8 @@ def evaluate(
       reward_fn: ``(completions, answers) -> [N]`` (1.0 = correct).
       sampling: base sampling config (EOS ids, max_new_tokens, prompt bucket).
       compression: the sparse-inference setting (usually the training one), or several;
-        each compressing one adds a row after the dense one, in the given order.
+        each compressing or quantizing one adds a row after the dense one, in the given
+        order.
       samples: ``k`` of avg@k; temperature: its sampling temperature.
       batch_size: prompts per generation call.
       seed: sampling seed.
