@@ -2,8 +2,8 @@
 update at a real model shape, compiled from abstract inputs on whatever backend is present.
 
     python benchmarks/hlo_cost.py --shape qwen2.5-1.5b --batch 32 --context 4096 \
-        --dtype float32 [--only decode_static_none ...] [--json FILE] [--dump-hlo DIR] \
-        [--top N]
+        --dtype float32 [--only decode_static_none ...] [--quant int8] [--json FILE] \
+        [--dump-hlo DIR] [--top N]
     python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE] [--top N]
     python benchmarks/hlo_cost.py --plan-grid [--json FILE]   # hlo_cost_plan.py
 
@@ -13,7 +13,8 @@ decode step of ``--batch`` rows each holding ``--context`` tokens; ``rkv`` keeps
 compression of that cache), ``score`` (dense log-probs of ``--score-batch`` x
 ``(--prompt-len + --context)``) and ``update`` (one AdamW update of ``--update-batch`` such
 sequences in micro-batches of ``--micro-batch``, remat ``--remat``, LoRA rank
-``--lora-rank``). Each is lowered from
+``--lora-rank``). ``--quant`` stores the decode steps' and the compression's KV as
+``compression.quant`` codes (their KV floors then count codes and scales). Each is lowered from
 ``jax.ShapeDtypeStruct`` arguments (``hlo_cost_functions.py``; no weights), compiled, and its
 optimised HLO walked by ``hlo_walk.py`` with every loop's trip count multiplied in: XLA's
 ``known_trip_count`` (the layer scan) or, for the page loop of a paged decode step, whose
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--buffer", type=int, default=128)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--quant", default="none", choices=["none", "int8", "fp8", "int4"],
+                   help="compression.quant of the decode steps' and compression's KV (their "
+                        "KV floors count its codes and scales)")
     p.add_argument("--score-batch", type=int, default=8)
     p.add_argument("--update-batch", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=8, help="0: the whole update batch")
@@ -111,7 +115,7 @@ def sizes_of(args):
                      buffer=args.buffer, window=args.window, page_size=args.page_size,
                      score_batch=args.score_batch, update_batch=args.update_batch,
                      micro_batch=args.micro_batch, remat=args.remat,
-                     lora_rank=args.lora_rank)
+                     lora_rank=args.lora_rank, quant=args.quant)
 
 
 def walk_record(name: str, text: str, loop_trips: int | None) -> dict:
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         names = args.only or list(fns.BUILDERS)
         print(f"{args.shape}, {args.dtype}, decode batch {args.batch} x context "
               f"{args.context}, prompt {args.prompt_len}, R-KV {sizes.budget} + "
-              f"{sizes.buffer}, on {jax.devices()[0].device_kind} ({os.cpu_count()} cores)",
+              f"{sizes.buffer}, KV quant {args.quant}, on {jax.devices()[0].device_kind} ({os.cpu_count()} cores)",
               flush=True)
         records, start = [], time.perf_counter()
         for name in names:

@@ -64,6 +64,7 @@ class Sizes:
     remat: str
     lora_rank: int = 0
     chunk: int = 128
+    quant: str = "none"
 
 
 @dataclasses.dataclass
@@ -114,13 +115,25 @@ class Abstract:
         s = self.sizes
         if method == "rkv":
             return CompressionConfig(method="rkv", eviction=EvictionConfig(
-                budget=s.budget, buffer=s.buffer, window=s.window), page_size=s.page_size)
-        return CompressionConfig(method=method, page_size=s.page_size)
+                budget=s.budget, buffer=s.buffer, window=s.window), page_size=s.page_size,
+                quant=s.quant)
+        return CompressionConfig(method=method, page_size=s.page_size, quant=s.quant)
+
+    @property
+    def kv_ratio(self) -> float:
+        """Stored KV bytes per element over ``itemsize``: 1, or ``quant``'s codes and scale
+        per ``head_dim`` values (``models.kv_quant``) over the dtype's."""
+        from models.kv_quant import get_quant
+
+        per_vector = get_quant(self.sizes.quant).bytes_per_token(self.cfg.head_dim, self.dtype)
+        return per_vector / (self.cfg.head_dim * self.itemsize)
 
     def kv_bytes(self, tokens: int, rows: int) -> float:
-        """K and V bytes of ``tokens`` positions of ``rows`` rows in every layer."""
+        """K and V bytes of ``tokens`` positions of ``rows`` rows in every layer, as stored
+        (``quant``'s codes and scales)."""
         c = self.cfg
-        return 2.0 * c.num_layers * rows * c.num_kv_heads * tokens * c.head_dim * self.itemsize
+        return (2.0 * c.num_layers * rows * c.num_kv_heads * tokens * c.head_dim * self.itemsize
+                * self.kv_ratio)
 
 
 def _sampling(a: Abstract, engine: str, compression):
@@ -209,7 +222,7 @@ def decode_step(a: Abstract, engine: str, method: str) -> Function:
     return Function(
         f"decode_{engine}_{method}", lower,
         floor_flops=cost.linear_flops + cost.attention_flops + cost.scoring_flops,
-        floor_bytes=(cost.linear_bytes + cost.attention_bytes + cost.scoring_bytes
+        floor_bytes=(cost.linear_bytes + cost.attention_bytes * a.kv_ratio + cost.scoring_bytes
                      + a.kv_bytes(1, s.batch)),
         bound="bytes", loop_trips=-(-s.context // chunk))
 

@@ -155,6 +155,19 @@ def test_hlo_file_gives_the_in_process_numbers(tiny_run):
     assert once.bytes < rec["bytes"]  # the page loop's trips matter
 
 
+def test_quantized_kv_floor_counts_codes_and_scales(tiny_run, tmp_path):
+    """``--quant int8``: the decode step's floor drops by the KV bytes the codes save (the
+    tiny shape's head_dim 16 in f32: 16 + 2 bytes a vector against 64), the rest unchanged."""
+    _, records = tiny_run
+    hlo_cost.main(TINY + ["--only", "decode_static_none", "--quant", "int8", "--json",
+                          str(tmp_path / "int8.json")])
+    (int8,) = json.loads((tmp_path / "int8.json").read_text())
+    full = records["decode_static_none"]
+    assert int8["floor_flops"] == full["floor_flops"]
+    assert 0 < int8["floor_bytes"] < full["floor_bytes"]
+    assert int8["bytes"] != full["bytes"]  # a different program: codes are decoded
+
+
 def test_unknown_shape_lists_the_known_ones():
     with pytest.raises(ValueError, match="qwen2.5-1.5b.*qwen3-8b"):
         hlo_cost.parse_args(["--shape", "gpt2"])
