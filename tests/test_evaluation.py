@@ -17,7 +17,8 @@ from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig
-from sparse_rl_jax.training.evaluation import eval_metrics, evaluate
+from sparse_rl_jax.training.evaluation import _modes as eval_modes
+from sparse_rl_jax.training.evaluation import eval_metrics, evaluate, mode_name
 from sparse_rl_jax.training.policy import load_policy
 from sparse_rl_jax.training.run_config import RunConfig
 from tiny_hf import load_hf, make_tiny_hf
@@ -84,18 +85,17 @@ def test_avg_at_k_at_a_vanishing_temperature_is_greedy_pass_at_1(policy):
     assert hot.k == cold.k == 3 and cold.mode == "dense"
 
 
-def test_a_quantized_cache_is_evaluated_under_its_own_name(policy):
+def test_a_quantized_cache_is_evaluated_under_its_own_name():
     """The dense cache at a quant level gets its own row (``quantized (<level>)``), as does a
-    quantized sparse one (``sparse (<method> <budget> <level>)``), after the dense row (what
-    the quantized samplers compute: ``test_kv_quant_replay``)."""
-    _, tok, graphdef, params, sampling = policy
-    rkv = CompressionConfig(method="rkv", eviction=EvictionConfig(budget=64, buffer=8, window=2))
-    rows = evaluate(graphdef, params, tok, PROMPTS, ANSWERS, contains_answer, sampling,
-                    [CompressionConfig(method="none", quant="int8"),
-                     CompressionConfig(method="rkv", quant="fp8", eviction=rkv.eviction)],
-                    samples=2, temperature=1.0, batch_size=8)
-    assert [r.mode for r in rows] == ["dense", "quantized (int8)", "sparse (rkv 64 fp8)"]
-    assert all(0 <= r.pass_at_1 <= 1 for r in rows)
+    quantized sparse one (``sparse (<method> <budget> <level>)``), after the dense row; a
+    setting that neither compresses nor quantizes adds none (what the quantized samplers
+    compute: ``test_kv_quant_replay``)."""
+    rkv = EvictionConfig(budget=64, buffer=8, window=2)
+    settings = [CompressionConfig(method="none", quant="int8"), CompressionConfig(method="none"),
+                CompressionConfig(method="rkv", quant="fp8", eviction=rkv),
+                CompressionConfig(method="rkv", eviction=rkv)]
+    assert [mode_name(c) for c in eval_modes(settings)] == [
+        "dense", "quantized (int8)", "sparse (rkv 64 fp8)", "sparse (rkv 64)"]
 
 
 def test_eval_of_a_directory_without_checkpoints_fails_before_building_a_warm_start(tmp_path):
