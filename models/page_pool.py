@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.attention_backends import attention, visibility_backend
-from models.cache import decoded_kv, empty_kv
+from models.cache import empty_kv
 from models.paged_cache import (CHUNK_PAGES, PagedKVCache, PositionSlots, _rows, _slots,
                                 check_kernel_shapes, chunked_attention, default_chunk_pages)
 from models.shapes import check_shape
@@ -124,15 +124,9 @@ class PagePoolCache(PositionSlots):
         zeros), one gather per buffer whose output is already the attention's operand layout
         (the final reshape merges adjacent axes)."""
         heads = jnp.arange(self.num_kv_heads)[None, :, None]
-
-        def get(buf):  # advanced indices (layer, heads, pages) side by side: [B, Hkv, R', P, ...]
-            if buf is None:
-                return None
-            got = buf.at[layer, heads, pages[:, None, :]].get(mode="fill", fill_value=0)
-            return got.reshape(got.shape[:2] + (-1,) + got.shape[4:])
-
-        return decoded_kv(self.quant, get(self.k), get(self.v), get(self.k_scale),
-                          get(self.v_scale), dtype)
+        # advanced indices (layer, heads, pages) side by side: [B, Hkv, R', P, D]
+        k, v = self.kv_at((layer, heads, pages[:, None, :]), dtype)
+        return tuple(x.reshape(x.shape[:2] + (-1, x.shape[-1])) for x in (k, v))
 
     def page_buffers(self) -> tuple[jax.Array, jax.Array]:
         """``[L, Hkv, N, page_size, D]``: the pool's own buffers, the page kernels' layout."""
