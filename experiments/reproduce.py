@@ -44,6 +44,7 @@ from experiments.results_data import cell, pass1  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402
 from sparse_rl_jax.records.plots import plot_comparison  # noqa: E402
+from sparse_rl_jax.rl.loss_config import CorrectionConfig  # noqa: E402
 from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
 from sparse_rl_jax.training.evaluation import evaluate, eval_set, mode_name  # noqa: E402
 from sparse_rl_jax.training.policy import load_policy, policy_path, resolve_sampling  # noqa: E402
@@ -55,7 +56,8 @@ COMPARE_KEYS = ("reward_mean", "rejection_rate", "clip_fraction", "mismatch_k3",
                 "repetition_fraction", "kv_token_savings", "kv_peak_savings",
                 "response_length_mean", "token_mask_fraction", "truncated_fraction",
                 "low_r_sequence_fraction", "low_r_grad_share", "entropy_estimate",
-                "mismatch_k3_from_quant", "mismatch_k3_from_eviction")
+                "mismatch_k3_from_quant", "mismatch_k3_from_eviction", "is_ess",
+                "kept_token_fraction")
 # Collapse, defined before any run (issue 14): a run collapses when, for at least a quarter
 # of its steps in a row, its training reward (smoothed over a tenth of the run) sits at least
 # COLLAPSE_DROP below its peak while its truncated fraction (smoothed alike) is at least
@@ -69,9 +71,18 @@ COLLAPSE_TRUNCATION_FLOOR = 0.05
 ARM_KINDS = ("dense", "naive", "sparse-rl", "shadow-mask")  # the first word of an arm's label
 
 
+def correction_arm(name: str) -> list[str]:
+    """The overrides of a ``--corrections`` arm: the named preset
+    (``correction_presets.CORRECTION_PRESETS``), the low-r gradient share logged, and the
+    shadow-mask arm's distillation where the preset replays the record."""
+    replays = CorrectionConfig(kind=name).replay
+    return [f"correction.kind={name}", "trainer.low_r_grad_share=true",
+            *([f"loss.distill_coef={DISTILL}"] if replays else [])]
+
+
 def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (),
-         lags: tuple[int, ...] = (), quants: tuple[str, ...] = ()
-         ) -> list[tuple[str, list[str]]]:
+         lags: tuple[int, ...] = (), quants: tuple[str, ...] = (),
+         corrections: tuple[str, ...] = ()) -> list[tuple[str, list[str]]]:
     """(label, overrides) of every arm: dense once, then naive and Sparse-RL on the positive
     control per rate in ``controls`` (dense rollouts, ``data.control_missed_increment``; walk
     task only), then naive, Sparse-RL and shadow-mask per budget and method. With ``lags``,
@@ -80,41 +91,47 @@ def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (
     ratio to the sampler's log-probs (``correction.kind: ppo_behaviour``). With ``quants``
     (quantized KV, ``compression.quant``), naive and Sparse-RL per level instead: on
     quantization alone (``<kind> none <level>``, a dense cache of that level) and on each
-    budget's eviction with it (``<kind> <method> <budget> <level>``)."""
+    budget's eviction with it (``<kind> <method> <budget> <level>``). With ``corrections``
+    (preset names), every place that has a naive / Sparse-RL (/ shadow-mask) set has one arm
+    per named correction instead, labelled by its name (``<name> <method> <budget>``,
+    ``<name> control <q>``, ``... lag <k>``, ``... <level>``; :func:`correction_arm`); a
+    replaying one (shadow_mask) has no control arm: the injected rows carry no record."""
+    def kinds(*default, replay=True):
+        return [(name, correction_arm(name)) for name in corrections
+                if replay or not CorrectionConfig(kind=name).replay] or list(default)
+    naive = ("naive", ["correction.kind=none", "trainer.low_r_grad_share=true"])
+    plain_naive = ("naive", ["correction.kind=none"])
+    sparse_rl = ("sparse-rl", ["correction.kind=sparse_rl"])
     out = [("dense", ["compression.method=none", "correction.kind=none"])]
     for rate in controls:
         setting = ["compression.method=none", f"data.control_missed_increment={rate}"]
-        out.append((f"naive control {rate:g}", [*setting, "correction.kind=none",
-                                                 "trainer.low_r_grad_share=true"]))
-        out.append((f"sparse-rl control {rate:g}", [*setting, "correction.kind=sparse_rl"]))
+        out += [(f"{kind} control {rate:g}", [*setting, *over])
+                for kind, over in kinds(naive, sparse_rl, replay=False)]
     for quant in quants:
         alone = ["compression.method=none", "compression.layout=dense",
                  f"compression.quant={quant}"]
-        out.append((f"naive none {quant}", [*alone, "correction.kind=none"]))
-        out.append((f"sparse-rl none {quant}", [*alone, "correction.kind=sparse_rl"]))
+        out += [(f"{kind} none {quant}", [*alone, *over])
+                for kind, over in kinds(plain_naive, sparse_rl)]
     for budget in budgets:
         for method in methods:
             setting = [f"compression.method={method}", f"compression.eviction.budget={budget}"]
             for quant in quants:
                 # the record lets the run log its mismatch split by source (mismatch_sources)
                 both = [*setting, f"compression.quant={quant}", "sampling.record_evictions=true"]
-                out.append((f"naive {method} {budget} {quant}", [*both, "correction.kind=none"]))
-                out.append((f"sparse-rl {method} {budget} {quant}",
-                            [*both, "correction.kind=sparse_rl"]))
+                out += [(f"{kind} {method} {budget} {quant}", [*both, *over])
+                        for kind, over in kinds(plain_naive, sparse_rl)]
             for lag in lags:
                 timing = [*setting, "trainer.mode=async", f"trainer.max_lag={lag}"]
-                out.append((f"naive {method} {budget} lag {lag}",
-                            [*timing, "correction.kind=ppo_behaviour"]))
-                out.append((f"sparse-rl {method} {budget} lag {lag}",
-                            [*timing, "correction.kind=sparse_rl"]))
+                out += [(f"{kind} {method} {budget} lag {lag}", [*timing, *over])
+                        for kind, over in kinds(("naive", ["correction.kind=ppo_behaviour"]),
+                                                sparse_rl)]
             if lags or quants:
                 continue
+            shadow = ("shadow-mask",
+                      ["correction.kind=shadow_mask", f"loss.distill_coef={DISTILL}"])
             # the naive arm also logs the gradient share a 1e-4 veto would have removed
-            out.append((f"naive {method} {budget}", [*setting, "correction.kind=none",
-                                                      "trainer.low_r_grad_share=true"]))
-            out.append((f"sparse-rl {method} {budget}", [*setting, "correction.kind=sparse_rl"]))
-            out.append((f"shadow-mask {method} {budget}",
-                        [*setting, "correction.kind=shadow_mask", f"loss.distill_coef={DISTILL}"]))
+            out += [(f"{kind} {method} {budget}", [*setting, *over])
+                    for kind, over in kinds(naive, sparse_rl, shadow)]
     return out
 
 
@@ -213,11 +230,18 @@ def main(argv=None) -> int:
                         help="quantized-KV arms instead of the per-budget ones: naive and "
                              "Sparse-RL at each compression.quant level given, on quantization "
                              "alone and with each budget's eviction")
+    parser.add_argument("--corrections", nargs="*", default=[],
+                        help="one arm per named correction (correction.kind presets, e.g. "
+                             "none sparse_rl icepop opsm) wherever the naive / Sparse-RL arms "
+                             "would run (per budget, control rate, lag, quant level)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--only", nargs="+", choices=ARM_KINDS, default=list(ARM_KINDS),
+    parser.add_argument("--only", nargs="*", choices=ARM_KINDS, default=list(ARM_KINDS),
                         help="train only these kinds of arm (e.g. to add arms to an experiment "
-                             "whose dense arm already ran with the same settings)")
+                             "whose dense arm already ran with the same settings; none: only "
+                             "the --corrections arms)")
     args = parse_with_overrides(parser, argv)
+    for name in args.corrections:  # an unknown name fails here, before any arm runs
+        CorrectionConfig(kind=name)
     out = Path(args.out)
     # The settings of the documented runs (docs/reproduce_*.md), which predate today's
     # defaults of the embedded run; the command-line overrides still come last.
@@ -247,8 +271,8 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         runs = []
         for label, arm in arms(args.methods, args.budgets, tuple(args.controls),
-                               tuple(args.lags), tuple(args.quants)):
-            if label.split(" ")[0] not in args.only:
+                               tuple(args.lags), tuple(args.quants), tuple(args.corrections)):
+            if label.split(" ")[0] not in (*args.only, *args.corrections):
                 continue
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")
             cfg = load_config(RunConfig, args.config, [

@@ -97,7 +97,7 @@ def test_a_device_split_that_cannot_run_fails_before_any_file_is_written(
 @pytest.mark.parametrize("overrides, field", [
     (["trainer.mode=async", "trainer.max_lag=-1"], "trainer.max_lag"),
     (["trainer.mode=async", "data.dynamic_sampling=true"], "data.dynamic_sampling"),
-    (["trainer.mode=async", "correction.kind=shadow_mask"], "correction.kind"),
+    (["trainer.mode=async", "correction.kind=shadow_mask"], "correction.replay"),
     (["trainer.mode=async", "compression.method=sparrow", "compression.adapt.enabled=true"],
      "compression.adapt.enabled"),
     (["mesh.rollout_devices=1"], "mesh.rollout_devices"),

@@ -11,10 +11,25 @@ from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP, CorrectionConfig, GRPO
     "kwargs, pattern",
     [
         (
-            {"kind": "icepop"},
-            r"CorrectionConfig\.kind='icepop' must be one of "
-            r"\('none', 'tis', 'mis', 'sparse_rl', 'shadow_mask', 'ppo_behaviour'\)",
+            {"kind": "ice_pop"},
+            r"CorrectionConfig\.kind='ice_pop' must be one of "
+            r"\('none', 'tis', 'mis', 'sparse_rl', 'shadow_mask', 'ppo_behaviour', 'disabled', "
+            r"'decoupled_token_is', .*'pg_rs', 'icepop', 'opsm'\)",
         ),
+        ({"anchor": "old"}, r"CorrectionConfig\.anchor='old' must be one of "
+                            r"\('proximal', 'behaviour'\)"),
+        ({"loss": "reinforce"}, r"CorrectionConfig\.loss='reinforce' must be one of "
+                                r"\('ppo', 'pg'\)"),
+        ({"is_mode": "clip"}, r"CorrectionConfig\.is_mode='clip' must be one of "
+                              r"\('truncate', 'mask'\)"),
+        ({"rs_level": "seq"}, r"CorrectionConfig\.rs_level='seq' must be one of "
+                              r"\('none', 'token', 'sequence', 'geometric'\)"),
+        ({"kind": "decoupled_geo_rs", "rs_lower": 1.0005},
+         r"CorrectionConfig\.rs_lower=1\.0005 must be <= 1 with rs_level=geometric"),
+        ({"kind": "decoupled_geo_rs", "rs_lower": 0.9, "rs_upper": 0.95},
+         r"CorrectionConfig\.rs_upper=0\.95 must be >= 1 with rs_level=geometric"),
+        ({"opsm_delta": -0.1}, r"CorrectionConfig\.opsm_delta=-0\.1 must be >= 0"),
+        ({"veto": 1}, r"CorrectionConfig\.veto=1 must be true or false"),
         (
             {"level": "tokens"},
             r"CorrectionConfig\.level='tokens' must be one of \('token', 'sequence', 'geometric'\)",
@@ -27,10 +42,10 @@ from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP, CorrectionConfig, GRPO
          r"CorrectionConfig\.rs_lower=1\.2 must be < rs_upper=1\.1"),
         ({"rs_lower": 1.6}, r"CorrectionConfig\.rs_lower=1\.6 must be < rs_upper=1\.5"),
         ({"rs_upper": float("nan")}, r"CorrectionConfig\.rs_upper=nan must be a finite number"),
-        ({"veto_threshold": 1.5}, r"CorrectionConfig\.veto_threshold=1\.5 must be None or in "
+        ({"veto_threshold": 1.5}, r"CorrectionConfig\.veto_threshold=1\.5 must be in "
                                   r"\(exp\(-LOG_RATIO_CLAMP\)="),
-        ({"veto_threshold": 1e-12}, r"CorrectionConfig\.veto_threshold=1e-12 must be None or in"),
-        ({"normalize": "yes"}, r"CorrectionConfig\.normalize='yes' must be true, false or null"),
+        ({"veto_threshold": 1e-12}, r"CorrectionConfig\.veto_threshold=1e-12 must be in"),
+        ({"normalize": "yes"}, r"CorrectionConfig\.normalize='yes' must be true or false"),
     ],
 )
 def test_correction_config_errors_name_the_field(kwargs, pattern):
@@ -53,7 +68,7 @@ def test_correction_config_errors_name_the_field(kwargs, pattern):
         ),
         ({"kl_coef": -1e-4}, r"GRPOLossConfig\.kl_coef=-0\.0001 must be >= 0"),
         ({"policy_loss": "grpo"}, r"GRPOLossConfig\.policy_loss='grpo' must be one of "
-                                  r"\('ppo_clip', 'cispo'\)"),
+                                  r"\('ppo_clip', 'cispo', 'pg'\)"),
         ({"ratio_level": "seq"}, r"GRPOLossConfig\.ratio_level='seq' must be one of "
                                  r"\('token', 'sequence'\)"),
         ({"clip_c": 1.0}, r"GRPOLossConfig\.clip_c=1\.0 must be None or > 1"),
@@ -86,10 +101,53 @@ def test_defaults_and_resolution():
     c = CorrectionConfig(is_lower=0.6, is_upper=2.0)
     assert (c.rs_lower, c.rs_upper) == (0.6, 2.0)  # rejection bounds default to the IS bounds
     assert CorrectionConfig(kind="mis", normalize=True).normalize is True
-    assert CorrectionConfig(veto_threshold=None).veto_threshold is None
+    assert CorrectionConfig(veto=False).veto is False and CorrectionConfig().veto is True
     # frozen and hashable: usable as a static jit argument
     assert hash(CorrectionConfig()) == hash(CorrectionConfig())
     with pytest.raises(AttributeError):
         cfg.eps_low = 0.1  # type: ignore[misc]
     # one clamp for every log ratio, stated once
     assert cfg.log_ratio_clamp == c.log_ratio_clamp == LOG_RATIO_CLAMP == 20.0
+
+
+def test_correction_loss_pg_makes_the_policy_term_plain_policy_gradient():
+    from sparse_rl_jax.core.config_io import ConfigError, load_config
+    from sparse_rl_jax.training.run_config import RunConfig
+
+    cfg = load_config(RunConfig, None, ["correction.kind=pg_rs"])
+    assert (cfg.correction.loss, cfg.loss.policy_loss) == ("pg", "pg")
+    again = load_config(RunConfig, None, ["correction.kind=pg_rs", "loss.policy_loss=pg"])
+    assert again == cfg  # what a saved config.yaml holds reloads as it ran
+    with pytest.raises(ConfigError, match=r"correction\.loss='pg' =pg replaces "
+                                          r"loss\.policy_loss, which is 'cispo'"):
+        load_config(RunConfig, None, ["correction.loss=pg", "loss.policy_loss=cispo"])
+    with pytest.raises(ConfigError, match=r"loss\.policy_loss='pg' pg is set by "
+                                          r"correction\.loss=pg"):
+        load_config(RunConfig, None, ["loss.policy_loss=pg"])
+    with pytest.raises(ConfigError, match=r"correction\.kind='nope' must be one of \('none', "):
+        load_config(RunConfig, None, ["correction.kind=nope"])
+
+
+def test_pg_gradient_is_minus_weight_times_advantage_per_token():
+    """Plain policy gradient: d loss / d logp_new = -w A / n over kept tokens (token_mean),
+    however far the ratio is from 1 (no clipping)."""
+    import jax
+    import numpy as np
+
+    from sparse_rl_jax.rl.corrections import compute_corrections
+    from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
+
+    rng = np.random.default_rng(0)
+    old = rng.normal(-1.0, 0.5, (3, 4)).astype(np.float32)
+    sparse = (old + rng.normal(0.0, 0.8, (3, 4))).astype(np.float32)
+    new = (old + rng.normal(0.0, 1.0, (3, 4))).astype(np.float32)  # far from old: no clip
+    mask = np.ones((3, 4), bool)
+    mask[2, 3] = False
+    adv = np.array([1.0, -0.5, 2.0], np.float32)
+    corr = compute_corrections(old, sparse, mask, CorrectionConfig(kind="decoupled_token_is"))
+    batch = LossBatch.from_corrections(old, adv, mask, corr)
+    cfg = GRPOLossConfig(policy_loss="pg", aggregation="token_mean")
+    grad = jax.grad(lambda x: grpo_loss(x, batch, cfg)[0])(new)
+    w = np.minimum(np.exp(old - sparse), 2.0)
+    want = np.where(mask, -w * adv[:, None] / mask.sum(), 0.0)
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-7)

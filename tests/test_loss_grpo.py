@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from loss_reference import np_grad, np_loss, random_batch
 from sparse_rl_jax.rl.advantages import group_advantages
-from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
+from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.rl.loss_config import (AGGREGATIONS, CORRECTION_LEVELS, SEQ_DENOMINATORS,
@@ -173,7 +173,7 @@ def arrays(elements, dtype):
     dense=arrays(EXTREME, np.float32),
     mask=arrays(st.booleans(), bool),
     adv=st.lists(st.floats(-3, 3, width=32), min_size=B, max_size=B),
-    kind=st.sampled_from(CORRECTION_KINDS.names()),
+    kind=st.sampled_from(CORRECTION_PRESETS.names()),
     level=st.sampled_from(CORRECTION_LEVELS),
     agg=st.sampled_from(AGGREGATIONS),
     kl_kind=st.sampled_from(KL_ESTIMATORS.names()),
@@ -186,7 +186,8 @@ def test_extreme_log_prob_gaps_stay_finite(
 ):
     """Also the shadow-mask distillation term, against an extreme teacher (a vocabulary KL
     from float32 logits is finite, however large), and CISPO's unclamped `log rho`."""
-    corr = compute_corrections(old, sparse, mask, CorrectionConfig(kind=kind, level=level))
+    corr = compute_corrections(old, sparse, mask, CorrectionConfig(kind=kind, level=level),
+                               advantages=np.array(adv, np.float32))
     batch = LossBatch.from_corrections(old, np.array(adv, np.float32), mask, corr, logp_ref=ref)
     cfg = GRPOLossConfig(aggregation=agg, kl_kind=kl_kind, kl_coef=1e-4, distill_coef=0.5,
                          distill_kind=distill_kind, policy_loss=policy_loss)

@@ -24,7 +24,8 @@ from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.kv.scores import EVICTION_SCORES, slot_scores
 from sparse_rl_jax.rl.advantages import (ESTIMATORS, AdvantageConfig, compute_advantages,
                                          register_estimator)
-from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS, CorrectionKind
+from sparse_rl_jax.rl.correction_parts import IS_MODES
+from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS, Preset
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
 from sparse_rl_jax.rl.loss_config import CorrectionConfig, GRPOLossConfig
@@ -76,16 +77,20 @@ def test_config_allowed_values_are_the_registries_names():
     cases = [
         (lambda: GRPOLossConfig(policy_loss="nope"), POLICY_LOSSES.names()),
         (lambda: GRPOLossConfig(kl_kind="nope"), KL_ESTIMATORS.names()),
-        (lambda: CorrectionConfig(kind="nope"), CORRECTION_KINDS.names()),
+        (lambda: CorrectionConfig(kind="nope"), CORRECTION_PRESETS.names()),
+        (lambda: CorrectionConfig(is_mode="nope"), IS_MODES.names()),
         (lambda: AdvantageConfig(estimator="nope"), ESTIMATORS.names()),
         (lambda: CompressionConfig(method="nope"), methods()),
     ]
     for make, names in cases:
         assert _rule(make) == f"must be one of {names}"
-    assert POLICY_LOSSES.names() == ("ppo_clip", "cispo")
+    assert POLICY_LOSSES.names() == ("ppo_clip", "cispo", "pg")
     assert KL_ESTIMATORS.names() == ("k1", "k2", "k3")
-    assert CORRECTION_KINDS.names() == ("none", "tis", "mis", "sparse_rl", "shadow_mask",
-                                        "ppo_behaviour")
+    assert CORRECTION_PRESETS.names() == (
+        "none", "tis", "mis", "sparse_rl", "shadow_mask", "ppo_behaviour", "disabled",
+        "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
+        "ppo_is_bypass", "pg_is", "pg_rs", "icepop", "opsm")
+    assert IS_MODES.names() == ("truncate", "mask")
     assert ESTIMATORS.names() == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
     assert methods() == ("none", *EVICTION_SCORES.names(), "sparrow")
     assert EVICTION_SCORES.names() == ("snapkv", "rkv", "streaming")
@@ -163,20 +168,22 @@ def test_a_registered_advantage_estimator_is_selectable_and_used():
     np.testing.assert_array_equal(np.asarray(got), [-2.0, -3.0, 0.0, -3.0, 0.0, 0.0])
 
 
-def test_a_registered_correction_kind_is_selectable_and_used():
-    def halved(r, cfg):
-        """Weight ``r / 2``, reject ``r > is_upper``."""
-        return r / 2, r > cfg.is_upper
+def test_a_registered_is_mode_and_preset_are_selectable_and_used():
+    def halved(r, lower, upper):
+        """Weight ``r / 2``; nothing altered."""
+        del lower, upper
+        return r / 2, jnp.zeros(r.shape, bool)
 
     dense = jnp.asarray([[-1.0, -0.2, -3.0]], jnp.float32)
     sparse = jnp.asarray([[-1.0, -1.0, -0.5]], jnp.float32)
     mask = jnp.ones((1, 3), jnp.float32)
-    with registered(CORRECTION_KINDS, "halved", CorrectionKind(halved, normalizes=False)):
-        out = compute_corrections(dense, sparse, mask, CorrectionConfig(kind="halved"))
+    with registered(IS_MODES, "halved", halved), registered(CORRECTION_PRESETS, "halved_rs", Preset(
+            {"is_level": "token", "is_mode": "halved", "rs_level": "token"}, "a test's")):
+        out = compute_corrections(dense, sparse, mask, CorrectionConfig(kind="halved_rs"))
     r = np.exp(np.asarray(dense - sparse))
     np.testing.assert_allclose(np.asarray(out.weights), r / 2, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(out.token_mask), r <= 1.5)
-    assert np.asarray(out.seq_mask).all()  # no veto declared
+    np.testing.assert_array_equal(np.asarray(out.token_mask), (r <= 1.5) & (r >= 0.5))
+    assert np.asarray(out.seq_mask).all()  # no veto in the preset
 
 
 def test_a_registered_eviction_score_is_selectable_and_used():

@@ -203,3 +203,68 @@ def test_quant_table_pairs_each_arm_with_its_unquantized_regime_arm():
     assert results_data.cell(none_gap, 3) in rows["naive none int8"]  # paired with dense
     assert rows["naive rkv 32 int8"].split(" | ")[1] == "3/3 / 3/3"
     assert rows["naive rkv 32 int8"].endswith("| – |")  # a verdict only for the target
+
+
+def _setting(name, per_preset, dense=0.99):
+    """A made-up study setting: five seeds of dense and of each preset (``{preset: (held-out
+    pass@1 per seed, collapsed per seed)}``)."""
+    runs = [run("dense", s, dense) for s in range(5)]
+    for preset, (scores, collapsed) in per_preset.items():
+        runs += [run(f"{preset} rkv 32", s, scores[s], collapsed=collapsed[s]) for s in range(5)]
+    return results_data.Experiment(name, tuple(runs), ({"commit": "abc1234"},))
+
+
+def _study(per_preset_by_setting):
+    settings = {name: _setting(name, per_preset_by_setting[name])
+                for name in results_verdicts.STUDY_SETTINGS}
+    dense = {name: settings[name].arm("dense") for name in settings}
+    return settings, dense
+
+
+OK = (False,) * 5
+
+
+def test_the_study_rule_ties_go_to_fewer_parts_and_the_default_follows_only_a_win():
+    parts = {"sparse_rl": 4, "icepop": 1, "pg_rs": 4, "none": 0}
+    good = {"sparse_rl": ((0.95, 0.96, 0.97, 0.95, 0.96), OK),
+            "icepop": ((0.96, 0.95, 0.97, 0.96, 0.95), OK),      # ties sparse_rl, fewer parts
+            "pg_rs": ((0.97, 0.97, 0.98, 0.97, 0.97), OK),       # the leader
+            "none": ((0.95, 0.97, 0.50, 0.96, 0.97), OK)}        # one seed degrades
+    same = {name: good for name in results_verdicts.STUDY_SETTINGS}
+    settings, dense = _study(same)
+    out = results_verdicts.recommend(settings, dense, list(parts), parts)
+    assert not out["eligible"]["none"][0]  # degraded (0.50 < 0.99 - 0.1)
+    assert out["leader"] == "pg_rs"
+    # the leader's paired gaps over icepop (+0.016 +- 0.005?) decide whether they tie
+    gap = np.array(good["pg_rs"][0]) - np.array(good["icepop"][0])
+    tie = not (gap.mean() > 2 * gap.std(ddof=1) / np.sqrt(5))
+    assert ("icepop" in out["tied"]) == tie
+    expected = "icepop" if tie else "pg_rs"
+    assert out["recommended"] == expected
+    assert out["default"] == expected  # fewer parts than sparse_rl, or beyond 2 SE over it
+
+
+def test_the_study_rule_keeps_the_default_when_nothing_beats_it():
+    parts = {"sparse_rl": 4, "pg_rs": 4}
+    flat = {"sparse_rl": ((0.95, 0.96, 0.97, 0.95, 0.96), OK),
+            "pg_rs": ((0.96, 0.95, 0.97, 0.96, 0.96), OK)}  # higher mean, within 2 SE
+    settings, dense = _study({name: flat for name in results_verdicts.STUDY_SETTINGS})
+    out = results_verdicts.recommend(settings, dense, list(parts), parts)
+    assert out["leader"] == "pg_rs" and out["recommended"] == "pg_rs"  # tie: same parts, mean
+    assert out["default"] == "sparse_rl"  # a tie with as many parts is no win
+
+
+def test_the_study_rule_needs_every_setting():
+    parts = {"sparse_rl": 4, "shadow_mask": 1}
+    arms = {"sparse_rl": ((0.95,) * 5, OK), "shadow_mask": ((0.99,) * 5, OK)}
+    by_setting = {name: arms for name in results_verdicts.STUDY_SETTINGS}
+    by_setting["corrections_control"] = {"sparse_rl": arms["sparse_rl"]}  # shadow has none
+    settings, dense = _study(by_setting)
+    out = results_verdicts.recommend(settings, dense, list(parts), parts)
+    assert not out["eligible"]["shadow_mask"][0]
+    assert "corrections_control: not run" in out["eligible"]["shadow_mask"][1]
+    assert out["recommended"] == "sparse_rl" and out["default"] == "sparse_rl"
+    collapsing = dict(by_setting, corrections_regime={
+        "sparse_rl": ((0.95,) * 5, (True,) + (False,) * 4)})
+    settings, dense = _study(collapsing)
+    assert results_verdicts.recommend(settings, dense, ["sparse_rl"], parts)["recommended"] is None

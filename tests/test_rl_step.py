@@ -16,6 +16,7 @@ from flax import nnx
 import models
 from sparse_rl_jax.kv.page_sparsity import PageRecord
 from sparse_rl_jax.rl.grpo_loss import grpo_loss, loss_norm
+from sparse_rl_jax.rl.loss_config import CorrectionConfig
 from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
 from sparse_rl_jax.rollout.scoring import response_logprobs, score
 from sparse_rl_jax.training.collect_rounds import collect_rollouts
@@ -109,7 +110,7 @@ def test_ppo_behaviour_takes_the_ratio_to_the_sampler_with_no_correction(policy)
     assert (np.asarray(full.loss.is_weights) == 1).all() and np.asarray(full.loss.seq_mask).all()
     mask = np.asarray(rows.loss_mask).astype(bool)
     assert (np.asarray(full.loss.token_mask)[mask]).all()
-    none = dataclasses.replace(ctx.cfg.correction, kind="none")
+    none = CorrectionConfig(kind="none")
     naive = dataclasses.replace(ctx, cfg=dataclasses.replace(ctx.cfg, correction=none))
     full, _, _ = learner_batch(naive, policy[3], rows, rows.logp_old)
     np.testing.assert_array_equal(full.loss.logp_old_dense, rows.logp_old)

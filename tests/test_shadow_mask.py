@@ -248,12 +248,12 @@ def test_config_keeps_the_record_and_rejects_contradictions():
     explicit = load_config(RunConfig, None, ["sampling.record_evictions=true"])
     assert resolve_sampling(explicit, tok).record_evictions is True
     with pytest.raises(ConfigError, match=r"sampling\.record_evictions=False cannot be false "
-                                          r"with correction\.kind=shadow_mask"):
+                                          r"with correction\.replay \(shadow_mask"):
         load_config(RunConfig, None, [*shadow, "sampling.record_evictions=false"])
-    with pytest.raises(ConfigError, match=r"loss\.distill_coef=0\.1 needs "
-                                          r"correction\.kind=shadow_mask \(got 'sparse_rl'\)"):
+    with pytest.raises(ConfigError, match=r"loss\.distill_coef=0\.1 needs correction\.replay "
+                                          r"\(shadow_mask; got correction\.kind='sparse_rl'\)"):
         load_config(RunConfig, None, ["loss.distill_coef=0.1"])
-    with pytest.raises(ConfigError, match=r"loss\.distill_kind='full' needs correction\.kind"):
+    with pytest.raises(ConfigError, match=r"loss\.distill_kind='full' needs correction\.replay"):
         load_config(RunConfig, None, ["loss.distill_kind=full"])
     with pytest.raises(ConfigError, match=r"loss\.distill_kind='reverse' must be one of"):
         load_config(RunConfig, None, [*shadow, "loss.distill_kind=reverse"])

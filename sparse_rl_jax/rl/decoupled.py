@@ -4,9 +4,10 @@ Three policies score the same sampled tokens (``[N, M]`` log-probs):
   behaviour: the sampler's own (compressed KV cache, and in async mode an older version);
   proximal: dense, under the learner's params at the start of the update;
   current: the params being trained (the loss's ``logp_new``).
-The PPO ratio is ``current / proximal`` (clipped around the proximal policy) and the
-correction (``corrections.compute_corrections``: Sparse-RL's rejection and IS weights, TIS,
-MIS) acts on ``proximal / behaviour``. When the rollout was drawn by the learner's own version
+The PPO ratio is ``current / proximal`` (clipped around the proximal policy; with
+``correction.anchor: behaviour``, ``current / behaviour``: verl's bypass) and the correction
+(``corrections.compute_corrections``: its IS weights, rejection, veto, OPSM) acts on
+``proximal / behaviour``. When the rollout was drawn by the learner's own version
 (sync mode, or async with ``trainer.max_lag: 0``) the proximal scores are the rollout's dense
 scores, and this is exactly the synchronous loss.
 
@@ -27,26 +28,42 @@ from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP, CorrectionConfig
 jitted_corrections = jax.jit(compute_corrections, static_argnames="cfg")
 
 
-def decoupled_loss_batch(behaviour_NxM: jax.Array, proximal_NxM: jax.Array,
+def decoupled_loss_batch(behaviour_NxM: jax.Array | None, proximal_NxM: jax.Array,
                          advantages_N: jax.Array, loss_mask_NxM: jax.Array,
-                         cfg: CorrectionConfig, logp_ref_NxM: jax.Array | None = None
-                         ) -> tuple[LossBatch, Corrections]:
+                         cfg: CorrectionConfig, logp_ref_NxM: jax.Array | None = None,
+                         replayed: bool = False) -> tuple[LossBatch, Corrections]:
     """The loss batch of the decoupled objective and the corrections it holds.
 
     Args:
-      behaviour_NxM: the sampler's log-probs of the sampled tokens.
-      proximal_NxM: dense log-probs under the learner's params at the start of the update
-        (the PPO ratio's denominator).
-      advantages_N: per-sequence advantages.
+      behaviour_NxM: the sampler's log-probs of the sampled tokens, or None for rows that
+        carry none (then the correction sees ``r = 1`` and only ``anchor: proximal`` works).
+      proximal_NxM: dense log-probs under the learner's params at the start of the update.
+      advantages_N: per-sequence advantages (OPSM reads them).
       loss_mask_NxM: response tokens entering the loss.
-      cfg: the correction applied to ``proximal / behaviour``.
+      cfg: the correction applied to ``proximal / behaviour``; its ``anchor`` picks the PPO
+        ratio's denominator (``proximal``, or ``behaviour``: the sampler's log-probs).
       logp_ref_NxM: the KL term's reference log-probs, or None.
+      replayed: the learner scores these rows under their eviction record (shadow-mask
+        training), so the ratio is to the sampler's log-probs whatever the anchor.
 
     Returns:
       ``(LossBatch, Corrections)``; ``grpo_loss(current, batch, ...)`` is the objective.
+
+    Raises:
+      ValueError: ``anchor: behaviour`` (or ``replayed``) without ``behaviour_NxM``.
     """
-    corrections = jitted_corrections(proximal_NxM, behaviour_NxM, loss_mask_NxM, cfg=cfg)
-    batch = LossBatch.from_corrections(proximal_NxM, advantages_N, loss_mask_NxM, corrections,
+    to_behaviour = replayed or cfg.anchor == "behaviour"
+    if behaviour_NxM is None:
+        if to_behaviour:
+            raise ValueError(f"correction.anchor={cfg.anchor!r}"
+                             f"{' (a replayed record)' if replayed else ''} needs the "
+                             "sampler's log-probs (behaviour_NxM), and these rows carry none; "
+                             "use correction.anchor=proximal")
+        behaviour_NxM = proximal_NxM
+    corrections = jitted_corrections(proximal_NxM, behaviour_NxM, loss_mask_NxM, cfg=cfg,
+                                     advantages=advantages_N)
+    anchor = behaviour_NxM if to_behaviour else proximal_NxM
+    batch = LossBatch.from_corrections(anchor, advantages_N, loss_mask_NxM, corrections,
                                        logp_ref_NxM)
     return batch, corrections
 

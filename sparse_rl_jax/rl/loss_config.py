@@ -1,8 +1,9 @@
 """Static configuration of the off-policy corrections and the GRPO objective.
 
 Both dataclasses are frozen and hashable, so they can be passed to `jax.jit` as static arguments.
-The allowed correction kinds, policy losses and KL estimators are the registered ones
-(`correction_kinds.CORRECTION_KINDS`, `loss_terms.POLICY_LOSSES`, `loss_terms.KL_ESTIMATORS`).
+The allowed correction presets, ratio levels, IS modes, policy losses and KL estimators are the
+registered ones (`correction_presets.CORRECTION_PRESETS`, `correction_parts.RATIO_LEVELS` and
+`IS_MODES`, `loss_terms.POLICY_LOSSES`, `loss_terms.KL_ESTIMATORS`).
 Defaults follow the official Sparse-RL code (slime `mis.yaml` / `loss.py`).
 """
 
@@ -12,15 +13,19 @@ import math
 from dataclasses import dataclass
 
 from sparse_rl_jax.core.config_checks import check, check_bool, check_choice, check_number, reject
-from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
+from sparse_rl_jax.rl.correction_parts import IS_MODES
+from sparse_rl_jax.rl.correction_parts import RATIO_LEVELS as _CORRECTION_LEVELS
+from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS, PARTS
 from sparse_rl_jax.rl.loss_terms import KL_ESTIMATORS, POLICY_LOSSES
 
-CORRECTION_LEVELS = ("token", "sequence", "geometric")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum",
                 "seq_mean_token_sum_norm")
 RATIO_LEVELS = ("token", "sequence")
 SEQ_DENOMINATORS = ("all", "kept")
 DISTILL_KINDS = ("k3", "full")
+CORRECTION_LEVELS = _CORRECTION_LEVELS.names()
+ANCHORS = ("proximal", "behaviour")
+CORRECTION_LOSSES = ("ppo", "pg")
 
 # Every log ratio (the correction's `log(pi_old_dense / pi_sparse)`, the loss's
 # `log(pi_theta / pi_old)` and `log(pi_theta / pi_ref)`) is clamped to `[-c, c]` before
@@ -30,60 +35,116 @@ LOG_RATIO_CLAMP = 20.0
 
 @dataclass(frozen=True)
 class CorrectionConfig:
-    """How the sampler/learner mismatch `r_t = pi_old_dense(o_t) / pi_sparse(o_t)` is corrected.
+    """How the sampler/learner mismatch `r_t = pi_proximal(o_t) / pi_behaviour(o_t)` (dense
+    scores over the sampler's own log-probs) is corrected: a named preset and its parts.
 
-    kind: a registered kind (`correction_kinds.CORRECTION_KINDS`): `none` (naive sparse:
-      weights 1, nothing rejected), `tis` (truncated IS weight `min(r, is_upper)`), `mis`
-      (masked IS / IcePop: reject where `r` is outside `[is_lower, is_upper]`, weight `r`
-      inside), `sparse_rl` (sequence veto + rejection outside `[rs_lower, rs_upper]` +
-      truncated IS weight `min(r, is_upper)`), `shadow_mask` (no weights, nothing rejected:
-      the learner scores with the rollout's `Rollout.record`, so its PPO ratio is against the
-      sampler's own log-probs; distillation to the dense policy is `loss.distill_coef`; see
-      `grpo_loss`), `ppo_behaviour` (standard PPO on the sampler's rows: no weights, nothing
-      rejected, the PPO ratio taken to the sampler's own log-probs; the plain baseline of
-      async training).
-    level: which ratio the weight/rejection uses: `token` (per token), `sequence` (product over
-      the response, `exp(sum log r)`), `geometric` (`exp(mean log r)`). Non-token levels reject
-      whole sequences.
-    is_lower, is_upper: IS bounds (`is_upper` truncates; both bound the `mis` acceptance band).
-    rs_lower, rs_upper: rejection band of `sparse_rl`; None -> the IS bounds.
-    veto_threshold: `sparse_rl` drops a sequence when any valid token has `r_t` below it
-      (None disables the veto). Must exceed `exp(-LOG_RATIO_CLAMP)` to be reachable.
-    normalize: divide the IS weights by their batch mean over all response tokens (before
-      rejection; skipped when that mean < 1e-8). None -> the kind's own: on for `sparse_rl`,
-      off otherwise.
+    kind: a registered preset (`correction_presets.CORRECTION_PRESETS`; `python run.py
+      config` prints the parts it resolves to). The project's own: `none` (naive), `tis`,
+      `mis`, `sparse_rl` (the default: veto r < 1e-4, reject r outside [0.5, 1.5], TIS
+      min(r, 1.5), normalised), `shadow_mask` (the learner replays the rollout's eviction
+      record; distillation is `loss.distill_coef`), `ppo_behaviour` (PPO with the ratio to
+      the sampler's log-probs); verl's `disabled`, `decoupled_token_is`, `decoupled_seq_is`,
+      `decoupled_seq_is_rs`, `decoupled_geo_rs`, `ppo_is_bypass`, `pg_is`, `pg_rs`; `icepop`;
+      `opsm` (DeepSeek-V3.2).
+    Every part below left unset (None) takes the preset's value; a part set here overrides it.
+    anchor: the PPO ratio's denominator: `proximal` (dense under the learner's params at the
+      update) or `behaviour` (the sampler's own log-probs: verl's bypass).
+    loss: `ppo` (the loss section's `policy_loss`) or `pg` (plain policy gradient
+      `-w A log pi`, verl's bypass REINFORCE: `loss.policy_loss` becomes `pg`).
+    is_level: the IS weight's ratio: `none` (weight 1), `token`, `sequence` (product over the
+      response) or `geometric` (`exp(mean log r)`).
+    is_mode: `truncate` (`min(r, is_upper)`) or `mask` (`r` inside `[is_lower, is_upper]`, 0
+      outside; the token stays in the loss's denominators, as in IcePop).
+    is_lower, is_upper: the IS bounds.
+    rs_level: rejection: `none`, `token` (tokens leave the loss), `sequence` or `geometric`
+      (whole sequences leave it) when the ratio of that level leaves `[rs_lower, rs_upper]`.
+    rs_lower, rs_upper: the rejection band (unset in the preset too: the IS bounds). A
+      geometric band must hold 1.
+    veto, veto_threshold: drop a sequence holding a loss-mask token with `r_t <
+      veto_threshold` (which must exceed `exp(-LOG_RATIO_CLAMP)` to be reachable).
+    normalize: divide the IS weights by their batch mean (over loss-mask tokens at the token
+      level, over non-empty sequences' means otherwise; skipped below 1e-8).
+    opsm, opsm_delta: off-policy sequence masking (DeepSeek-V3.2): drop a sequence whose
+      advantage is negative and whose mean `log(pi_behaviour / pi_proximal)` over its response
+      exceeds `opsm_delta` (>= 0).
+    replay: the learner scores the sampled tokens under the rollout's eviction record
+      (shadow-mask training; needs `sampling.record_evictions`), so its ratio is to the
+      sampler's log-probs, which the replay equals.
+    level: shorthand for older configs: sets `is_level` and `rs_level` (where the preset's is
+      not `none` and the config sets neither); resolved into them, then None.
+
+    Conventions: a rejected or masked sequence stays in the loss's sequence denominator
+    (`loss.seq_denominator: all`, Sparse-RL's official code; verl's rejection removes it, which
+    is `seq_denominator: kept`). Every ratio is computed once per rollout, before the
+    minibatches; verl's bypass mode recomputes IS and rejection from the current policy in
+    every minibatch, which is the same value at the first one (one minibatch per rollout, as
+    in the walk experiments, makes them equal).
     """
 
     kind: str = "sparse_rl"
-    level: str = "token"
-    is_lower: float = 0.5
-    is_upper: float = 1.5
+    anchor: str | None = None
+    loss: str | None = None
+    is_level: str | None = None
+    is_mode: str | None = None
+    is_lower: float | None = None
+    is_upper: float | None = None
+    rs_level: str | None = None
     rs_lower: float | None = None
     rs_upper: float | None = None
-    veto_threshold: float | None = 1e-4
+    veto: bool | None = None
+    veto_threshold: float | None = None
     normalize: bool | None = None
+    opsm: bool | None = None
+    opsm_delta: float | None = None
+    replay: bool | None = None
+    level: str | None = None
 
     def __post_init__(self) -> None:
-        check_choice(self, "kind", CORRECTION_KINDS.names())
-        check_choice(self, "level", CORRECTION_LEVELS)
-        check_number(self, "is_lower", gt=0)
-        check_number(self, "is_upper", gt=0)
-        check(self.is_lower < self.is_upper, self, "is_lower",
-              f"must be < is_upper={self.is_upper!r}")
+        check_choice(self, "kind", CORRECTION_PRESETS.names())
+        check_choice(self, "level", _CORRECTION_LEVELS.names(), optional=True)
+        preset = CORRECTION_PRESETS.get(self.kind)
+        unset = {part for part in PARTS if getattr(self, part) is None}
+        for part in unset:
+            object.__setattr__(self, part, preset.value(part))
+        if self.level is not None:
+            for part in ("is_level", "rs_level"):
+                if part in unset and preset.value(part) != "none":
+                    object.__setattr__(self, part, self.level)
+            object.__setattr__(self, "level", None)
+        self._check_parts()
         if self.rs_lower is None:
             object.__setattr__(self, "rs_lower", self.is_lower)
         if self.rs_upper is None:
             object.__setattr__(self, "rs_upper", self.is_upper)
+        self._check_bands()
+
+    def _check_parts(self) -> None:
+        check_choice(self, "anchor", ANCHORS)
+        check_choice(self, "loss", CORRECTION_LOSSES)
+        check_choice(self, "is_level", ("none", *_CORRECTION_LEVELS.names()))
+        check_choice(self, "is_mode", IS_MODES.names())
+        check_choice(self, "rs_level", ("none", *_CORRECTION_LEVELS.names()))
+        for flag in ("veto", "normalize", "opsm", "replay"):
+            check_bool(self, flag)
+        floor = math.exp(-LOG_RATIO_CLAMP)
+        check_number(self, "veto_threshold", gt=floor, lt=1,
+                     rule=f"must be in (exp(-LOG_RATIO_CLAMP)={floor:.3g}, 1)")
+        check_number(self, "opsm_delta", ge=0)
+
+    def _check_bands(self) -> None:
+        check_number(self, "is_lower", gt=0)
+        check_number(self, "is_upper", gt=0)
+        check(self.is_lower < self.is_upper, self, "is_lower",
+              f"must be < is_upper={self.is_upper!r}")
         check_number(self, "rs_lower", gt=0)
         check_number(self, "rs_upper", gt=0)
         check(self.rs_lower < self.rs_upper, self, "rs_lower",
               f"must be < rs_upper={self.rs_upper!r}")
-        floor = math.exp(-LOG_RATIO_CLAMP)
-        check_number(self, "veto_threshold", gt=floor, lt=1, optional=True,
-                     rule=f"must be None or in (exp(-LOG_RATIO_CLAMP)={floor:.3g}, 1)")
-        check_bool(self, "normalize", optional=True)
-        if self.normalize is None:
-            object.__setattr__(self, "normalize", CORRECTION_KINDS.get(self.kind).normalizes)
+        if self.rs_level == "geometric":
+            check(self.rs_lower <= 1, self, "rs_lower", "must be <= 1 with rs_level=geometric "
+                  "(the band of a geometric mean ratio must hold 1)")
+            check(self.rs_upper >= 1, self, "rs_upper", "must be >= 1 with rs_level=geometric "
+                  "(the band of a geometric mean ratio must hold 1)")
 
     @property
     def log_ratio_clamp(self) -> float:

@@ -62,8 +62,18 @@ def cispo(rho, clipped_rho, adv, log_pi_ratio, cfg: Any) -> tuple[jax.Array, jax
     return -jax.lax.stop_gradient(clipped_rho) * adv * log_pi_ratio, clipped_rho != rho
 
 
+def pg(rho, clipped_rho, adv, log_pi_ratio, cfg: Any) -> tuple[jax.Array, jax.Array]:
+    """Plain policy gradient (REINFORCE, verl's bypass ``reinforce``): ``-A log rho``, the
+    gradient ``-A grad log pi`` on every token, no clipping (the correction's weight
+    multiplies it). Its value is verl's ``-A log pi`` shifted by the constant ``A log pi_old``.
+    Counts no token as clipped."""
+    del rho, cfg
+    return -adv * log_pi_ratio, jnp.zeros(clipped_rho.shape, jnp.bool_)
+
+
 POLICY_LOSSES.register("ppo_clip", PolicyLoss(ppo_clip, eps_low_max=1, dual_clip=True))
 POLICY_LOSSES.register("cispo", PolicyLoss(cispo))
+POLICY_LOSSES.register("pg", PolicyLoss(pg))
 
 
 @KL_ESTIMATORS.register("k1")

@@ -246,5 +246,10 @@ def collect_prompts(policy: RolloutPolicy, params, prompts: Sequence[str],
     alpha, t_alpha = timed(acceptance_all, policy, params, rollout, size, comp,
                            sampling.temperature)
     seconds["score"] = t_score + t_alpha
-    corr = jitted_corrections(logp_old, rollout.logp, loss_mask, cfg=policy.correction)
+    # which rows are in the loss, before the group's advantages exist: OPSM (which reads them)
+    # acts in the learner's batch (``rl_step.learner_batch``)
+    correction = policy.correction
+    if correction.opsm:
+        correction = dataclasses.replace(correction, opsm=False)
+    corr = jitted_corrections(logp_old, rollout.logp, loss_mask, cfg=correction)
     return Collected(rollout, rewards, loss_mask, logp_old, corr, alpha, seconds)

@@ -51,7 +51,7 @@ class UpdateBatch(NamedTuple):
         (None when the rows were collected unscored).
       rewards: ``[N]`` float32 task reward plus the overlong penalty.
       valid: ``[N]`` bool, False on padding rows (whole groups).
-      record: None, or (``correction.kind: shadow_mask``) the rows' replay record
+      record: None, or (``correction.replay``: shadow_mask) the rows' replay record
         (``Rollout.record``, rows first, so it splits into minibatches like every other leaf),
         widened for the common prompt width ``P`` (``scoring.concatenate_records``).
     """
@@ -133,7 +133,7 @@ def _assemble(ctx, rounds: list[Collected], groups: list[tuple[int, int]], valid
         lengths, ctx.sampling.max_new_tokens, ctx.cfg.overlong)
     loss_mask = cat(lambda o: o.loss_mask)
     record = None
-    if ctx.cfg.correction.kind == "shadow_mask" and rounds[0].rollout.record is not None:
+    if ctx.cfg.correction.replay and rounds[0].rollout.record is not None:
         record = jax.tree.map(lambda x: x[rows],
                               concatenate_records([out.rollout.record for out in rounds]))
     return UpdateBatch(

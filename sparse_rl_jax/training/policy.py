@@ -58,11 +58,11 @@ def policy_path(cfg: RunConfig, log: Callable[[str], None] = print) -> str:
 
 
 def record_needed(cfg: RunConfig) -> bool:
-    """Whether the run reads the rollout's record (``Rollout.record``): the ``shadow_mask``
-    learner replays it; ``sparrow`` logs its acceptance alpha from it (unless
+    """Whether the run reads the rollout's record (``Rollout.record``): a replaying
+    (``correction.replay``, ``shadow_mask``) learner replays it; ``sparrow`` logs its acceptance alpha from it (unless
     ``compression.alpha.metric: off``). Nothing else does: a dense or evicting cache under
     the dense-scoring corrections never needs one."""
-    return cfg.correction.kind == "shadow_mask" or (cfg.compression.page_sparse
+    return cfg.correction.replay or (cfg.compression.page_sparse
                                                     and cfg.compression.alpha.metric != "off")
 
 

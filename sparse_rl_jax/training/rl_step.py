@@ -24,7 +24,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.shapes import check_shape
 from sparse_rl_jax.rl.advantages import compute_advantages
-from sparse_rl_jax.rl.correction_kinds import CORRECTION_KINDS
 from sparse_rl_jax.rl.decoupled import decoupled_loss_batch
 from sparse_rl_jax.rl.grpo_loss import check_loss_batch
 from sparse_rl_jax.rl.update_step import Minibatch, dropout_key
@@ -131,7 +130,7 @@ def learner_batch(ctx: StepContext, params, batch: UpdateBatch, proximal_NxM: ja
     # Shadow-mask training (``batch.record`` is set): the learner's policy is the replayed
     # sparse one, so the PPO ratio is against the sampler's own log-probs (equal to the replay)
     # and the reference is scored under the same record; the dense scores still feed the
-    # mismatch metrics. ``ppo_behaviour`` takes the same ratio without a record (plain PPO).
+    # mismatch metrics. ``correction.anchor: behaviour`` takes the same ratio without a record.
     logp_ref, t_ref = None, 0.0
     if ctx.reference is not None:
         logp_ref, t_ref = timed(score_all, ctx.policy, ctx.reference(params), batch.prompt,
@@ -140,9 +139,8 @@ def learner_batch(ctx: StepContext, params, batch: UpdateBatch, proximal_NxM: ja
     advantages = compute_advantages(jnp.asarray(batch.rewards), cfg.sampling.num_samples,
                                     cfg.advantage, mask, batch.valid)
     loss_batch, corrections = decoupled_loss_batch(batch.logp_sparse, proximal_NxM, advantages,
-                                                   mask, cfg.correction, logp_ref)
-    if batch.record is not None or CORRECTION_KINDS.get(cfg.correction.kind).ratio_to_behaviour:
-        loss_batch = loss_batch.replace(logp_old_dense=batch.logp_sparse)
+                                                   mask, cfg.correction, logp_ref,
+                                                   replayed=batch.record is not None)
     full = Minibatch(batch.prompt, batch.prompt_mask, batch.response, loss_batch, batch.record)
     return full, dict(corrections.metrics), t_ref
 

@@ -149,7 +149,7 @@ class TrainerConfig:
         ``async`` (rollouts run ahead of the learner on a fixed schedule, ``async_lag``;
         logs ``async/lag``, ``time/wait_rollout``, ``time/wait_learner``,
         ``time/weight_sync``). Async cannot serve ``data.dynamic_sampling``,
-        ``compression.adapt`` or ``correction.kind: shadow_mask``.
+        ``compression.adapt`` or ``correction.replay`` (``shadow_mask``).
       max_lag: in async mode, step t's rollout is drawn from exactly the params after update
         ``t - max_lag`` (the initial params for the first steps); the learner's PPO ratio is
         taken around its own params at the update (the decoupled objective,
@@ -298,29 +298,48 @@ class RunConfig:
               trainer.score_batch)
         self._check_shadow_mask()
         self._check_async()
-        check(not (self.data.control_missed_increment and correction.kind == "shadow_mask"),
-              self, "data.control_missed_increment", "cannot be used with correction.kind="
-              "shadow_mask (the injected rows have no record to replay)",
+        check(not (self.data.control_missed_increment and correction.replay),
+              self, "data.control_missed_increment", "cannot be used with correction.replay "
+              "(shadow_mask: the injected rows have no record to replay)",
               self.data.control_missed_increment)
+        self._resolve_correction_loss()
         synthetic = self.data.source in ("task", "walk")
         if synthetic and self.model.path is None and self.compression.compresses:
             self._check_task_fits()
 
     def _check_shadow_mask(self) -> None:
         """The learner replays the rollout's record, and the distillation term exists, only
-        under shadow_mask."""
-        shadow = self.correction.kind == "shadow_mask"
+        under ``correction.replay`` (shadow_mask)."""
+        shadow = self.correction.replay
         check(self.sampling.record_evictions is not False or not shadow, self,
-              "sampling.record_evictions", "cannot be false with correction.kind=shadow_mask "
-              "(the learner replays the rollout's record); leave it unset (auto) or true",
-              self.sampling.record_evictions)
+              "sampling.record_evictions", "cannot be false with correction.replay "
+              "(shadow_mask: the learner replays the rollout's record); leave it unset (auto) "
+              "or true", self.sampling.record_evictions)
         check(shadow or self.loss.distill_coef == 0, self, "loss.distill_coef",
-              f"needs correction.kind=shadow_mask (got {self.correction.kind!r}): the "
-              "distillation term compares the replayed sparse policy with the dense one",
-              self.loss.distill_coef)
+              f"needs correction.replay (shadow_mask; got correction.kind="
+              f"{self.correction.kind!r}): the distillation term compares the replayed sparse "
+              "policy with the dense one", self.loss.distill_coef)
         check(shadow or self.loss.distill_kind == "k3", self, "loss.distill_kind",
-              f"needs correction.kind=shadow_mask (got {self.correction.kind!r})",
-              self.loss.distill_kind)
+              f"needs correction.replay (shadow_mask; got correction.kind="
+              f"{self.correction.kind!r})", self.loss.distill_kind)
+
+    def _resolve_correction_loss(self) -> None:
+        """``correction.loss: pg`` makes the policy term plain policy gradient
+        (``loss.policy_loss: pg``); ``pg`` is reached only that way, so a saved config
+        reloads as it ran."""
+        policy_loss = self.loss.policy_loss
+        if self.correction.loss == "pg":
+            check(policy_loss in ("ppo_clip", "pg"), self, "correction.loss",
+                  f"=pg replaces loss.policy_loss, which is {policy_loss!r}; leave that at its "
+                  "default", self.correction.loss)
+            check(self.loss.clip_c is None, self, "loss.clip_c", "(dual-clip) cannot be used "
+                  "with correction.loss=pg (plain policy gradient clips nothing)",
+                  self.loss.clip_c)
+            object.__setattr__(self, "loss", dataclasses.replace(self.loss, policy_loss="pg"))
+        else:
+            check(policy_loss != "pg", self, "loss.policy_loss",
+                  "pg is set by correction.loss=pg (with the correction it belongs to); set "
+                  "that instead", policy_loss)
 
     def _check_async(self) -> None:
         """What async mode (``trainer.mode``) cannot serve, and the device split it needs."""
@@ -329,7 +348,6 @@ class RunConfig:
                   "needs trainer.mode=async (a sync rollout waits for the learner: a split "
                   "would leave one group idle)", self.mesh.rollout_devices)
             return
-        kind = self.correction.kind
         unserved = (("data.dynamic_sampling", self.data.dynamic_sampling,
                      self.data.dynamic_sampling,
                      "it discards groups, and the paced producer keeps every group"),
@@ -337,7 +355,7 @@ class RunConfig:
                      self.compression.adapt.enabled,
                      "its closed loop sets a rollout's budget from the step before it, which "
                      "a rollout running ahead has not seen"),
-                    ("correction.kind", kind, kind == "shadow_mask",
+                    ("correction.replay", self.correction.replay, self.correction.replay,
                      "shadow_mask's learner replays the record under the rollout's own "
                      "params, which async mode no longer holds at the update"))
         for field, value, bad, why in unserved:
