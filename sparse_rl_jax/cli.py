@@ -14,7 +14,8 @@ Overrides are dotted ``key=value`` pairs (values parsed as YAML). ``--distribute
 
 Bad input (config, model, tokenizer, data, run directory) prints one ``config error:`` or
 ``error:`` line and exits with 2, before anything is written; so does a checkpoint save that
-fails (a full disk); ``--debug`` shows the traceback. ``--take-over`` lets ``train`` take
+fails (a full disk), and an async run whose producer failed or whose producer, learner or
+weight sync went quiet past ``trainer.async_timeout_s``; ``--debug`` shows the traceback. ``--take-over`` lets ``train`` take
 over a run directory whose lock a run on another host left (one that crashed, or a directory
 moved here).
 """
@@ -119,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             return _fail("error", err, args.debug)
     from sparse_rl_jax.records.checkpoint import CheckpointError
     from sparse_rl_jax.records.run_dir import RunDirError
+    from sparse_rl_jax.training.async_deadline import AsyncRolloutError
     from sparse_rl_jax.training.trainer import NonFiniteError
 
     if args.command == "doctor":
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             run_eval(cfg, args.checkpoint)
     except ConfigError as e:
         return _fail("config error", e, args.debug)
-    except (ValueError, OSError, RunDirError, CheckpointError, NonFiniteError) as e:
+    except (ValueError, OSError, RunDirError, CheckpointError, NonFiniteError,
+            AsyncRolloutError) as e:
         return _fail("error", e, args.debug)
     return 0
 

@@ -1,12 +1,15 @@
 """Async mode's schedule on a tiny policy, in process: step t's rows are drawn from exactly
 version t - k (the rollout made from the saved params of update t - k), the lag is logged from
-the oldest version, the mismatch split (``trainer.split_mismatch``) changes only the logs, and
-a producer that fails, or a weight sync that fails, stops the learner with an error naming the
-step."""
+the oldest version, the mismatch split (``trainer.split_mismatch``) changes only the logs, a
+producer that fails, or a weight sync that fails, stops the learner with an error naming the
+step, and a side that goes quiet (the producer, the learner's update, the weight sync) stops
+it at the deadline (``trainer.async_timeout_s``) naming the step and the side."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ import pytest
 
 import models
 from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
+from sparse_rl_jax.training import async_lag
 from sparse_rl_jax.training.async_lag import AsyncRolloutError, AsyncSteps
 from sparse_rl_jax.training.collect_rounds import collect_rollouts
 from sparse_rl_jax.training.rl_step import batch_sharding
@@ -123,7 +127,6 @@ def test_a_failed_weight_sync_stops_the_learner_naming_the_step(policy, monkeypa
     """The learner's publish of version 1 fails: the step raises, naming the step and the
     sync, and leaving the context stops the producer (waiting for version 1) instead of
     hanging."""
-    from sparse_rl_jax.training import async_lag
     ctx, params, opt_state = _context(policy, "trainer.max_lag=1")
     real, calls = async_lag.sync_weights, []
 
@@ -141,3 +144,71 @@ def test_a_failed_weight_sync_stops_the_learner_naming_the_step(policy, monkeypa
         with steps:
             steps.step(ctx, params, opt_state, 0)
     assert not steps.thread.is_alive()
+
+
+
+@pytest.fixture
+def release():
+    """An event the sides that sleep forever wait on; set when the test ends, so that their
+    threads end (by raising) instead of outliving it."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def _quiet_after(answered, answer, release):
+    """``answer`` for the first ``answered`` calls; from then on a side that sleeps without
+    raising, until the test ends (``release``)."""
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > answered:
+            release.wait()
+            raise RuntimeError("released when the test ended")
+        return answer(*args, **kwargs)
+
+    return fake
+
+
+@pytest.mark.parametrize("quiet, answered, side", [
+    ("collect_rollouts", 0, "rollout producer"),  # the producer's first rollout
+    ("update", 0, "learner"),                      # the learner's first update
+    ("sync_weights", 1, "weight sync"),            # the publish of version 1 (after version 0)
+])
+def test_a_side_that_goes_quiet_stops_the_learner_at_the_deadline(
+        policy, lag_one_split, monkeypatch, release, quiet, answered, side):
+    """One side answers ``answered`` calls, then sleeps forever without raising: step 1
+    raises AsyncRolloutError naming the step and that side once the deadline
+    (``trainer.async_timeout_s=0.5``, no step observed yet) has passed, and leaving the
+    context does not wait for the threads left sleeping. The other sides answer at once
+    (step 0's rows of the lag-1 run, an update that changes nothing)."""
+    ctx, params, opt_state = _context(policy, "trainer.max_lag=1", "trainer.async_timeout_s=0.5")
+    rows = lag_one_split[2][0]
+    answers = {"collect_rollouts": lambda *a, **k: (rows.batch, rows.metrics, rows.clock),
+               "update": lambda ctx, params, opt_state, full, step: (params, opt_state, {}),
+               "sync_weights": async_lag.sync_weights}
+    for name, answer in answers.items():
+        monkeypatch.setattr(async_lag, name, answer)
+    monkeypatch.setattr(async_lag, quiet, _quiet_after(answered, answers[quiet], release))
+    steps = AsyncSteps(ctx, params, 0, 0)
+    start = time.perf_counter()
+    with pytest.raises(AsyncRolloutError, match=rf"^step 1: the {side} went quiet: no answer in "
+                                                r"0\.[5-9] s \(deadline 0\.5 s, the larger of "
+                                                r"trainer\.async_timeout_s=0\.5 "):
+        with steps:
+            steps.step(ctx, params, opt_state, 0)
+    assert time.perf_counter() - start < 5.0  # the deadline, not a wait for the sleepers
+    assert steps.thread.daemon
+
+
+def test_leaving_while_the_producer_sleeps_forever_raises_at_the_deadline(policy, monkeypatch,
+                                                                          release):
+    """A runner left without an error while its producer never answers: the join of the
+    producer ends at the deadline, with an error naming the step the producer is on."""
+    ctx, params, _ = _context(policy, "trainer.max_lag=1", "trainer.async_timeout_s=0.3")
+    monkeypatch.setattr(async_lag, "collect_rollouts", _quiet_after(0, None, release))
+    with pytest.raises(AsyncRolloutError, match=r"^step 1: the rollout producer went quiet: "
+                                                r"no answer in 0\.[3-9] s"):
+        with AsyncSteps(ctx, params, 0, 0):
+            pass

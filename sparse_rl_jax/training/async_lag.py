@@ -18,7 +18,9 @@ producer's rollouts. Logged per step: ``async/lag`` (the step minus the OLDEST v
 batch), ``time/wait_rollout`` (the learner waiting for rows), ``time/wait_learner`` (the
 producer waiting for the version it needs), ``time/weight_sync``, and, with
 ``trainer.split_mismatch``, the mismatch split (``decoupled.mismatch_split``). A producer that
-fails stops the trainer with an error naming the step, never a hang.
+fails stops the trainer with an error naming the step; a side that goes quiet (the producer, the
+learner's own update, the weight sync) stops it at a deadline (``trainer.async_timeout_s``,
+``async_deadline``) with an error naming the step and the side: never a hang.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import jax
 import numpy as np
 
 from sparse_rl_jax.rl.decoupled import mismatch_split
+from sparse_rl_jax.training.async_deadline import AsyncRolloutError, Deadline, finish_within
 from sparse_rl_jax.training.collect import score_all, timed
 from sparse_rl_jax.training.collect_rounds import UpdateBatch, collect_rollouts
 from sparse_rl_jax.training.rl_step import learner_batch, step_metrics, update
@@ -39,10 +42,6 @@ from sparse_rl_jax.training.role_mesh import sync_weights
 
 POLL_SECONDS = 1.0
 """How often a waiting learner checks that the producer is still alive."""
-
-
-class AsyncRolloutError(RuntimeError):
-    """The rollout producer failed or stopped before delivering a step's rows."""
 
 
 class LaggedRollout(NamedTuple):
@@ -133,6 +132,9 @@ class AsyncSteps:
       lagged: versions ``start - k .. start - 1`` (each clamped at 0), oldest first: what a
         resumed run restores from its checkpoint (:meth:`lagged`); ignored at step 0.
       rollout_mesh: the rollout devices' mesh (``role_mesh.rollout_mesh``), or None.
+
+    Every wait of the learner on the other side runs under ``deadline``
+    (``async_deadline.Deadline`` of ``trainer.async_timeout_s``).
     """
 
     def __init__(self, ctx, params, start: int, position: int, lagged=(), rollout_mesh=None):
@@ -147,6 +149,10 @@ class AsyncSteps:
         self.ring = VersionRing(self.max_lag, versions)
         self.ready: queue.Queue = queue.Queue()
         self.last: LaggedRollout | None = None  # the rows of the step run last
+        self.deadline = Deadline(ctx.cfg.trainer.async_timeout_s)
+        self.producing = start  # the step the producer is on
+        self._side = "learner"  # the side the learner's worker is on: learner / weight sync
+        self._quiet = False  # a side went quiet: the producer is not waited for at the exit
         # (role, phase, step, start, end) perf_counter spans, for a timeline (bench_async)
         self.timeline: list[tuple[str, str, int, float, float]] = []
         self.thread = threading.Thread(target=self._produce, name="rollout-producer",
@@ -156,15 +162,29 @@ class AsyncSteps:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        """Stops the producer: closes the ring and joins it within the deadline (at once when
+        a side went quiet); a producer still running after a clean exit raises
+        AsyncRolloutError (after an error it is left, a daemon thread)."""
         self.ring.close()
-        self.thread.join()
+        start = time.perf_counter()
+        self.thread.join(0.0 if self._quiet else self.deadline.seconds)
+        if self.thread.is_alive() and exc_type is None:
+            raise self._went_quiet(self.producing, "rollout producer",
+                                   time.perf_counter() - start)
+
+    def _went_quiet(self, step: int, side: str, waited: float) -> AsyncRolloutError:
+        """The deadline's error for ``side`` at step ``step``; marks the run as stopped by a
+        quiet side, so that the exit does not wait for the producer."""
+        self._quiet = True
+        return self.deadline.quiet(step, side, waited)
 
     def _produce(self) -> None:
         """The producer thread: every step's rows, in order, each from its version."""
         position = self.position
         for step in range(self.start, self.steps):
             version = rollout_version(step, self.max_lag)
+            self.producing = step
             try:
                 start = time.perf_counter()
                 params = self.ring.wait(version)
@@ -193,16 +213,22 @@ class AsyncSteps:
 
     def _next(self, step: int) -> tuple[LaggedRollout, float]:
         """Step ``step``'s rows and the seconds waited for them; AsyncRolloutError naming the
-        step when the producer failed on it or stopped without it."""
-        start = time.perf_counter()
+        step when the producer failed on it, stopped without it or went quiet past the
+        deadline."""
+        start, limit = time.perf_counter(), self.deadline.seconds
         while True:
+            waited = time.perf_counter() - start
             try:
-                item = self.ready.get(timeout=POLL_SECONDS)
+                item = self.ready.get(timeout=POLL_SECONDS if limit is None
+                                      else max(0.0, min(POLL_SECONDS, limit - waited)))
                 break
             except queue.Empty:
                 if not self.thread.is_alive() and self.ready.empty():
                     raise AsyncRolloutError(
                         f"step {step + 1}: the rollout producer stopped without its rows")
+                waited = time.perf_counter() - start
+                if limit is not None and waited >= limit:
+                    raise self._went_quiet(step, "rollout producer", waited)
         if isinstance(item, _Failure):
             raise AsyncRolloutError(f"step {item.step + 1}: the rollout producer failed: "
                                     f"{type(item.error).__name__}: {item.error}") from item.error
@@ -225,9 +251,29 @@ class AsyncSteps:
         proximal scores under ``params``, the update, then version ``step + 1`` published.
         ``params`` and ``opt_state`` are donated; returns ``(params, opt_state, metrics)``
         as ``rl_step.rl_step`` does, plus the async metrics. ``position`` is the producer's
-        business (it follows the cursor from the start) and is ignored."""
+        business (it follows the cursor from the start) and is ignored.
+
+        The wait for the rows, and the learner's work (scores, update, weight sync: on a
+        worker thread), each end at the deadline with AsyncRolloutError naming the step and
+        the side that went quiet."""
+        begin = time.perf_counter()
         item, wait_rollout = self._next(step)
         self.last = item
+        self._side, start = "learner", time.perf_counter()
+        finished, out = finish_within(self.deadline.seconds,
+                                      lambda: self._learn(ctx, params, opt_state, step, item))
+        if not finished:
+            raise self._went_quiet(step, self._side, time.perf_counter() - start)
+        params, opt_state, metrics = out
+        metrics.update({"async/lag": float(step - item.versions_N.min()),
+                        "time/wait_rollout": wait_rollout,
+                        "time/wait_learner": item.wait_learner})
+        self.deadline.observe(time.perf_counter() - begin)
+        return params, opt_state, metrics
+
+    def _learn(self, ctx, params, opt_state, step: int, item: LaggedRollout):
+        """The learner's part of step ``step`` on ``item``'s rows: proximal scores, the
+        update, version ``step + 1`` synced and published; ``(params, opt_state, metrics)``."""
         batch = self._to_learner(item.batch)
         clock = dict(item.clock)
         begin = time.perf_counter()
@@ -246,7 +292,7 @@ class AsyncSteps:
         t_score = time.perf_counter() - begin
         (params, opt_state, update_metrics), t_update = timed(
             update, ctx, params, opt_state, full, step)
-        start = time.perf_counter()
+        self._side, start = "weight sync", time.perf_counter()
         try:
             self.ring.publish(step + 1, jax.block_until_ready(
                 sync_weights(params, self.rollout_mesh)))
@@ -256,10 +302,7 @@ class AsyncSteps:
         self._spans("learner", step, begin, {"score": t_score, "update": t_update,
                                              "weight_sync": time.perf_counter() - start})
         metrics = step_metrics(ctx, metrics, clock, update_metrics, t_update)
-        metrics.update({"async/lag": float(step - item.versions_N.min()),
-                        "time/wait_rollout": wait_rollout,
-                        "time/wait_learner": item.wait_learner,
-                        "time/weight_sync": time.perf_counter() - start})
+        metrics["time/weight_sync"] = time.perf_counter() - start
         return params, opt_state, metrics
 
     def lagged(self, done: int) -> list:

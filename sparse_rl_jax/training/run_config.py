@@ -160,6 +160,14 @@ class TrainerConfig:
         rollout's version) and lag (``async/lag_mismatch_k3``: that against the learner's
         params). Costs one more dense scoring pass per step, on the rollout devices. Off,
         the rows of a lagged version are scored once, by the learner.
+      async_timeout_s: in async mode, the floor of the deadline (seconds) on every wait of
+        the learner on the other side: a step's rows from the producer, its own scoring and
+        update, the weight sync, the producer's stop. Past it the run stops with
+        ``AsyncRolloutError`` naming the step and the side that went quiet, and the same
+        command resumes it from the last checkpoint. The deadline is the larger of this and
+        10 x the slowest step so far (the first step a process runs left out), so the floor
+        must hold what the pace of steps does not: the first step (its compiles and its
+        rollout) and a compile for a new shape mid-run. null: no deadline (``async_deadline``).
     """
 
     steps: int = 100
@@ -178,6 +186,7 @@ class TrainerConfig:
     mode: Literal["sync", "async"] = "sync"
     max_lag: int = 1
     split_mismatch: bool = False
+    async_timeout_s: float | None = 1800.0
 
     def __post_init__(self):
         for field in ("steps", "prompts_per_step", "minibatch_size", "logp_chunk",
@@ -193,6 +202,7 @@ class TrainerConfig:
             check_bool(self, field)
         check_choice(self, "mode", ("sync", "async"))
         check_int(self, "max_lag", 0)
+        check_number(self, "async_timeout_s", gt=0, optional=True)
 
     @property
     def lagged_versions(self) -> int:

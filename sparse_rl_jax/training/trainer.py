@@ -221,6 +221,8 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
         ``take_over``, a run on another host), or a different config.
       CheckpointError: no checkpoint restores, or a save failed (e.g. disk full).
       NonFiniteError: ``trainer.max_nonfinite_steps`` non-finite steps in a row.
+      AsyncRolloutError: async mode's producer failed, or the producer, the learner or the
+        weight sync went quiet past the deadline (``trainer.async_timeout_s``).
     """
     run_dir = Path(cfg.run_dir)
     check_inputs(cfg)  # missing files and mesh errors surface before anything is written
