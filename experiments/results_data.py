@@ -132,3 +132,15 @@ def count(flags) -> str:
     """``k/n`` of a list of booleans."""
     flags = list(flags)
     return f"{sum(map(bool, flags))}/{len(flags)}"
+
+
+def provenance(exp: Experiment) -> str:
+    """Where every number of ``exp`` came from: one line per reproduce.py call."""
+    lines = [f"Measured by {len(exp.parts)} call{'s' * (len(exp.parts) > 1)} of "
+             "`experiments/reproduce.py` (the seeds of one call do not depend on the others'):"]
+    for part in exp.parts:
+        dirty = (f" (uncommitted edits to {', '.join(f'`{f}`' for f in part['dirty'])})"
+                 if part.get("dirty") else "")
+        lines.append(f"- `{part['command']}`: commit `{part['commit']}`{dirty}, {part['date']}, "
+                     f"{part['wall_s']} s; {part['machine']}")
+    return "\n".join(lines)

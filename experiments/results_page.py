@@ -30,9 +30,12 @@ sys.path.insert(0, str(ROOT))
 from experiments.reproduce import (inference_table, mean_records,  # noqa: E402
                                    plot_by_budget, reward_curve_table, training_table)
 from experiments.results_async import lag_table, regime_check  # noqa: E402
+from experiments.results_corrections import (STUDY_SETTINGS, dense_reference,  # noqa: E402
+                                             load_study, plot_rewards, recommendation,
+                                             setting_table, study_block)
 from experiments.results_quant import quant_table  # noqa: E402
 from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell,  # noqa: E402
-                                      count, degraded, early_mean, load, pass1)
+                                      count, degraded, early_mean, load, pass1, provenance)
 from experiments.results_verdicts import (NAIVE, SPARSE, collapse_definition,  # noqa: E402
                                           verdict_rows)
 
@@ -50,18 +53,6 @@ FULL_PAGES = {"regime": "regime_walk_results.md", "local40": "local_walk_results
               "quant": "quant_walk_results.md"}
 MARK = re.compile(r"(<!-- results_page:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
                   r"(<!-- /results_page:(?P=name) -->)", re.DOTALL)
-
-
-def provenance(exp: Experiment) -> str:
-    """Where every number of ``exp`` came from: one line per reproduce.py call."""
-    lines = [f"Measured by {len(exp.parts)} call{'s' * (len(exp.parts) > 1)} of "
-             "`experiments/reproduce.py` (the seeds of one call do not depend on the others'):"]
-    for part in exp.parts:
-        dirty = (f" (uncommitted edits to {', '.join(f'`{f}`' for f in part['dirty'])})"
-                 if part.get("dirty") else "")
-        lines.append(f"- `{part['command']}`: commit `{part['commit']}`{dirty}, {part['date']}, "
-                     f"{part['wall_s']} s; {part['machine']}")
-    return "\n".join(lines)
 
 
 def arm_table(exp: Experiment) -> str:
@@ -159,6 +150,12 @@ def blocks() -> dict[str, str]:
         exp = stored["quant"]
         out["quant"] = "\n".join([provenance(exp), "", quant_table(exp, regime), "",
                                    reward_curve_table(curves(exp))])
+    study = load_study()
+    if study[STUDY_SETTINGS[0]] is not None:
+        out["corrections"] = study_block(study)
+        out["corrections-readme"] = "\n".join([
+            setting_table(study[STUDY_SETTINGS[0]], dense_reference(study)[STUDY_SETTINGS[0]]),
+            "", recommendation(study)])
     if regime is not None:
         out["verdicts-readme"] = verdict_table(regime, stored, "docs/")
         out["verdicts"] = verdict_table(regime, stored, "")
@@ -217,6 +214,11 @@ def write_plots() -> None:
                     shutil.copyfile(summary, ROOT / "docs" / file)
 
 
+def write_study_plot() -> None:
+    """The corrections study's reward curves (``docs/corrections_study.png``)."""
+    plot_rewards(load_study(), ROOT / "docs" / "corrections_study.png")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +237,7 @@ def main(argv=None) -> int:
         page.write_text(text)
     if not args.no_plots:
         write_plots()
+        write_study_plot()
     return 0
 
 
