@@ -66,3 +66,31 @@ def test_mismatch_split_is_compression_then_lag():
                                k3(rollout_dense - behaviour), rtol=1e-5)
     np.testing.assert_allclose(float(out["async/lag_mismatch_k3"]),
                                k3(proximal - rollout_dense), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ppo_behaviour", "pg_rs", "decoupled_geo_rs"])
+def test_the_anchor_picks_the_ratio_denominator(kind):
+    """``anchor: behaviour`` (bypass) takes the PPO ratio to the sampler's log-probs,
+    ``proximal`` to the dense ones; the correction acts on proximal / behaviour either way."""
+    behaviour, _, proximal, _, mask, adv = _policies(4)
+    cfg = CorrectionConfig(kind=kind)
+    batch, corrections = decoupled_loss_batch(
+        jnp.asarray(behaviour, jnp.float32), jnp.asarray(proximal, jnp.float32),
+        jnp.asarray(adv, jnp.float32), jnp.asarray(mask), cfg)
+    anchor = behaviour if cfg.anchor == "behaviour" else proximal
+    np.testing.assert_array_equal(np.asarray(batch.logp_old_dense), anchor.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(batch.seq_mask), np.asarray(corrections.seq_mask))
+
+
+def test_rows_without_sampler_log_probs_train_only_on_the_proximal_anchor():
+    _, _, proximal, _, mask, adv = _policies(6)
+    args = (jnp.asarray(proximal, jnp.float32), jnp.asarray(adv, jnp.float32), jnp.asarray(mask))
+    batch, corrections = decoupled_loss_batch(None, *args, CorrectionConfig(kind="sparse_rl"))
+    assert float(corrections.metrics["rejection_rate"]) == 0.0  # r = 1: nothing to correct
+    np.testing.assert_array_equal(np.asarray(batch.logp_old_dense), np.asarray(args[0]))
+    for cfg, replayed in ((CorrectionConfig(kind="ppo_behaviour"), False),
+                          (CorrectionConfig(kind="none", anchor="behaviour"), False),
+                          (CorrectionConfig(kind="shadow_mask"), True)):
+        with pytest.raises(ValueError, match=r"correction\.anchor=.* needs the sampler's "
+                                             r"log-probs \(behaviour_NxM\)"):
+            decoupled_loss_batch(None, *args, cfg, replayed=replayed)
