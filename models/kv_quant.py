@@ -114,7 +114,9 @@ class KVQuant:
                              f"{head_dim}; use one of {fitting_quants(head_dim)}")
 
     def encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(codes [..., D / per_byte], scale [...] SCALE_DTYPE)`` of ``x [..., D]`` (finite)."""
+        """``(codes [..., D / per_byte], scale [...] SCALE_DTYPE)`` of ``x [..., D]`` (finite);
+        ValueError naming head_dim when ``D`` cannot be packed (odd for int4)."""
+        self.check_head_dim(x.shape[-1], f"KVQuant.encode of x {tuple(x.shape)}")
         x = x.astype(jnp.float32)
         wide = jnp.maximum(jnp.max(jnp.abs(x), axis=-1) / self.qmax, SCALE_FLOOR)
         scale = jax.lax.reduce_precision(wide, exponent_bits=8, mantissa_bits=7)  # bfloat16's

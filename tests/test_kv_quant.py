@@ -83,6 +83,12 @@ def test_fp8_rounding_is_ml_dtypes_cast_with_ties_to_even():
     np.testing.assert_array_equal(np.asarray(round_to_e4m3fn(y)), want)
 
 
+def test_encode_of_a_vector_int4_cannot_pack_is_a_value_error_naming_head_dim():
+    """(A model config with an odd head_dim is refused when read: RoPE needs an even one.)"""
+    with pytest.raises(ValueError, match=r"encode of x \(3, 7\).*head_dim divisible by 2, got 7"):
+        get_quant("int4").encode(np.ones((3, 7), np.float32))
+
+
 def test_int4_packs_two_codes_per_byte_even_index_low():
     quant = get_quant("int4")
     x = np.array([[7.0, -7.0, 1.0, 0.0]], np.float32)  # scale 1: codes are the values
