@@ -7,7 +7,7 @@ engine for ``compression.quant`` none / int8 / int4, with and without R-KV evict
 The KV byte budget is what ``--slots`` rows take in a bf16 slot cache (``models.KVCache``:
 keys, values and positions, ``memory_plan.kv_cache_bytes``) at the method's capacity (dense:
 prompt + ``max_new`` slots; ``rkv``: budget + buffer). Each quant level gets as many slots
-as fit in that budget (codes, float16 scales and positions included), and the continuous
+as fit in that budget (codes, bfloat16 scales and positions included), and the continuous
 engine (``engine.run_continuous``) runs ``--rows`` rows with lognormal response caps through
 them (the lengths of ``bench_engine.py``; no EOS, so a row's useful tokens are its cap).
 ``pool`` (``none`` on the paged layout) shares a page pool instead: the budget is the bf16

@@ -75,7 +75,7 @@ class KVCache(WriteIndexCache):
         ``[B]``, one per row (writes past the capacity are dropped).
       queries: ``[L, B, Hq, W, D]`` the last ``W`` queries of every layer (after qk-norm and
         RoPE), oldest -> newest, aligned with the newest written slots; or None (no ring).
-      k_scale, v_scale: ``[L, B, Hkv, C]`` float16 scale of each slot's key / value when
+      k_scale, v_scale: ``[L, B, Hkv, C]`` bfloat16 scale of each slot's key / value when
         ``quant`` quantizes (``k``, ``v`` then hold codes ``[L, B, Hkv, C, D / per_byte]``,
         ``models.kv_quant``); None otherwise.
       quant: the ``models.kv_quant`` format of ``k`` and ``v`` (static).

@@ -12,14 +12,34 @@ and KV head (per vector of ``D`` values), computed when the token is written (ab
 - ``"int4"``: codes in ``[-7, 7]``, two per byte (``uint8``: value ``+ 8`` in each nibble,
   even index low), so the stored last axis is ``D / 2`` and ``D`` must be even.
 
-Scales are float16 (:data:`SCALE_DTYPE`: 11 significant bits, so a scale moves a vector by at
-most 0.05%, a tenth of int8's rounding step). Per token and KV head at ``D = 128``: int8
-stores 128 + 2 bytes where bf16 stores 256 (1.97x the tokens in the same bytes), int4 64 + 2
-(3.88x).
+Scales are bfloat16 (:data:`SCALE_DTYPE`): float32's exponent range in 2 bytes, so no
+finite vector gets a subnormal or a capped scale (float16 scales, before, were subnormal
+for int8 vectors below ``max |x|`` ~ 7.8e-3, losing precision, and capped above ~8e6; fp8
+codes then overflowed to NaN). The scale is ``max |x| / qmax`` floored at ``2**-126`` (the
+smallest normal float32) and rounded to bfloat16; the codes are computed against that
+rounded scale, so its rounding (at most ``2**-8`` of it) moves only the clipped largest
+element. Per element, for every finite ``x`` with ``max |x| <= 1e38``::
+
+    |decode(encode(x)) - x| <= b * max|x| + 2**-126,
+    b = (1 + 2**-8) / 254 (int8, 0.396%), (1 + 2**-8) / 14 (int4, 7.17%), 2**-4 (fp8, 6.25%)
+
+(half a code step, or fp8's 3 mantissa bits; the ``2**-126`` matters only for vectors below
+``qmax * 2**-126``, ~1.5e-36 at int8, whose scale is the floor, and for float32 subnormal
+elements, which XLA may read as zero). No encode or decode of a finite vector gives NaN or
+inf. Per token and KV head at ``D = 128``: int8 stores 128 + 2 bytes where bf16 stores 256
+(1.97x the tokens in the same bytes), int4 64 + 2 (3.88x).
 
 :func:`fake_quant` (``decode(encode(x))``) is what a full forward replaying a quantized
-rollout applies to its own keys and values, so the learner's replay sees the values the
-sampler's attention saw; the exact same arithmetic runs on both sides.
+rollout applies to its own keys and values, so the learner's replay quantizes the way the
+sampler's cache did: the same function of the same inputs gives the same codes. The
+rounding is written as arithmetic (:func:`round_to_e4m3fn`, ``lax.reduce_precision``), not
+as a float cast read back, because XLA may drop a ``float32 -> narrow -> float32`` round trip
+inside one program (XLA:GPU does under its default ``xla_allow_excess_precision``), which
+would leave the replay unrounded where the sampler's stored codes are rounded. The inputs
+themselves differ: the sampler's decode steps and the learner's full forward compute the
+keys and values in different programs, whose float32 results can differ in the last ulp,
+so an element within that of a rounding boundary gets the neighbouring code on one side
+(one code step; tests/test_kv_quant_replay.py bounds what that does to the log-probs).
 """
 
 from __future__ import annotations
@@ -31,8 +51,26 @@ import jax.numpy as jnp
 
 from models.registry import Registry
 
-SCALE_DTYPE = jnp.float16
+SCALE_DTYPE = jnp.bfloat16
 """The dtype of the per-token, per-KV-head scales a quantized cache stores."""
+
+SCALE_FLOOR = float(jnp.finfo(jnp.float32).tiny)
+"""The smallest scale (``2**-126``): an all-zero or tiny vector's, never a subnormal one."""
+
+
+def round_to_e4m3fn(y: jax.Array) -> jax.Array:
+    """float32 ``y`` in ``[-448, 448]`` rounded to the nearest ``float8_e4m3fn`` value (ties to
+    even), in float32: 3 mantissa bits, spacing ``2**-9`` below the smallest normal ``2**-6``.
+    Exact integer and power-of-two arithmetic, with no float8 round trip for XLA to drop
+    (see the module docstring); ``.astype(float8_e4m3fn)`` of the result is exact."""
+    exponent = ((jax.lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF) - 127
+    spacing = jnp.maximum(exponent - 3, -9)  # log2 of the e4m3fn spacing at |y|
+    return jnp.round(y * _power_of_two(-spacing)) * _power_of_two(spacing)
+
+
+def _power_of_two(e: jax.Array) -> jax.Array:
+    """float32 ``2**e`` of int32 ``e`` in ``[-126, 127]``, built from its exponent bits."""
+    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,20 +114,20 @@ class KVQuant:
                              f"{head_dim}; use one of {fitting_quants(head_dim)}")
 
     def encode(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(codes [..., D / per_byte], scale [...] SCALE_DTYPE)`` of ``x [..., D]``."""
+        """``(codes [..., D / per_byte], scale [...] SCALE_DTYPE)`` of ``x [..., D]`` (finite);
+        ValueError naming head_dim when ``D`` cannot be packed (odd for int4)."""
+        self.check_head_dim(x.shape[-1], f"KVQuant.encode of x {tuple(x.shape)}")
         x = x.astype(jnp.float32)
-        scale = jnp.minimum(jnp.max(jnp.abs(x), axis=-1) / self.qmax,
-                            jnp.finfo(SCALE_DTYPE).max).astype(SCALE_DTYPE)
-        wide = scale.astype(jnp.float32)
-        safe = jnp.where(wide > 0, wide, 1.0)
-        y = x / safe[..., None]
+        wide = jnp.maximum(jnp.max(jnp.abs(x), axis=-1) / self.qmax, SCALE_FLOOR)
+        scale = jax.lax.reduce_precision(wide, exponent_bits=8, mantissa_bits=7)  # bfloat16's
+        y = jnp.clip(x / scale[..., None], -self.qmax, self.qmax)
         if self.code_dtype == jnp.float8_e4m3fn:
-            return y.astype(jnp.float8_e4m3fn), scale
-        codes = jnp.clip(jnp.round(y), -self.qmax, self.qmax).astype(jnp.int8)
+            return round_to_e4m3fn(y).astype(jnp.float8_e4m3fn), scale.astype(SCALE_DTYPE)
+        codes = jnp.round(y).astype(jnp.int8)
         if self.per_byte == 2:
             nibbles = (codes + 8).astype(jnp.uint8)
             codes = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-        return codes, scale
+        return codes, scale.astype(SCALE_DTYPE)
 
     def decode(self, codes: jax.Array, scale: jax.Array, dtype) -> jax.Array:
         """``x [..., D]`` in ``dtype`` from ``codes [..., D / per_byte]`` and ``scale [...]``."""

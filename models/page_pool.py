@@ -52,7 +52,7 @@ class PagePoolCache(PositionSlots):
       pos: ``[B, C]`` int32 original token position of each logical slot, ``-1`` = empty or
         padding; shared by every layer and KV head.
       index: ``[]`` or ``[B]`` int32, the next slot to write.
-      k_scale, v_scale: ``[L, Hkv, N, page_size]`` float16 scale of each slot's key / value
+      k_scale, v_scale: ``[L, Hkv, N, page_size]`` bfloat16 scale of each slot's key / value
         when ``quant`` quantizes (``k``, ``v`` then hold codes ``[..., D / per_byte]``); None
         otherwise. A page then costs the quantized bytes: the same bytes hold more pages.
       page_size, chunk_pages, quant: as ``models.paged_cache.PagedKVCache`` (static).

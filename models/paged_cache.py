@@ -159,7 +159,7 @@ class PagedKVCache(PositionSlots):
       pos: ``[B, C]`` int32 original token position of each slot, ``-1`` = empty or padding;
         shared by every layer and KV head.
       index: ``[]`` int32, the next slot to write, shared by all rows.
-      k_scale, v_scale: ``[L, B, Hkv, C]`` float16 scale of each slot's key / value when
+      k_scale, v_scale: ``[L, B, Hkv, C]`` bfloat16 scale of each slot's key / value when
         ``quant`` quantizes (``k``, ``v`` then hold codes ``[..., D / per_byte]``,
         ``models.kv_quant``; attention reads them decoded); None otherwise.
       page_size: slots per page (static).

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from fault_helpers import refused, run, run_args
+from fault_helpers import existing_run, refused, run, run_args, snapshot
 
 pytest_plugins = ("fault_helpers",)  # the tiny model + data fixture
 
@@ -84,12 +84,44 @@ def test_non_utf8_config_file_is_a_config_error(tmp_path, capsys):
     (["sampling.eos_ids=[2, 128]"], "sampling.eos_ids=(2, 128): ids must be below the "
                                     "model's vocab_size=128", "error"),
     (["sampling.pad_id=999"], "sampling.pad_id=999", "error"),
+    (["compression.method=sparrow", "compression.sparrow.dense_layers=[0,7]"],
+     "compression.sparrow.dense_layers=(0, 7) names a layer the model (2 layers) does not "
+     "have", "error"),
 ])
 def test_run_level_config_errors_before_any_state(tiny, tmp_path, capsys, extra, expected,
                                                   prefix):
     _, model, data = tiny
     refused(capsys, run_args(model, data, tmp_path / "run") + extra, expected, prefix=prefix)
     assert not (tmp_path / "run").exists()
+
+
+# a page kernel no platform runs on int8 pages: the TPU one reads unquantized pages only
+REFUSED_BACKEND = ["model.attention=pallas_tpu", "compression.quant=int8"]
+
+
+def test_a_backend_this_platform_refuses_writes_nothing_and_a_fixed_rerun_trains(
+        tiny, tmp_path, capsys):
+    """The attention backend is checked against the platform and the model before the run
+    directory is written, so the rerun with a working backend is not refused as "a run with
+    a different config"."""
+    _, model, data = tiny
+    args = run_args(model, data, tmp_path / "run")
+    refused(capsys, args + REFUSED_BACKEND, "model.attention='pallas_tpu'",
+            "choices that do: ('auto', 'xla'", prefix="config error")
+    assert not (tmp_path / "run").exists()
+    assert run.main(args + ["model.attention=xla", "compression.quant=int8", "trainer.plots=false",
+                            "trainer.export_final=false"]) == 0
+    assert (tmp_path / "run" / "manifest.json").is_file()
+
+
+def test_a_backend_this_platform_refuses_leaves_an_existing_run_dir_untouched(
+        tiny, tmp_path, capsys):
+    run_dir = existing_run(tiny, tmp_path, ["compression.quant=int8"])
+    before = snapshot(run_dir)
+    _, model, data = tiny
+    refused(capsys, run_args(model, data, run_dir) + REFUSED_BACKEND,
+            "model.attention='pallas_tpu'", prefix="config error")
+    assert snapshot(run_dir) == before
 
 
 @pytest.mark.parametrize("override,field", [("sampling.pad_id=999", "sampling.pad_id=999"),

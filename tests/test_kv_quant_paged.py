@@ -54,7 +54,7 @@ def test_quantized_view_reads_the_fake_quantized_keys(quant, kind, backend):
     fmt = get_quant(quant)
     assert coded.k.dtype == jnp.dtype(fmt.code_dtype)
     assert coded.k.shape[-1] == D // fmt.per_byte and coded.k_scale.shape == coded.k.shape[:-1]
-    assert coded.k_scale.dtype == jnp.float16 and float(jnp.max(coded.k_scale)) > 0
+    assert coded.k_scale.dtype == jnp.bfloat16 and float(jnp.max(coded.k_scale)) > 0
 
 
 def test_sparrow_on_quantized_pages_selects_by_the_keys_attention_reads():

@@ -87,7 +87,7 @@ def test_quantized_cache_stores_codes_and_scales():
                                 head_dim=8, max_len=40)
     cache = state.cache
     assert cache.k.dtype == jnp.uint8 and cache.k.shape == (2, 3, 2, 16, 4)
-    assert cache.k_scale.shape == (2, 3, 2, 16) and cache.k_scale.dtype == jnp.float16
+    assert cache.k_scale.shape == (2, 3, 2, 16) and cache.k_scale.dtype == jnp.bfloat16
 
 
 def test_bad_quant_is_a_config_error_naming_the_key():

@@ -36,7 +36,7 @@ from typing import ClassVar, Literal
 from sparse_rl_jax.core.config_checks import check, check_choice, check_int, reject, reject_moved
 from sparse_rl_jax.kv.compression_sections import (AdaptConfig, AlphaConfig, EvictionConfig,
                                                    SparrowConfig)
-from models.kv_quant import KV_QUANTS
+from models.kv_quant import KV_QUANTS, get_quant
 from sparse_rl_jax.kv.scores import EVICTION_SCORES
 
 Layout = Literal["dense", "budget", "paged"]
@@ -234,6 +234,16 @@ class CompressionConfig:
     def capacity(self) -> int:
         """Cache slots of a compressing cache: ``eviction.budget + eviction.buffer``."""
         return self.eviction.budget + self.eviction.buffer
+
+    def check_fits(self, model_config) -> None:
+        """ValueError naming the field when a model of ``model_config`` (``models.ModelConfig``)
+        cannot run this compression: a ``sparrow.dense_layers`` layer it does not have
+        (``sparrow``), or a ``quant`` its head_dim cannot be packed into (int4: an even one)."""
+        layers, dense = model_config.num_layers, self.sparrow.dense_layers
+        if self.page_sparse and any(i >= layers for i in dense):
+            raise ValueError(f"compression.sparrow.dense_layers={dense} names a layer the model "
+                             f"({layers} layers) does not have")
+        get_quant(self.quant).check_head_dim(model_config.head_dim, "compression.quant")
 
     def cache_capacity(self, max_total_len: int) -> int:
         """Slots to allocate for sequences of up to ``max_total_len`` tokens (prompt + response).

@@ -156,10 +156,7 @@ def prefill_rows(model, prompt, prompt_mask, key, rows, *, sampling: SamplingCon
     check_shape("prompt_mask", prompt_mask, B=b, P=p)
     check_shape("rows", rows, dtype=int, N=b * fan_out)
     cfg = model.config
-    dense_layers = compression.sparrow.dense_layers
-    if compression.page_sparse and any(i >= cfg.num_layers for i in dense_layers):
-        raise ValueError(f"CompressionConfig.sparrow.dense_layers={dense_layers} names a layer "
-                         f"the model ({cfg.num_layers} layers) does not have")
+    compression.check_fits(cfg)
     state = kv_state.init_state(
         compression, num_layers=cfg.num_layers, batch=b, num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_len=max_len, dtype=model.dtype,

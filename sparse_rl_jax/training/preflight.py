@@ -1,4 +1,5 @@
-"""What a run checks before its run directory is touched: policy, tokenizer and prompts.
+"""What a run checks before its run directory is touched: policy, tokenizer, prompts and the
+attention backend.
 
 Each check raises a ``ValueError`` / ``FileNotFoundError`` naming the tensor, the file (and
 line) or the config field, so ``run.py`` prints one ``error:`` line and nothing is written.
@@ -9,11 +10,11 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterable, Iterator
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import models
-from models.kv_quant import get_quant
 from sparse_rl_jax.tasks.prompt_source import PromptSource, eval_examples
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 
@@ -44,10 +45,19 @@ def load_checked_policy(path: str, cfg, mesh) -> tuple[models.Tokenizer, models.
 
 def check_model_fits(cfg, model_config: models.ModelConfig) -> None:
     """ValueError naming the field when the model cannot serve the run's settings: the ids of
-    :func:`check_sampling_ids`, or a ``compression.quant`` level its head_dim cannot be
-    packed into (int4 needs an even head_dim)."""
+    :func:`check_sampling_ids`, or a compression it cannot run
+    (``CompressionConfig.check_fits``: ``sparrow.dense_layers``, ``quant``)."""
     check_sampling_ids(cfg, model_config.vocab_size)
-    get_quant(cfg.compression.quant).check_head_dim(model_config.head_dim, "compression.quant")
+    cfg.compression.check_fits(model_config)
+
+
+def run_attention(cfg, model_config: models.ModelConfig) -> str:
+    """The attention backend ``model.attention`` selects on this JAX platform for a model of
+    ``model_config`` paged and stored as ``compression`` says (``ModelSection.backend``); a
+    FieldError naming ``model.attention`` when its kernel cannot run here or take those
+    shapes. Reads the JAX platform: call it after ``jax.distributed.initialize``."""
+    return cfg.model.backend(jax.default_backend(), model_config, cfg.compression.page_size,
+                             cfg.compression.quant)
 
 
 def check_sampling_ids(cfg, vocab_size: int) -> None:

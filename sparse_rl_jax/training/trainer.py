@@ -9,7 +9,8 @@ continues exactly as an uninterrupted one would have.
 
 Everything that can be checked is checked before the run directory is written: inputs, mesh,
 reward, the policy and tokenizer (with an explicit ``model.path``), every prompt's length,
-and whether an existing directory holds this run (manifest) and is free (lock).
+the compression and attention backend against the model and this platform, and whether an
+existing directory holds this run (manifest) and is free (lock).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from sparse_rl_jax.training.policy import (export_policy, make_run_mesh, policy_
                                            resolve_sampling)
 from sparse_rl_jax.training.preflight import (check_model_fits, checked_eval_set,
                                               checked_prompt_source, default_task_tokenizer,
-                                              load_checked_policy)
+                                              load_checked_policy, run_attention)
 from sparse_rl_jax.training.rl_step import StepContext, batch_sharding
 from sparse_rl_jax.training.role_mesh import rollout_mesh
 from sparse_rl_jax.training.run_config import RunConfig
@@ -188,16 +189,17 @@ def prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
             checked_eval_set(cfg, tokenizer, context))
 
 
-def _preflight_default(cfg: RunConfig) -> None:
-    """Checks ``sampling.eos_ids`` / ``pad_id``, the data, the eval set and every prompt
-    against the default model's tokenizer, vocabulary and context before the default model is
-    built (``model.path`` None)."""
+def _preflight_default(cfg: RunConfig) -> models.ModelConfig:
+    """Checks ``sampling.eos_ids`` / ``pad_id``, the compression, the data, the eval set and
+    every prompt against the default model's tokenizer, config and context before the default
+    model is built (``model.path`` None); returns that model's config."""
     tokenizer = default_task_tokenizer()
     model_cfg = tiny_model_config(cfg.warm_start, tokenizer.vocab_size, tokenizer.eos_ids[0],
                                   tokenizer.pad_id)
     check_model_fits(cfg, model_cfg)
     checked_prompt_source(cfg, tokenizer, model_cfg.max_position_embeddings)
     checked_eval_set(cfg, tokenizer, model_cfg.max_position_embeddings)
+    return model_cfg
 
 
 def train(cfg: RunConfig, log: Callable[[str], None] = print,
@@ -233,8 +235,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
     manifest = check_resumable(run_dir, chash, lambda: _checkpoint_hash(run_dir / "checkpoints"),
                                take_over)
     prepared = prepare(cfg, mesh, log) if cfg.model.path is not None else None
-    if prepared is None:
-        _preflight_default(cfg)
+    run_attention(cfg, prepared[1].config if prepared else _preflight_default(cfg))
     owner = open_run_dir(run_dir, chash, manifest, take_over) if lead else None
     try:
         if lead:
@@ -276,9 +277,7 @@ def build_step_context(cfg: RunConfig, prepared, mesh, reward_fn):
     the optimizer's initial state and the jitted update on ``mesh``."""
     tokenizer, model, source, _ = prepared
     model.remat = cfg.model.remat
-    # a kernel that cannot run here: an error naming model.attention before anything compiles
-    model.attention = cfg.model.backend(jax.default_backend(), model.config,
-                                        cfg.compression.page_size, cfg.compression.quant)
+    model.attention = run_attention(cfg, model.config)  # train checked it before any write
     graphdef, params = nnx.split(model)
     reference = kl_reference(params) if cfg.loss.kl_coef > 0 else None
     optimizer = make_optimizer(cfg.optim)
