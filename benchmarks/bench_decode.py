@@ -177,7 +177,7 @@ class Bench:
         """One row per method of ``configs``: compile each rollout, then time them round-robin
         ``repeats`` times and keep each method's fastest (load drift on a shared machine then
         hits every method alike)."""
-        from benchmarks.compile_count import count_compiles
+        from benchmarks.kit.compile_count import count_compiles
 
         compile_s, best = {}, {}
         for method, compression in configs.items():
