@@ -12,9 +12,9 @@ and ``sparrow``) the cost model ``sparse_rl_jax.kv.sparrow_cost``.
     python benchmarks/bench_decode.py --methods none --layouts dense paged --lengths 256 1024 \
         --batches 8 --hf-lengths --no-profile  # dense vs paged cache layout, CPU
 
-Files: this driver (cells and flags), ``decode_setup.py`` (bench model, checkpoint,
-``transformers`` child, machine measurement), ``decode_report.py`` (tables and targets),
-``decode_profile.py`` (the profile).
+Files: this driver (cells and flags), ``kit/model_setup.py`` (bench model, checkpoint,
+``transformers`` child), ``kit/timing.py`` (machine measurement), ``decode_report.py`` (tables
+and targets), ``decode_profile.py`` (the profile).
 
 Model: the CPU bench model (Qwen2-shaped, hidden 512, 8 layers, 8 query / 2 KV heads,
 head_dim 64, intermediate 1408, vocab 32000, tied embeddings, ~39M params, random weights,
@@ -60,11 +60,13 @@ from pathlib import Path
 
 import numpy as np
 
-import decode_profile
-import decode_report
-import decode_setup as setup
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import decode_profile  # noqa: E402
+import decode_report  # noqa: E402
+from benchmarks.kit import model_setup as setup  # noqa: E402
+from benchmarks.kit import timing  # noqa: E402
 
 
 class Bench:
@@ -89,7 +91,7 @@ class Bench:
 
     @classmethod
     def load(cls, path: Path, temperature: float) -> "Bench":
-        """The checkpoint and prompts ``decode_setup.build_checkpoint`` wrote to ``path``."""
+        """The checkpoint and prompts ``model_setup.build_checkpoint`` wrote to ``path``."""
         import jax.numpy as jnp
 
         import models
@@ -365,7 +367,6 @@ def main() -> None:
     if args.worker:
         return setup.child(args)
     setup.configure(args)
-    sys.path.insert(0, str(ROOT))
     if args.chunk_pages:
         import jax
 
@@ -377,7 +378,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         setup.run_child("build", tmp, args, __file__)
         bench = Bench.load(Path(tmp), args.temperature)
-        machine = setup.measure_machine()
+        machine = timing.measure_machine()
         configs = compression_configs(args)
         rows, skipped = ([], []) if args.profile_only else run_grid(
             args, bench, machine, log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -45,17 +45,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
 
 
 def build(path: Path) -> None:
-    """The bench model (written by ``decode_setup.build_checkpoint`` in a child process, so
+    """The bench model (written by ``model_setup.build_checkpoint`` in a child process, so
     torch never enters the measured processes) plus the task tokenizer."""
-    code = ("import sys; from pathlib import Path; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
-            "import decode_setup; decode_setup.build_checkpoint(Path(sys.argv[3]), 1); "
+    code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+            "from benchmarks.kit import model_setup; "
+            "model_setup.build_checkpoint(Path(sys.argv[2]), 1); "
             "from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer; "
-            "build_task_tokenizer(sys.argv[3])")
-    subprocess.run([sys.executable, "-c", code, str(HERE), str(ROOT), str(path)], check=True,
+            "build_task_tokenizer(sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, str(ROOT), str(path)], check=True,
                    capture_output=True)
 
 
@@ -224,7 +224,7 @@ def update_cell(graphdef, params, batch, micro: int, chunk_size: int = 64, repea
     import jax
 
     import models
-    from decode_setup import time_calls
+    from benchmarks.kit.timing import time_calls
 
     step, optimizer = _update_fn(graphdef, micro, chunk_size, donate=False)
     opt_state = optimizer.init(models.split_trainable(params)[0])

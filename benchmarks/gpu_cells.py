@@ -23,7 +23,8 @@ import numpy as np
 import bench_compile
 import bench_decode
 import bench_rl_step
-import decode_setup as setup
+from benchmarks.kit import model_setup as setup
+from benchmarks.kit import timing
 
 ROOT = Path(__file__).resolve().parents[1]
 PALLAS_BACKEND = "pallas_gpu"  # the Pallas column's name in models.attention_backends
@@ -64,7 +65,7 @@ def floor_machine() -> dict:
     if name:
         return dict(name=f"{name} (nominal)", bandwidth=DEVICES[name].bandwidth,
                     matmul_flops=DEVICES[name].flops)
-    return dict(name=f"{kind} (measured)", **setup.measure_machine())
+    return dict(name=f"{kind} (measured)", **timing.measure_machine())
 
 
 
@@ -250,7 +251,7 @@ def cell_score(ctx: Context):
     start = time.perf_counter()
     compiled = score.lower(graphdef, *call).compile()
     compile_s = time.perf_counter() - start
-    times = setup.time_calls(lambda: jax.block_until_ready(compiled(*call)), 2)
+    times = timing.time_calls(lambda: jax.block_until_ready(compiled(*call)), 2)
     t = p + m
     layer_weights = linear_params(cfg) - cfg.vocab_size * cfg.hidden_size
     flops = 2 * n * (t * layer_weights + m * cfg.vocab_size * cfg.hidden_size) + (

@@ -25,11 +25,11 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-import decode_setup
+from benchmarks.kit import model_setup
 
 SHAPES = {
-    "tiny": decode_setup.SHAPES["tiny"],
-    "qwen2.5-1.5b": decode_setup.SHAPES["qwen2.5-1.5b"],
+    "tiny": model_setup.SHAPES["tiny"],
+    "qwen2.5-1.5b": model_setup.SHAPES["qwen2.5-1.5b"],
     "qwen2.5-7b": dict(  # Qwen/Qwen2.5-7B config.json
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, head_dim=128,
@@ -87,7 +87,7 @@ def model_config(shape: str):
     """``models.ModelConfig`` of a named shape; ValueError listing the known names."""
     if shape not in SHAPES:
         raise ValueError(f"--shape: unknown {shape!r}; known: {', '.join(SHAPES)}")
-    return decode_setup.model_config(SHAPES[shape])
+    return model_setup.model_config(SHAPES[shape])
 
 
 class Abstract:
