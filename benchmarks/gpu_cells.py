@@ -22,9 +22,8 @@ import numpy as np
 
 import bench_compile
 import bench_decode
-import bench_rl_step
 from benchmarks.kit import model_setup as setup
-from benchmarks.kit import timing
+from benchmarks.kit import timing, update_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 PALLAS_BACKEND = "pallas_gpu"  # the Pallas column's name in models.attention_backends
@@ -284,12 +283,12 @@ def cell_update(ctx: Context):
     micro = memory_plan.micro_batch_size(cfg, n, **plan)
     plan_bytes = fns.update_plan_bytes(cfg, n, micro, **plan)
     limit = memory_plan.device_memory_limit()
-    model, batch = bench_rl_step.update_model_and_batch(cfg, n, p, m, dtype=setup.DTYPE)
+    model, batch = update_cells.update_model_and_batch(cfg, n, p, m, dtype=setup.DTYPE)
     model.remat = "full"
     graphdef, params = nnx.split(model)
     dump = ctx.dump_hlo / "update.hlo" if ctx.dump_hlo else None
-    cell = bench_rl_step.update_cell(graphdef, params, batch, micro, chunk_size=128,
-                                     repeats=ctx.pick(1, 3), dump=dump)
+    cell = update_cells.update_cell(graphdef, params, batch, micro, chunk_size=128,
+                                    repeats=ctx.pick(1, 3), dump=dump)
     peak = device_peak_gib()
     yield dict(sequences=n, columns=p + m, micro_batch=micro,
                params_b=sum(x.size for x in jax.tree.leaves(params)) / 1e9,

@@ -304,15 +304,15 @@ def update(a: Abstract) -> Function:
     ``(prompt_len + context)``; params and optimizer state donated."""
     import jax
 
-    import bench_rl_step
+    from benchmarks.kit import update_cells
     from sparse_rl_jax.rl.lora_config import LoraConfig
 
     s, cfg, n = a.sizes, a.cfg, a.sizes.update_batch
     micro = s.micro_batch or n
     kw = dict(dtype=s.dtype, lora_rank=s.lora_rank, remat=s.remat,
               micro=micro if micro < n else 0, chunk_size=s.chunk)
-    lowered, params, opt_state, batch = bench_rl_step.lowered_update(cfg, n, s.prompt_len,
-                                                                    s.context, **kw)
+    lowered, params, opt_state, batch = update_cells.lowered_update(cfg, n, s.prompt_len,
+                                                                   s.context, **kw)
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     plan = update_plan_bytes(cfg, n, micro, prompt_len=s.prompt_len, new_tokens=s.context,
                              dtype=a.dtype, remat=s.remat, logp_chunk=s.chunk,
