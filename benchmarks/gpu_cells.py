@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 import bench_compile
-import bench_decode
+from benchmarks.kit import decode_grid as grid
 from benchmarks.kit import model_setup as setup
 from benchmarks.kit import timing, update_cells
+from benchmarks.kit.decode_cells import Bench
 
 ROOT = Path(__file__).resolve().parents[1]
 PALLAS_BACKEND = "pallas_gpu"  # the Pallas column's name in models.attention_backends
@@ -70,7 +71,7 @@ def floor_machine() -> dict:
 
 def decode_args(ctx: Context, gpu: list[str], cpu: list[str]):
     """``bench_decode`` flags of a cell (``gpu`` or ``cpu`` per mode), its shape configured."""
-    args = bench_decode.parse_args(ctx.pick(
+    args = grid.parse_args(ctx.pick(
         ["--shape", "qwen2.5-1.5b", "--dtype", "bfloat16", *gpu],
         ["--shape", "tiny", "--dtype", "float32", *cpu]))
     setup.configure(args)
@@ -138,13 +139,13 @@ def decode_grid(ctx: Context, engine: str | None, methods: list[str] | None = No
     args = decode_args(ctx, GRID_GPU, GRID_CPU)
     if methods:
         args.methods = methods
-    bench = bench_decode.Bench.random(max(args.batches), args.temperature, attention=attention)
+    bench = Bench.random(max(args.batches), args.temperature, attention=attention)
     bench.engine = engine
     machine = floor_machine()
     for batch in args.batches:
         for length in args.lengths:
             cell = argparse.Namespace(**{**vars(args), "batches": [batch], "lengths": [length]})
-            rows, _ = bench_decode.run_grid(cell, bench, machine, log=print_flush)
+            rows, _ = grid.run_grid(cell, bench, machine, log=print_flush)
             for r in rows:
                 yield dict(decode_row(r, machine), floor_device=machine["name"])
 
@@ -205,10 +206,10 @@ def cell_decode_transformers(ctx: Context):
                              "--torch-threads", "1"], [])
     machine = floor_machine()
     with tempfile.TemporaryDirectory(dir=ctx.tmp) as tmp:
-        setup.run_child("build", tmp, args, bench_decode.__file__)
-        bench = bench_decode.Bench.load(Path(tmp), args.temperature)
-        rows, _ = bench_decode.run_grid(args, bench, machine, log=print_flush)
-        hf = bench_decode.transformers_rows(args, tmp, rows)
+        setup.run_child("build", tmp, args, str(grid.CHILD))
+        bench = Bench.load(Path(tmp), args.temperature)
+        rows, _ = grid.run_grid(args, bench, machine, log=print_flush)
+        hf = grid.transformers_rows(args, tmp, rows)
     ours = rows[0]
     yield decode_row(ours, machine)
     for r in hf:
@@ -239,7 +240,7 @@ def cell_score(ctx: Context):
 
     n, p, m = ctx.pick((64, 128, 4096), (4, 16, 48))
     decode_args(ctx, [], [])
-    bench = bench_decode.Bench.random(1, 0.0)
+    bench = Bench.random(1, 0.0)
     cfg, graphdef, params = bench.cfg, bench.graphdef, bench.params
     est = memory_plan.check_fits("score", cfg, batch=n, prompt_len=p, new_tokens=m,
                                  dtype=jnp.dtype(setup.DTYPE))
@@ -308,9 +309,9 @@ def cell_sparrow_8k(ctx: Context):
               "--methods", "none", "sparrow", "--schedule", "0:8"],
         ["--prompt-len", "64", "--batches", "2", "--lengths", "32",
          "--methods", "none", "sparrow", "--schedule", "0:1", "--dense-layers", "0"])
-    bench = bench_decode.Bench.random(max(args.batches), args.temperature)
+    bench = Bench.random(max(args.batches), args.temperature)
     machine = floor_machine()
-    rows, _ = bench_decode.run_grid(args, bench, machine, log=print_flush)
+    rows, _ = grid.run_grid(args, bench, machine, log=print_flush)
     dense, sparrow = rows
     for r in rows:
         yield decode_row(r, machine)
