@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-import bench_compile
+from benchmarks.kit import compile_shapes
 from benchmarks.kit import decode_grid as grid
 from benchmarks.kit import model_setup as setup
 from benchmarks.kit import timing, update_cells
@@ -326,4 +326,4 @@ def cell_sparrow_8k(ctx: Context):
 def cell_compile(ctx: Context):
     """Compile seconds of one decode, score and update shape vs depth (tiny width)."""
     for layers in ctx.pick([2, 28], [1]):
-        yield bench_compile.worker(layers)
+        yield compile_shapes.compile_shapes(layers)
