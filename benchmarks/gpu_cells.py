@@ -104,7 +104,7 @@ GRID_CPU = ["--prompt-len", "16", "--budget", "24", "--buffer", "8", "--window",
 def hlo_sizes(ctx: Context):
     """``hlo_cost_functions.Sizes`` of the suite's decode grid (its first cell), for the
     HLO dumps."""
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
 
     sizes = ctx.pick(
         dict(shape="qwen2.5-1.5b", batch=32, context=128 + 1024, prompt_len=128,
@@ -119,12 +119,12 @@ def dump_decode_hlo(ctx: Context) -> dict:
     """Compiles one static dense decode step (``hlo_cost_functions``, abstract inputs) and
     writes its optimised HLO to ``ctx.dump_hlo/decode_static_none.hlo``: the row of its
     walked costs against the floors."""
-    import hlo_cost
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
+    from benchmarks.kit.hlo_measure import measure
 
     sizes = hlo_sizes(ctx)
     fn = fns.BUILDERS["decode_static_none"](fns.Abstract(sizes))
-    rec, _ = hlo_cost.measure(fn, str(ctx.dump_hlo))
+    rec, _ = measure(fn, str(ctx.dump_hlo))
     return dict(method="hlo decode_static_none", batch=sizes.batch,
                 hlo=str(ctx.dump_hlo / f"{fn.name}.hlo"), walked_gb=rec["bytes"] / 1e9,
                 floor_gb=rec["floor_bytes"] / 1e9, walked_x_floor=rec["ratio"],
@@ -273,7 +273,7 @@ def cell_update(ctx: Context):
     import jax.numpy as jnp
     from flax import nnx
 
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
     from sparse_rl_jax.training import memory_plan
 
     n, p, m = ctx.pick((64, 128, 4096), (4, 16, 48))

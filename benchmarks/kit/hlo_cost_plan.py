@@ -33,7 +33,7 @@ def cells(lora_rank: int) -> Iterator[tuple[str, int, str, int]]:
 
 def measure_cell(sizes, shape: str, micro: int, dtype: str, lora_rank: int) -> dict:
     """Compile one cell's update (``sizes`` with these fields replaced): its record."""
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
     from benchmarks.kit.update_cells import xla_peak_bytes
 
     cell = dataclasses.replace(sizes, shape=shape, micro_batch=micro, dtype=dtype,
