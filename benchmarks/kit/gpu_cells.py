@@ -20,13 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.kit import compile_shapes
+from benchmarks.kit import compile_shapes, timing, update_cells
 from benchmarks.kit import decode_grid as grid
 from benchmarks.kit import model_setup as setup
-from benchmarks.kit import timing, update_cells
 from benchmarks.kit.decode_cells import Bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PALLAS_BACKEND = "pallas_gpu"  # the Pallas column's name in models.attention_backends
 
 
