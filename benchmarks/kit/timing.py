@@ -1,5 +1,6 @@
-"""Timing on this machine: seconds per call, and the measured memory bandwidth and matmul
-throughput of this machine (the decode benchmark's floors)."""
+"""Timing on this machine: seconds per call (after a warm-up, or of one call with its arrays
+ready), and the measured memory bandwidth and matmul throughput of this machine (the decode
+benchmark's floors)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ def measure_machine() -> dict:
     flops = 2 * 2048**3 / median_time(lambda: dot(a, a).block_until_ready())
     return dict(copy_rate=copy_rate, read_rate=read_rate, bandwidth=max(copy_rate, read_rate),
                 matmul_flops=flops)
+
+
+def timed(fn):
+    """``(result, seconds)`` of ``fn()`` with its device arrays ready."""
+    import jax
+
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - start
