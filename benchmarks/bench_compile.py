@@ -18,53 +18,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # the kit; the library comes first from PYTHONPATH (--checkout)
 
-
-def worker(layers: int) -> dict:
-    """Compile seconds of the three shapes for a ``layers``-deep model (run in a child)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import models
-    from sparse_rl_jax.rollout.scoring import response_logprobs
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    cfg = models.ModelConfig("qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
-                             num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
-                             attention_bias=True)
-    model = models.Decoder(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    batch, capacity = 8, 256
-    cache = models.init_cache(layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-    token = jnp.zeros((batch, 1), jnp.int32)
-
-    def decode(params, cache, token):
-        out = nnx.merge(graphdef, params)(token, token, kv=cache, return_logits=False)
-        return out.hidden, out.kv
-
-    n, p, m = 4, 16, 64
-    prompt, mask = jnp.ones((n, p), jnp.int32), jnp.ones((n, p), jnp.int32)
-    response = jnp.ones((n, m), jnp.int32)
-
-    def score(params):
-        model = nnx.merge(graphdef, params)
-        return response_logprobs(model, prompt, mask, response).logp
-
-    def update(params):
-        return jax.grad(lambda p: jnp.sum(score(p)))(params)
-
-    def compile_seconds(fn, *args) -> float:
-        start = time.perf_counter()
-        jax.jit(fn).lower(*args).compile()
-        return time.perf_counter() - start
-
-    return {"layers": layers, "decode": compile_seconds(decode, params, cache, token),
-            "score": compile_seconds(score, params), "update": compile_seconds(update, params)}
+from benchmarks.kit.compile_shapes import compile_shapes  # noqa: E402
 
 
 def main() -> None:
@@ -74,7 +33,7 @@ def main() -> None:
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        print(json.dumps(worker(args.worker)))
+        print(json.dumps(compile_shapes(args.worker)))
         return
     env = dict(os.environ, PYTHONPATH=args.checkout, JAX_PLATFORMS=os.environ.get(
         "JAX_PLATFORMS", ""))

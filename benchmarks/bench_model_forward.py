@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 CONFIG = dict(  # ~51.7M parameters (untied 32k vocab embeddings + 8 layers)
     vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
@@ -46,7 +47,7 @@ def peak_rss_mib() -> float:
 
 def time_forward(run, repeats: int) -> list[float]:
     """Seconds per call of ``run()`` (which must block until done), after one warm-up."""
-    from decode_setup import time_calls
+    from benchmarks.kit.timing import time_calls
 
     return time_calls(run, repeats)
 
@@ -68,7 +69,6 @@ def torch_worker(path: str, tokens: np.ndarray, repeats: int):
 
 
 def jax_worker(path: str, tokens: np.ndarray, repeats: int):
-    sys.path.insert(0, str(ROOT))
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -95,7 +95,7 @@ def worker(args) -> None:
 
 
 def build_checkpoint(path: Path, batch: int, seq: int) -> int:
-    from decode_setup import save_random_model
+    from benchmarks.kit.model_setup import save_random_model
 
     model = save_random_model(path, "Llama", CONFIG, "tokens.npy", (batch, seq))
     return sum(p.numel() for p in model.parameters())

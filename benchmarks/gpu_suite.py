@@ -60,13 +60,13 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+sys.path.insert(0, str(HERE.parent))
 
-from gpu_cells import (  # noqa: E402
+from benchmarks.kit.gpu_cells import (  # noqa: E402
     PALLAS_BACKEND, Context, Skip, cell_compile, cell_decode_continuous, cell_decode_pallas,
     cell_decode_static, cell_decode_transformers, cell_score, cell_sparrow_8k, cell_update,
     print_flush)
-from gpu_rl_pair import RL_STEPS, cell_rl_async, cell_rl_pair  # noqa: E402
+from benchmarks.kit.gpu_rl_pair import RL_STEPS, cell_rl_async, cell_rl_pair  # noqa: E402
 
 
 class CellTimeout(Exception):

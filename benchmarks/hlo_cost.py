@@ -5,7 +5,7 @@ update at a real model shape, compiled from abstract inputs on whatever backend 
         --dtype float32 [--only decode_static_none ...] [--quant int8] [--json FILE] \
         [--dump-hlo DIR] [--top N]
     python benchmarks/hlo_cost.py --hlo FILE [--loop-trips N] [--json FILE] [--top N]
-    python benchmarks/hlo_cost.py --plan-grid [--json FILE]   # hlo_cost_plan.py
+    python benchmarks/hlo_cost.py --plan-grid [--json FILE]   # kit/hlo_cost_plan.py
 
 Functions (``--only``; default all): ``decode_{static,continuous}_{none,rkv,sparrow}`` (one
 decode step of ``--batch`` rows each holding ``--context`` tokens; ``rkv`` keeps
@@ -15,8 +15,8 @@ compression of that cache), ``score`` (dense log-probs of ``--score-batch`` x
 sequences in micro-batches of ``--micro-batch``, remat ``--remat``, LoRA rank
 ``--lora-rank``). ``--quant`` stores the decode steps' and the compression's KV as
 ``compression.quant`` codes (their KV floors then count codes and scales). Each is lowered from
-``jax.ShapeDtypeStruct`` arguments (``hlo_cost_functions.py``; no weights), compiled, and its
-optimised HLO walked by ``hlo_walk.py`` with every loop's trip count multiplied in: XLA's
+``jax.ShapeDtypeStruct`` arguments (``kit/hlo_cost_functions.py``; no weights), compiled, and its
+optimised HLO walked by ``kit/hlo_walk.py`` with every loop's trip count multiplied in: XLA's
 ``known_trip_count`` (the layer scan) or, for the page loop of a paged decode step, whose
 count is traced, ``ceil(context / chunk)`` (``--chunk-pages`` sets the chunk; XLA:CPU's
 default is 2 pages, elsewhere 32). ``cost_analysis()`` would count each loop body once.
@@ -47,15 +47,16 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import hlo_walk  # noqa: E402
+from benchmarks.kit import hlo_walk  # noqa: E402
+from benchmarks.kit.hlo_measure import measure, walk_record  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen2.5-1.5b",
@@ -107,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sizes_of(args):
     """``hlo_cost_functions.Sizes`` of the command line."""
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
 
     budget = args.budget or args.context // 2
     return fns.Sizes(shape=args.shape, batch=args.batch, context=args.context,
@@ -116,42 +117,6 @@ def sizes_of(args):
                      score_batch=args.score_batch, update_batch=args.update_batch,
                      micro_batch=args.micro_batch, remat=args.remat,
                      lora_rank=args.lora_rank, quant=args.quant)
-
-
-def walk_record(name: str, text: str, loop_trips: int | None) -> dict:
-    """The walked costs of one HLO text: slices fused (``flops``, ``bytes``) and as compiled
-    (``bytes_compiled``), with the loops it had to count by ``loop_trips``."""
-    fused = hlo_walk.walk(text, default_trips=loop_trips)
-    compiled = hlo_walk.walk(text, default_trips=loop_trips, fuse_slices=False)
-    return dict(name=name, flops=fused.flops, transcendentals=fused.transcendentals,
-                bytes=fused.bytes, bytes_compiled=compiled.bytes, loop_trips=loop_trips,
-                unknown_loops=[label for _, label, _ in fused.unknown_loops])
-
-
-def measure(fn, dump_dir: str | None) -> tuple[dict, str]:
-    """Compile one ``hlo_cost_functions.Function`` and walk it: its JSON record and its
-    optimised HLO text."""
-    start = time.perf_counter()
-    compiled = fn.lower().compile()
-    compile_s = time.perf_counter() - start
-    text = compiled.as_text()
-    if dump_dir:
-        Path(dump_dir).mkdir(parents=True, exist_ok=True)
-        Path(dump_dir, f"{fn.name}.hlo").write_text(text)
-    rec = walk_record(fn.name, text, fn.loop_trips)
-    walked = rec["bytes"] if fn.bound == "bytes" else rec["flops"]
-    floor = fn.floor_bytes if fn.bound == "bytes" else fn.floor_flops
-    rec.update(floor_flops=fn.floor_flops, floor_bytes=fn.floor_bytes, bound=fn.bound,
-               ratio=walked / floor, compile_s=compile_s, **fn.extra)
-    if fn.name == "compress_rkv":
-        rec["per_step"] = rec["bytes"] / fn.extra["every_steps"] / fn.extra["decode_floor_bytes"]
-    if fn.plan_bytes is not None:
-        stats = compiled.memory_analysis()
-        rec["plan_bytes"] = fn.plan_bytes
-        rec["peak_bytes"] = None if stats is None else (
-            stats.argument_size_in_bytes + stats.output_size_in_bytes
-            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-    return rec, text
 
 
 def _num(x: float | None) -> str:
@@ -220,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         import jax
 
-        import hlo_cost_functions as fns
+        from benchmarks.kit import hlo_cost_functions as fns
 
         if args.chunk_pages:
             from models import paged_cache
@@ -228,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             paged_cache.CHUNK_PAGES = {jax.default_backend(): args.chunk_pages}
         sizes = sizes_of(args)
         if args.plan_grid:
-            import hlo_cost_plan
+            from benchmarks.kit import hlo_cost_plan
 
             print(f"update of {args.update_batch} x ({args.prompt_len} + {args.context}), "
                   f"remat {args.remat}, on {jax.devices()[0].device_kind}", flush=True)

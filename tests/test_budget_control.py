@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.compile_count import count_compiles
+from benchmarks.kit.compile_count import count_compiles
 from sparse_rl_jax.core.config_io import (ConfigError, apply_overrides, from_dict, load_config,
                                           to_dict)
 from sparse_rl_jax.kv.compression_config import CompressionConfig

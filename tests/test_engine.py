@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import models
-from benchmarks.compile_count import count_compiles
+from benchmarks.kit.compile_count import count_compiles
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 from sparse_rl_jax.kv.page_sparsity import PageRecord

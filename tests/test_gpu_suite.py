@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_suite  # noqa: E402
 import hlo_cost  # noqa: E402
-import hlo_walk  # noqa: E402
+from benchmarks.kit import hlo_walk  # noqa: E402
 
 PRIORITY = ["decode_static", "decode_continuous", "decode_pallas", "score", "update",
             "sparrow_8k", "rl_pair"]

@@ -1,4 +1,4 @@
-"""``benchmarks/hlo_walk.py`` and ``benchmarks/hlo_cost.py``: the walker against XLA's
+"""``benchmarks/kit/hlo_walk.py`` and ``benchmarks/hlo_cost.py``: the walker against XLA's
 ``cost_analysis()`` and hand counts on loop-free programs, loop trip counts multiplied in,
 ``--hlo`` on a dumped text equal to the in-process numbers, and the JSON records."""
 
@@ -16,7 +16,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import hlo_cost  # noqa: E402
-import hlo_walk  # noqa: E402
+from benchmarks.kit import hlo_walk  # noqa: E402
 
 F32 = jnp.float32
 # Tolerances against cost_analysis(): FLOPs within 0.1% (XLA counts a few scalar index ops

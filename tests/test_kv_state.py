@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.compile_count import count_compiles
+from benchmarks.kit.compile_count import count_compiles
 from sparse_rl_jax.kv import state as kv_state
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import models
-from benchmarks.compile_count import count_compiles
+from benchmarks.kit.compile_count import count_compiles
 from models.lora import LoRA, LoRADropoutKey
 from sparse_rl_jax.core.config_io import ConfigError, load_config
 from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer

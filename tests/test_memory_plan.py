@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import models
-from benchmarks.bench_rl_step import compiled_update, update_model, xla_peak_bytes
+from benchmarks.kit.update_cells import compiled_update, update_model, xla_peak_bytes
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig, SparrowConfig
 from sparse_rl_jax.kv.page_sparsity import PageRecord

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import models
-from benchmarks.compile_count import count_compiles
+from benchmarks.kit.compile_count import count_compiles
 from models.attention import reference_attention
 from models.page_sparse import gather_pages, page_sparse_attention, select_pages
 from models.paged_cache import PagedKVCache

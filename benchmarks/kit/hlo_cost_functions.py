@@ -25,11 +25,11 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-import decode_setup
+from benchmarks.kit import model_setup
 
 SHAPES = {
-    "tiny": decode_setup.SHAPES["tiny"],
-    "qwen2.5-1.5b": decode_setup.SHAPES["qwen2.5-1.5b"],
+    "tiny": model_setup.SHAPES["tiny"],
+    "qwen2.5-1.5b": model_setup.SHAPES["qwen2.5-1.5b"],
     "qwen2.5-7b": dict(  # Qwen/Qwen2.5-7B config.json
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, head_dim=128,
@@ -87,7 +87,7 @@ def model_config(shape: str):
     """``models.ModelConfig`` of a named shape; ValueError listing the known names."""
     if shape not in SHAPES:
         raise ValueError(f"--shape: unknown {shape!r}; known: {', '.join(SHAPES)}")
-    return decode_setup.model_config(SHAPES[shape])
+    return model_setup.model_config(SHAPES[shape])
 
 
 class Abstract:
@@ -304,15 +304,15 @@ def update(a: Abstract) -> Function:
     ``(prompt_len + context)``; params and optimizer state donated."""
     import jax
 
-    import bench_rl_step
+    from benchmarks.kit import update_cells
     from sparse_rl_jax.rl.lora_config import LoraConfig
 
     s, cfg, n = a.sizes, a.cfg, a.sizes.update_batch
     micro = s.micro_batch or n
     kw = dict(dtype=s.dtype, lora_rank=s.lora_rank, remat=s.remat,
               micro=micro if micro < n else 0, chunk_size=s.chunk)
-    lowered, params, opt_state, batch = bench_rl_step.lowered_update(cfg, n, s.prompt_len,
-                                                                    s.context, **kw)
+    lowered, params, opt_state, batch = update_cells.lowered_update(cfg, n, s.prompt_len,
+                                                                   s.context, **kw)
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     plan = update_plan_bytes(cfg, n, micro, prompt_len=s.prompt_len, new_tokens=s.context,
                              dtype=a.dtype, remat=s.remat, logp_chunk=s.chunk,

@@ -1,12 +1,11 @@
-"""The decode benchmark's model and machine: the bench model's shapes, its random-weight
-checkpoint and ``transformers`` generate (each run in a child process), and the measured
-bandwidth and matmul throughput of this machine. Used by ``bench_decode.py``."""
+"""The benchmarks' bench model: its shapes, its random-weight checkpoint and ``transformers``
+generate (each run in a child process). Used by ``bench_decode.py``, ``bench_rl_step.py``,
+``bench_model_forward.py``, the HLO functions and the GPU cells."""
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -108,38 +107,6 @@ def torch_generate(path: Path, cells: list[tuple[int, int, int]]) -> list[dict]:
                                   f"({model.config._attn_implementation}, {device}, "
                                   f"{threads} threads)"))
     return out
-
-
-def time_calls(run, repeats: int) -> list[float]:
-    """Seconds per call of ``run()`` (which must block until done), after one warm-up."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def measure_machine() -> dict:
-    """Memory bandwidth (numpy copy, jax read) and fp32 matmul throughput of this machine."""
-    import jax
-    import jax.numpy as jnp
-
-    def median_time(fn):
-        return statistics.median(time_calls(fn, 5))
-
-    n = 64 * 2**20  # 256 MiB of float32
-    src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
-    copy_rate = 2 * src.nbytes / median_time(lambda: np.copyto(dst, src))
-    x = jnp.ones(n, jnp.float32)
-    total = jax.jit(jnp.sum)
-    read_rate = x.nbytes / median_time(lambda: total(x).block_until_ready())
-    a = jnp.ones((2048, 2048), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    flops = 2 * 2048**3 / median_time(lambda: dot(a, a).block_until_ready())
-    return dict(copy_rate=copy_rate, read_rate=read_rate, bandwidth=max(copy_rate, read_rate),
-                matmul_flops=flops)
 
 
 def child(args) -> None:

@@ -33,8 +33,8 @@ def cells(lora_rank: int) -> Iterator[tuple[str, int, str, int]]:
 
 def measure_cell(sizes, shape: str, micro: int, dtype: str, lora_rank: int) -> dict:
     """Compile one cell's update (``sizes`` with these fields replaced): its record."""
-    import hlo_cost_functions as fns
-    from bench_rl_step import xla_peak_bytes
+    from benchmarks.kit import hlo_cost_functions as fns
+    from benchmarks.kit.update_cells import xla_peak_bytes
 
     cell = dataclasses.replace(sizes, shape=shape, micro_batch=micro, dtype=dtype,
                                lora_rank=lora_rank)

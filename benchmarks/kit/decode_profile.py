@@ -17,7 +17,7 @@ from unittest import mock
 
 import numpy as np
 
-import decode_setup as setup
+from benchmarks.kit import model_setup as setup
 
 
 def trace(bench, batch: int, length: int, compression, room: int | None = None) -> dict:

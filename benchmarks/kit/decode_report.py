@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-import decode_setup as setup
+from benchmarks.kit import model_setup as setup
 
 
 def report(args, bench, machine, rows, skipped, hf, profile, wall) -> None:

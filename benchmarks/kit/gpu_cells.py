@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-import bench_compile
-import bench_decode
-import bench_rl_step
-import decode_setup as setup
+from benchmarks.kit import compile_shapes, timing, update_cells
+from benchmarks.kit import decode_grid as grid
+from benchmarks.kit import model_setup as setup
+from benchmarks.kit.decode_cells import Bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PALLAS_BACKEND = "pallas_gpu"  # the Pallas column's name in models.attention_backends
 
 
@@ -64,13 +64,13 @@ def floor_machine() -> dict:
     if name:
         return dict(name=f"{name} (nominal)", bandwidth=DEVICES[name].bandwidth,
                     matmul_flops=DEVICES[name].flops)
-    return dict(name=f"{kind} (measured)", **setup.measure_machine())
+    return dict(name=f"{kind} (measured)", **timing.measure_machine())
 
 
 
 def decode_args(ctx: Context, gpu: list[str], cpu: list[str]):
     """``bench_decode`` flags of a cell (``gpu`` or ``cpu`` per mode), its shape configured."""
-    args = bench_decode.parse_args(ctx.pick(
+    args = grid.parse_args(ctx.pick(
         ["--shape", "qwen2.5-1.5b", "--dtype", "bfloat16", *gpu],
         ["--shape", "tiny", "--dtype", "float32", *cpu]))
     setup.configure(args)
@@ -103,7 +103,7 @@ GRID_CPU = ["--prompt-len", "16", "--budget", "24", "--buffer", "8", "--window",
 def hlo_sizes(ctx: Context):
     """``hlo_cost_functions.Sizes`` of the suite's decode grid (its first cell), for the
     HLO dumps."""
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
 
     sizes = ctx.pick(
         dict(shape="qwen2.5-1.5b", batch=32, context=128 + 1024, prompt_len=128,
@@ -118,12 +118,12 @@ def dump_decode_hlo(ctx: Context) -> dict:
     """Compiles one static dense decode step (``hlo_cost_functions``, abstract inputs) and
     writes its optimised HLO to ``ctx.dump_hlo/decode_static_none.hlo``: the row of its
     walked costs against the floors."""
-    import hlo_cost
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
+    from benchmarks.kit.hlo_measure import measure
 
     sizes = hlo_sizes(ctx)
     fn = fns.BUILDERS["decode_static_none"](fns.Abstract(sizes))
-    rec, _ = hlo_cost.measure(fn, str(ctx.dump_hlo))
+    rec, _ = measure(fn, str(ctx.dump_hlo))
     return dict(method="hlo decode_static_none", batch=sizes.batch,
                 hlo=str(ctx.dump_hlo / f"{fn.name}.hlo"), walked_gb=rec["bytes"] / 1e9,
                 floor_gb=rec["floor_bytes"] / 1e9, walked_x_floor=rec["ratio"],
@@ -138,13 +138,13 @@ def decode_grid(ctx: Context, engine: str | None, methods: list[str] | None = No
     args = decode_args(ctx, GRID_GPU, GRID_CPU)
     if methods:
         args.methods = methods
-    bench = bench_decode.Bench.random(max(args.batches), args.temperature, attention=attention)
+    bench = Bench.random(max(args.batches), args.temperature, attention=attention)
     bench.engine = engine
     machine = floor_machine()
     for batch in args.batches:
         for length in args.lengths:
             cell = argparse.Namespace(**{**vars(args), "batches": [batch], "lengths": [length]})
-            rows, _ = bench_decode.run_grid(cell, bench, machine, log=print_flush)
+            rows, _ = grid.run_grid(cell, bench, machine, log=print_flush)
             for r in rows:
                 yield dict(decode_row(r, machine), floor_device=machine["name"])
 
@@ -205,10 +205,10 @@ def cell_decode_transformers(ctx: Context):
                              "--torch-threads", "1"], [])
     machine = floor_machine()
     with tempfile.TemporaryDirectory(dir=ctx.tmp) as tmp:
-        setup.run_child("build", tmp, args, bench_decode.__file__)
-        bench = bench_decode.Bench.load(Path(tmp), args.temperature)
-        rows, _ = bench_decode.run_grid(args, bench, machine, log=print_flush)
-        hf = bench_decode.transformers_rows(args, tmp, rows)
+        setup.run_child("build", tmp, args, str(grid.CHILD))
+        bench = Bench.load(Path(tmp), args.temperature)
+        rows, _ = grid.run_grid(args, bench, machine, log=print_flush)
+        hf = grid.transformers_rows(args, tmp, rows)
     ours = rows[0]
     yield decode_row(ours, machine)
     for r in hf:
@@ -239,7 +239,7 @@ def cell_score(ctx: Context):
 
     n, p, m = ctx.pick((64, 128, 4096), (4, 16, 48))
     decode_args(ctx, [], [])
-    bench = bench_decode.Bench.random(1, 0.0)
+    bench = Bench.random(1, 0.0)
     cfg, graphdef, params = bench.cfg, bench.graphdef, bench.params
     est = memory_plan.check_fits("score", cfg, batch=n, prompt_len=p, new_tokens=m,
                                  dtype=jnp.dtype(setup.DTYPE))
@@ -250,7 +250,7 @@ def cell_score(ctx: Context):
     start = time.perf_counter()
     compiled = score.lower(graphdef, *call).compile()
     compile_s = time.perf_counter() - start
-    times = setup.time_calls(lambda: jax.block_until_ready(compiled(*call)), 2)
+    times = timing.time_calls(lambda: jax.block_until_ready(compiled(*call)), 2)
     t = p + m
     layer_weights = linear_params(cfg) - cfg.vocab_size * cfg.hidden_size
     flops = 2 * n * (t * layer_weights + m * cfg.vocab_size * cfg.hidden_size) + (
@@ -272,7 +272,7 @@ def cell_update(ctx: Context):
     import jax.numpy as jnp
     from flax import nnx
 
-    import hlo_cost_functions as fns
+    from benchmarks.kit import hlo_cost_functions as fns
     from sparse_rl_jax.training import memory_plan
 
     n, p, m = ctx.pick((64, 128, 4096), (4, 16, 48))
@@ -283,12 +283,12 @@ def cell_update(ctx: Context):
     micro = memory_plan.micro_batch_size(cfg, n, **plan)
     plan_bytes = fns.update_plan_bytes(cfg, n, micro, **plan)
     limit = memory_plan.device_memory_limit()
-    model, batch = bench_rl_step.update_model_and_batch(cfg, n, p, m, dtype=setup.DTYPE)
+    model, batch = update_cells.update_model_and_batch(cfg, n, p, m, dtype=setup.DTYPE)
     model.remat = "full"
     graphdef, params = nnx.split(model)
     dump = ctx.dump_hlo / "update.hlo" if ctx.dump_hlo else None
-    cell = bench_rl_step.update_cell(graphdef, params, batch, micro, chunk_size=128,
-                                     repeats=ctx.pick(1, 3), dump=dump)
+    cell = update_cells.update_cell(graphdef, params, batch, micro, chunk_size=128,
+                                    repeats=ctx.pick(1, 3), dump=dump)
     peak = device_peak_gib()
     yield dict(sequences=n, columns=p + m, micro_batch=micro,
                params_b=sum(x.size for x in jax.tree.leaves(params)) / 1e9,
@@ -308,9 +308,9 @@ def cell_sparrow_8k(ctx: Context):
               "--methods", "none", "sparrow", "--schedule", "0:8"],
         ["--prompt-len", "64", "--batches", "2", "--lengths", "32",
          "--methods", "none", "sparrow", "--schedule", "0:1", "--dense-layers", "0"])
-    bench = bench_decode.Bench.random(max(args.batches), args.temperature)
+    bench = Bench.random(max(args.batches), args.temperature)
     machine = floor_machine()
-    rows, _ = bench_decode.run_grid(args, bench, machine, log=print_flush)
+    rows, _ = grid.run_grid(args, bench, machine, log=print_flush)
     dense, sparrow = rows
     for r in rows:
         yield decode_row(r, machine)
@@ -325,4 +325,4 @@ def cell_sparrow_8k(ctx: Context):
 def cell_compile(ctx: Context):
     """Compile seconds of one decode, score and update shape vs depth (tiny width)."""
     for layers in ctx.pick([2, 28], [1]):
-        yield bench_compile.worker(layers)
+        yield compile_shapes.compile_shapes(layers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpu_cells import ROOT, Context, Skip
+from benchmarks.kit.gpu_cells import ROOT, Context, Skip
 
 RL_STEPS = 5  # per arm on a GPU: the pair comes last and must fit what is left
 
