@@ -151,3 +151,17 @@ def test_pg_gradient_is_minus_weight_times_advantage_per_token():
     w = np.minimum(np.exp(old - sparse), 2.0)
     want = np.where(mask, -w * adv[:, None] / mask.sum(), 0.0)
     np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-7)
+
+
+def test_run_py_config_prints_the_parts_a_preset_resolves_to(capsys):
+    import yaml
+
+    import run
+
+    assert run.main(["config", "correction.kind=pg_rs"]) == 0
+    section = yaml.safe_load(capsys.readouterr().out)["correction"]
+    assert {k: section[k] for k in ("kind", "anchor", "loss", "rs_level", "veto")} == {
+        "kind": "pg_rs", "anchor": "behaviour", "loss": "pg", "rs_level": "geometric",
+        "veto": True}
+    assert run.main(["config", "correction.kind=nope"]) == 2
+    assert "correction.kind='nope' must be one of ('none', 'tis'" in capsys.readouterr().err
