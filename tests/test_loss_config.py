@@ -165,3 +165,34 @@ def test_run_py_config_prints_the_parts_a_preset_resolves_to(capsys):
         "veto": True}
     assert run.main(["config", "correction.kind=nope"]) == 2
     assert "correction.kind='nope' must be one of ('none', 'tis'" in capsys.readouterr().err
+
+
+def test_every_preset_and_every_part_override_hashes_differently():
+    """The config hash reads the correction in its flat form of before the parts (old runs
+    resume: tests/test_kv_config.py), yet every preset and every part set away from its
+    preset's value gives a run its own hash, so a run never resumes one that trains
+    differently."""
+    from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
+    from sparse_rl_jax.training.run_config import RunConfig
+    from sparse_rl_jax.training.trainer import config_hash
+
+    def run_hash(**correction):
+        return config_hash(RunConfig(correction=CorrectionConfig(**correction)))
+
+    presets = {name: run_hash(kind=name) for name in CORRECTION_PRESETS.names()}
+    # presets that resolve to the same parts train alike and may share a hash; no others
+    by_parts = {}
+    for name in presets:
+        cfg = CorrectionConfig(kind=name)
+        by_parts.setdefault(tuple(getattr(cfg, p) for p in cfg.__dataclass_fields__
+                                  if p != "kind"), set()).add(presets[name])
+    assert len(set(presets.values())) >= len(by_parts)
+    base = run_hash(kind="sparse_rl")
+    overrides = {"anchor": "behaviour", "is_level": "sequence", "is_mode": "mask",
+                 "rs_level": "geometric", "veto": False, "normalize": False, "opsm": True,
+                 "opsm_delta": 0.5, "replay": True, "is_upper": 2.0, "rs_lower": 0.8,
+                 "veto_threshold": 1e-3}
+    hashes = {part: run_hash(kind="sparse_rl", **{part: value})
+              for part, value in overrides.items()}
+    assert base not in hashes.values()
+    assert len(set(hashes.values())) == len(hashes)

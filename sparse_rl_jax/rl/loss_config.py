@@ -146,6 +146,24 @@ class CorrectionConfig:
             check(self.rs_upper >= 1, self, "rs_upper", "must be >= 1 with rs_level=geometric "
                   "(the band of a geometric mean ratio must hold 1)")
 
+    def hash_form(self) -> dict:
+        """The correction as the run's config hash reads it: the flat form of before the parts
+        (``kind``, ``level``, the bands, ``veto_threshold``, ``normalize``, as resolved), plus
+        every part that differs from what that flat
+        form resolves to. A run of a config from before the parts keeps its hash and resumes;
+        configs that train differently hash differently."""
+        flat = {key: getattr(self, key) for key in ("kind", "is_lower", "is_upper", "rs_lower",
+                                                    "rs_upper", "veto_threshold", "normalize")}
+        flat["level"] = "token"
+        for level in CORRECTION_LEVELS:  # the shorthand that reproduces the levels, if one does
+            implied = CorrectionConfig(kind=self.kind, level=level)
+            if (implied.is_level, implied.rs_level) == (self.is_level, self.rs_level):
+                flat["level"] = level
+                break
+        implied = CorrectionConfig(**flat)
+        return flat | {part: getattr(self, part) for part in PARTS
+                       if part not in flat and getattr(self, part) != getattr(implied, part)}
+
     @property
     def log_ratio_clamp(self) -> float:
         """The clamp `c` of `log r` (:data:`LOG_RATIO_CLAMP`)."""

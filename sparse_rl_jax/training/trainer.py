@@ -131,6 +131,8 @@ def config_hash(cfg: RunConfig) -> str:
     for old, new in CompressionConfig.MOVED_KEYS.items():
         section, key = new.split(".")
         relevant["compression"][old] = compression[section][key]
+    # the correction in its flat form of before the parts, so those runs resume too
+    relevant["correction"] = cfg.correction.hash_form()
     relevant["trainer"] = {k: getattr(cfg.trainer, k)
                            for k in ("seed", "prompts_per_step", "minibatch_size")}
     if cfg.trainer.mode == "async":  # which version draws each rollout (sync runs: as before)
