@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -184,9 +185,11 @@ def step_curves(records: list[dict]) -> dict[str, list[float | None]]:
 
 
 def mean_records(runs: list[list[dict]]) -> list[dict]:
-    """Step-by-step means of several runs' metrics (the steps the runs share)."""
+    """Step-by-step means of several runs' metrics (the steps the runs share); exactly
+    rounded sums (``math.fsum``: Python 3.12's ``sum`` compensates, 3.11's does not, and a
+    mean on a rounding boundary then prints differently in the stored tables)."""
     return [{"step": steps[0]["step"],
-             **{key: sum(step[key] for step in steps) / len(steps) for key in COMPARE_KEYS
+             **{key: math.fsum(step[key] for step in steps) / len(steps) for key in COMPARE_KEYS
                 if all(key in step for step in steps)}} for steps in zip(*runs)]
 
 
@@ -310,8 +313,8 @@ def main(argv=None) -> int:
 
 
 def _mean(values: list[float]) -> float:
-    """The mean, NaN for no values."""
-    return sum(values) / len(values) if values else float("nan")
+    """The mean (an exactly rounded sum, as in ``mean_records``), NaN for no values."""
+    return math.fsum(values) / len(values) if values else float("nan")
 
 
 def _optional(value: float) -> str:

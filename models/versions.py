@@ -1,7 +1,9 @@
 """The jax / flax pairs that import: checked before ``models`` imports flax.
 
-jax 0.11.x removed what flax < 0.12.10 imports from ``jax.experimental.hijax``, so
-``from flax import nnx`` fails there with an error that names neither package's version.
+jax 0.11 removed what flax < 0.12.10 imports from ``jax.experimental.hijax``
+(``HiPrimitive``), so ``from flax import nnx`` fails there with an error that names neither
+package's version. jax 0.12 needs the same floor: flax 0.12.8 and 0.12.9 fail to import on
+jax 0.12.0.1 and flax 0.12.10 imports and runs there (checked 2026-11-28).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import importlib.metadata
 from packaging.version import Version
 
 FLAX_FOR_JAX = ((Version("0.11"), Version("0.12.10")),)
-"""``(jax at least, needs flax at least)`` rows."""
+"""``(jax at least, needs flax at least)`` rows; the jax 0.11 row covers jax 0.12 too."""
 
 
 def check_jax_flax(jax_version: str | None = None, flax_version: str | None = None) -> None:

@@ -183,7 +183,12 @@ def test_kernels_lower_for_their_compiler_at_model_shapes(kernel, platform, call
     """From this CPU, each kernel lowers (Triton IR / Mosaic MLIR built in Python) at
     Qwen2.5-1.5B heads in bf16, for pool pages and for the static cache's folded pages with
     Sparrow's per-head tables: one custom call of its compiler, not Mosaic GPU for Triton.
-    (Compiling that IR and running it needs the device.)"""
+    The chip is an abstract device (jax >= 0.12 reads the GPU's compute capability from it
+    when no GPU is attached). (Compiling that IR and running it needs the device.)"""
+    chip = {"cuda": "NVIDIA H100", "tpu": "TPU v5 lite"}[platform]
+    target = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Explicit,),
+        abstract_device=jax.sharding.AbstractDevice(chip, None, platform))
     b, hq, hkv, d, ps, n, r = 4, 12, 2, 128, 16, 64, 8
     spec = jax.ShapeDtypeStruct
     for hp, ht in ((hkv, 1), (1, hkv)):
@@ -192,6 +197,7 @@ def test_kernels_lower_for_their_compiler_at_model_shapes(kernel, platform, call
                 spec((b, ht, r), jnp.int32), spec((b, ht, r * ps), jnp.int32),
                 spec((b, 1), jnp.int32), spec((b,), jnp.int32))
         lower = jax.jit(lambda *a: paged_kernel_attention(*a, kernel=kernel, interpret=False))
-        text = lower.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        with jax.sharding.use_abstract_mesh(target):
+            text = lower.trace(*args).lower(lowering_platforms=(platform,)).as_text()
         calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
         assert len(calls) == 1 and call in calls[0], calls

@@ -145,6 +145,15 @@ def test_reward_curve_table_averages_seeds_per_span():
     assert table[2] == "| dense | 0.300 → 0.800 |"
 
 
+def test_table_means_are_exactly_rounded_on_every_python():
+    """Python 3.11's ``sum`` of ten 0.1 is 0.9999999999999999, 3.12's is 1.0: a mean on a
+    rounding boundary printed 0.883 on one and 0.882 on the other (docs/results.md)."""
+    reproduce = _load_script("reproduce")
+    assert reproduce._mean([0.1] * 10) == 0.1
+    runs = [[{"step": 1, "reward_mean": 0.1}] for _ in range(10)]
+    assert reproduce.mean_records(runs)[0]["reward_mean"] == 0.1
+
+
 def test_collapse_needs_a_long_reward_drop_with_truncation():
     reproduce = _load_script("reproduce")
 

@@ -9,10 +9,10 @@ scores affinely; an update's optimizer step is the same for every batch), which 
 largest batch that fits a limit. The limit is the device's ``bytes_limit`` from
 ``memory_stats()`` where JAX reports one (GPU, TPU), else a configured number of bytes.
 
-Activations take the compute dtype of the platform: the parameter dtype, except on XLA:CPU,
-which computes bfloat16 work in float32 (an update there also holds a float32 copy of the
-weights: ``update_memory``), so a CPU compile's ``memory_analysis()`` can check the plan in
-either dtype.
+Activations take the compute dtype of the platform: the parameter dtype, except on XLA:CPU
+before jaxlib 0.11, which computes bfloat16 work in float32 (an update there also holds a
+float32 copy of the weights: ``update_memory``), so a CPU compile's ``memory_analysis()`` can
+check the plan in either dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.page_sparsity import num_pages
 from sparse_rl_jax.rl.lora_config import LoraConfig
 from sparse_rl_jax.rollout.engine_state import pooled
-from sparse_rl_jax.training.update_memory import update_parts
+from sparse_rl_jax.training.update_memory import compute_itemsize, update_parts
 
 KINDS = ("rollout", "score", "update")
 _ONE_BLOCK_PAIRS = 2**20  # mirrors models.attention: T * S up to this is one block
@@ -263,8 +263,7 @@ def estimate(
       accumulate: an update of a minibatch larger than ``batch``, run in micro-batches of
         ``batch`` that sum their gradients in a float32 accumulator.
       platform: the JAX platform whose compute dtype the score's and update's activations
-        take (None: ``jax.default_backend()``): ``dtype``'s, except ``cpu``, which computes
-        bfloat16 in float32.
+        take (None: ``jax.default_backend()``): ``update_memory.compute_itemsize``.
     """
     _check_args(kind, remat, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
                 num_samples=num_samples, logp_chunk=logp_chunk, pool_pages=pool_pages)
@@ -273,8 +272,7 @@ def estimate(
         parts = _rollout_parts(cfg, batch, prompt_len, new_tokens, compression, dtype,
                                num_samples, record_evictions, pool_pages)
         return MemoryEstimate(kind, batch, parts)
-    platform = platform or jax.default_backend()
-    compute = max(itemsize, _F32) if platform == "cpu" else itemsize
+    compute = compute_itemsize(itemsize, platform or jax.default_backend())
     total_len = prompt_len + new_tokens
     parts = _scoring_parts(cfg, batch, total_len, min(logp_chunk, new_tokens), itemsize,
                            compute, compression if record_evictions else None)

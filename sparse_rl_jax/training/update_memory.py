@@ -21,7 +21,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jaxlib.version
 import numpy as np
+from packaging.version import Version
 
 from models.config import ModelConfig
 from sparse_rl_jax.rl.lora_config import LoraConfig
@@ -32,6 +34,19 @@ _F32 = 4
 # forward's and the gradients'), measured against XLA's peak at the Qwen2.5-1.5B and 7B
 # shapes (benchmarks/README.md, "memory plan")
 LAYER_BACKWARD = (8, 5)
+XLA_CPU_KEEPS_BF16 = Version("0.11")
+"""The first jaxlib whose XLA:CPU computes bfloat16 work in bfloat16: from it an update's
+``memory_analysis()`` follows the plan GPUs and TPUs get (no float32 activations, no float32
+copy of the weights), 26-31% below jaxlib 0.10.2's at the tests' bfloat16 shapes (measured
+on jaxlib 0.11.2 and 0.12.0.1)."""
+
+
+def compute_itemsize(itemsize: int, platform: str) -> int:
+    """Bytes of an activation element on ``platform`` for params of ``itemsize`` bytes: theirs,
+    except float32 on XLA:CPU before jaxlib 0.11 (:data:`XLA_CPU_KEEPS_BF16`)."""
+    if platform == "cpu" and Version(jaxlib.version.__version__) < XLA_CPU_KEEPS_BF16:
+        return max(itemsize, _F32)
+    return itemsize
 
 
 def lora_param_count(cfg: ModelConfig, lora: LoraConfig) -> int:
@@ -91,14 +106,14 @@ def update_parts(parts: dict[str, int], cfg: ModelConfig, *, batch: int, total_l
       parts: the teacher-forced forward's parts over ``batch`` rows (``memory_plan``).
       cfg, batch, total_len: the model and the (micro-)batch of ``total_len`` columns.
       dtype: the params' dtype (the trainable params, their updates and optimizer state).
-      compute_itemsize: bytes of an element of a layer's transients (``memory_plan``: 4 on
-        XLA:CPU, which computes bfloat16 work in float32). The gradients take the params'
-        dtype, and so do the residuals under ``remat="full"`` (each layer's input). Other
-        policies' saved intermediates count half in each dtype: XLA:CPU converts some
+      compute_itemsize: bytes of an element of a layer's transients
+        (:func:`compute_itemsize`). The gradients take the params' dtype, and so do the
+        residuals under ``remat="full"`` (each layer's input). Other policies' saved
+        intermediates count half in each dtype: XLA:CPU before jaxlib 0.11 converts some
         stacked bfloat16 ones to float32 before the backward loop (all of them at the
         tests' tiny shape, none at their 6M-parameter one). Where the compute dtype is
         wider, the backward also holds a float32 copy of every weight (``upcast_weights``:
-        XLA:CPU converts them once, outside the layer loop).
+        that XLA:CPU converts them once, outside the layer loop).
       remat: ``model.remat``: what each layer saves for its backward.
       params: every parameter of the model (``memory_plan.param_count``).
       lora: the adapters when only they train (None: every weight trains).
