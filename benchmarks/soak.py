@@ -1,0 +1,307 @@
+"""A soak: the default run for many steps, sampled every few steps, and whether it stays flat.
+
+    python benchmarks/soak.py [--steps 1000] [--mode sync|async] [--lag 2] [--every 50]
+        [--out benchmarks/results] [--run-dir runs/soak/<label>]
+        [--warm-start runs/soak/warm_start] [--trace-at 100 600] [key=value ...]
+    python benchmarks/soak.py --plot A.json B.json --png FILE   # redraw saved soaks on one PNG
+
+Trains the default config (``python run.py config``; ``key=value`` overrides on top) through
+``trainer.train`` and its ``on_step`` hook. Every ``--every`` steps it records: RSS (psutil,
+else ``/proc/self/status``) and the peak RSS so far, the mean and median wall seconds of the
+window's steps (hook to hook, the sampling itself excluded) and the mean of their
+``time_step`` metric (the rollout, reward, score and update phases, without logging and
+checkpoints), the XLA compilations so far, gc-tracked Python objects, threads, open file
+handles (``/proc/self/fd``), the run directory's size and its committed checkpoints, and the
+machine's 1-minute load average (other jobs share the cores: read step time against it).
+
+Compilations are counted with ``jax.monitoring``'s event-duration listener: every backend
+compile (jit cache miss, eager ops included) records ``/jax/core/compile/backend_compile_duration``
+with the function's name, the public counter that jax 0.10-0.12 keep (jit's own caches are
+private and change between releases).
+
+Verdicts, after step ``--settle`` (100): RSS grows < 5% (the median of the last three samples
+against the sample at ``--settle``); the compile count stays what it was at ``--settle``;
+step time is flat (a least-squares line through the windows' median step times changes by
+< 5% from ``--settle`` to the end); committed checkpoints never exceed
+``trainer.keep_checkpoints``.
+
+``--trace-at A B`` also diffs ``tracemalloc`` snapshots and gc's objects per type between
+steps A and B (slower: tracemalloc hooks every allocation). The run directory is emptied
+first; the warm start is built once in a child process (so its memory is not the soak's) and
+the run loads it as ``model.path`` (the default run's policy, read as any HF checkpoint). Writes ``soak_<label>.json`` and ``soak_<label>.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import resource
+import shutil
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+TOLERANCE = 0.05
+
+
+def rss_mib() -> float:
+    """This process's resident set size, MiB."""
+    try:
+        import psutil
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        with open("/proc/self/status") as f:
+            kib = next(line.split()[1] for line in f if line.startswith("VmRSS:"))
+        return int(kib) / 1024
+
+
+def dir_stats(run_dir: Path) -> tuple[float, int, int]:
+    """``(MiB of files, committed checkpoints, unfinished checkpoint dirs)`` of ``run_dir``."""
+    size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
+    ckpts = run_dir / "checkpoints"
+    names = [p.name for p in ckpts.iterdir()] if ckpts.is_dir() else []
+    return (size / 2**20, sum(n.isdigit() for n in names),
+            sum("orbax-checkpoint-tmp" in n for n in names))
+
+
+class Sampler:
+    """The ``on_step`` hook: per-step wall seconds, and a sample every ``every`` steps."""
+
+    def __init__(self, run_dir: Path, every: int, trace_at: tuple[int, ...] = ()):
+        import jax
+
+        self.run_dir, self.every, self.trace_at = run_dir, every, trace_at
+        self.walls: list[float] = []
+        self.phase_seconds: list[float] = []
+        self.samples: list[dict] = []
+        self.compiles: list[tuple[int, str]] = []  # (step running, function) per compile
+        self.traces: dict[int, tuple] = {}
+        self.step = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        if trace_at:
+            tracemalloc.start(8)
+        self.resumed = time.perf_counter()
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        del duration
+        if event == BACKEND_COMPILE:
+            self.compiles.append((self.step + 1, str(kwargs.get("fun_name", "?"))))
+
+    def __call__(self, step: int, metrics: dict) -> None:
+        self.walls.append(time.perf_counter() - self.resumed)
+        self.phase_seconds.append(float(metrics.get("time_step", np.nan)))
+        self.step = step
+        if step % self.every == 0:
+            self.samples.append(self.sample(step))
+        if step in self.trace_at:
+            counts = collections.Counter(type(o).__name__ for o in gc.get_objects())
+            self.traces[step] = (tracemalloc.take_snapshot(), counts)
+        self.resumed = time.perf_counter()
+
+    def sample(self, step: int) -> dict:
+        """One row: memory, time over the last window, compiles, handles, disk."""
+        window = self.walls[-self.every:]
+        size, ckpts, unfinished = dir_stats(self.run_dir)
+        return {"step": step, "rss_mib": round(rss_mib(), 1),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "step_s": round(float(np.mean(window)), 4),
+                "step_median_s": round(float(np.median(window)), 4),
+                "phases_s": round(float(np.nanmean(self.phase_seconds[-self.every:])), 4),
+                "compiles": len(self.compiles), "objects": len(gc.get_objects()),
+                "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+                "load1": round(os.getloadavg()[0], 1),
+                "run_dir_mib": round(size, 2), "checkpoints": ckpts, "unfinished": unfinished}
+
+    def trace_diff(self, top: int = 15) -> dict:
+        """Growth between the two ``trace_at`` steps: top allocation sites and object types."""
+        (a, (snap_a, types_a)), (b, (snap_b, types_b)) = sorted(self.traces.items())[:2]
+        sites = snap_b.compare_to(snap_a, "lineno")[:top]
+        types = (collections.Counter(types_b) - collections.Counter(types_a)).most_common(top)
+        return {"steps": [a, b],
+                "sites": [[str(s.traceback[0]), round(s.size_diff / 1024, 1), s.count_diff]
+                          for s in sites],
+                "types": types}
+
+
+def verdicts(samples: list[dict], settle: int, keep: int) -> dict:
+    """The four criteria over the samples at or after step ``settle``: ``{name: (holds, why)}``."""
+    after = [s for s in samples if s["step"] >= settle]
+    base = after[0]
+    end_rss = float(np.median([s["rss_mib"] for s in after[-3:]]))
+    growth = end_rss / base["rss_mib"] - 1
+    peak = max(s["rss_mib"] for s in after)
+    steps = np.array([s["step"] for s in after], float)
+    medians = np.array([s["step_median_s"] for s in after])
+    slope, intercept = np.polyfit(steps, medians, 1) if len(after) > 1 else (0.0, medians[0])
+    drift = slope * (steps[-1] - steps[0]) / (intercept + slope * steps[0])
+    noise = float(np.std(medians - (intercept + slope * steps)))
+    new = after[-1]["compiles"] - base["compiles"]
+    most = max(s["checkpoints"] for s in samples)
+    return {
+        "rss": (bool(growth < TOLERANCE), f"{base['rss_mib']:.0f} MiB at step {base['step']} -> "
+                f"{end_rss:.0f} MiB at the end ({growth:+.1%}; peak after it {peak:.0f} MiB)"),
+        "compiles": (new == 0, f"{base['compiles']} at step {base['step']}, "
+                     f"{after[-1]['compiles']} at the end ({new} after step {base['step']})"),
+        "step_time": (bool(abs(drift) < TOLERANCE),
+                      f"median {medians[0]:.3f} s at step {base['step']} -> {medians[-1]:.3f} s; "
+                      f"fitted drift {drift:+.1%} (window medians' spread {noise * 1e3:.0f} ms)"),
+        "checkpoints": (most <= keep, f"at most {most} committed (keep {keep})"),
+    }
+
+
+def table(samples: list[dict]) -> str:
+    """The samples as a markdown table."""
+    cols = ["step", "rss_mib", "peak_rss_mib", "step_s", "step_median_s", "phases_s",
+            "compiles", "objects", "threads", "fds", "run_dir_mib", "checkpoints", "load1"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(s[c]) for c in cols) + " |" for s in samples]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], png: Path) -> None:
+    """One panel per measure, every soak in ``results`` overlaid (its label in the legend)."""
+    from matplotlib.figure import Figure
+
+    panels = [("rss_mib", "RSS (MiB)"), ("step_median_s", "step time, window median (s)"),
+              ("compiles", "XLA compilations so far"), ("objects", "gc-tracked Python objects"),
+              ("fds", "open file handles"), ("run_dir_mib", "run dir (MiB)"),
+              ("checkpoints", "committed checkpoints"), ("load1", "machine's 1-min load")]
+    fig = Figure(figsize=(18, 7.5), dpi=80, layout="constrained")
+    for ax, (key, title) in zip(fig.subplots(2, 4).ravel(), panels):
+        for i, result in enumerate(results):
+            steps = [s["step"] for s in result["samples"]]
+            ax.plot(steps, [s[key] for s in result["samples"]], marker=".", color=f"C{i}",
+                    label=result["label"])
+            if key == "step_median_s":  # every step, faint
+                walls = result["step_walls"]
+                ax.plot(np.arange(1, len(walls) + 1), walls, color=f"C{i}", alpha=0.3, lw=0.6)
+        if key == "step_median_s":
+            ax.set_ylim(0, 2.5 * max(s[key] for r in results for s in r["samples"]))
+        ax.axvline(results[0]["settle"], color="grey", ls=":", lw=1)
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    fig.axes[0].legend(fontsize=9)
+    fig.suptitle("soak: " + ", ".join(r["label"] for r in results), fontsize=12)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+
+
+def build_warm_start(path: str) -> None:
+    """The default warm start in ``path`` (run in a child process)."""
+    from sparse_rl_jax.training.run_config import RunConfig
+    from sparse_rl_jax.training.warm_start import build_default_model
+
+    cfg = RunConfig()
+    build_default_model(path, cfg.warm_start, cfg.data.synthetic)
+
+
+def versions() -> dict:
+    """The versions of what the numbers depend on."""
+    import flax
+    import jax
+    import orbax.checkpoint
+
+    return {"python": platform.python_version(), "jax": jax.__version__,
+            "flax": flax.__version__, "orbax": orbax.checkpoint.__version__,
+            "numpy": np.__version__, "cpus": os.cpu_count(), "machine": platform.machine()}
+
+
+def soak(args) -> dict:
+    """Runs the soak of ``args``; returns its record (samples, verdicts, versions)."""
+    from sparse_rl_jax.core.config_io import load_config
+    from sparse_rl_jax.training.run_config import RunConfig
+    from sparse_rl_jax.training.trainer import train
+
+    label = args.mode if args.mode == "sync" else f"async_lag{args.lag}"
+    run_dir = Path(args.run_dir or ROOT / "runs" / "soak" / label)
+    warm = Path(args.warm_start)
+    if not (warm / "warm_start.json").is_file():
+        child = multiprocessing.get_context("spawn").Process(target=build_warm_start,
+                                                             args=(str(warm),))
+        child.start()
+        child.join()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = load_config(RunConfig, None, [f"run_dir={run_dir}", f"model.path={warm.resolve()}",
+                                        f"trainer.steps={args.steps}",
+                                        f"trainer.mode={args.mode}", f"trainer.max_lag={args.lag}",
+                                        *args.overrides])
+    sampler = Sampler(run_dir, args.every, tuple(args.trace_at or ()))
+    start = time.perf_counter()
+    train(cfg, on_step=sampler)
+    result = {"label": label, "date": datetime.date.today().isoformat(), "steps": args.steps,
+              "every": args.every, "settle": args.settle, "overrides": args.overrides,
+              "wall_s": round(time.perf_counter() - start, 1), "versions": versions(),
+              "samples": sampler.samples,
+              "step_walls": [round(w, 4) for w in sampler.walls],
+              "late_compiles": [c for c in sampler.compiles if c[0] > args.settle],
+              "verdicts": verdicts(sampler.samples, args.settle,
+                                   cfg.trainer.keep_checkpoints)}
+    if args.trace_at:
+        result["trace"] = sampler.trace_diff()
+    return result
+
+
+def report(result: dict) -> None:
+    """Prints the table, the compiles after settling, the trace diff and the verdicts."""
+    print(f"\n## soak {result['label']}: {result['steps']} steps in {result['wall_s']} s "
+          f"({result['date']}, {result['versions']})\n")
+    print(table(result["samples"]))
+    if result["late_compiles"]:
+        print("\ncompiles after step", result["settle"], ":",
+              collections.Counter(name for _, name in result["late_compiles"]).most_common())
+    if "trace" in result:
+        a, b = result["trace"]["steps"]
+        print(f"\ntracemalloc, step {a} -> {b} (site, KiB, blocks):")
+        for site in result["trace"]["sites"]:
+            print("  ", *site)
+        print("objects per type gained:", result["trace"]["types"])
+    print()
+    for name, (holds, why) in result["verdicts"].items():
+        print(f"{name:12s} {'holds' if holds else 'DOES NOT HOLD'}: {why}")
+
+
+def main() -> None:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--mode", choices=("sync", "async"), default="sync")
+    parser.add_argument("--lag", type=int, default=2, help="trainer.max_lag (async)")
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--settle", type=int, default=100,
+                        help="the verdicts compare from this step on")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--run-dir", default=None)
+    parser.add_argument("--warm-start", default=str(ROOT / "runs" / "soak" / "warm_start"))
+    parser.add_argument("--trace-at", type=int, nargs=2, default=None)
+    parser.add_argument("--plot", nargs="+", default=None, help="soak JSONs to redraw")
+    parser.add_argument("--png", default=None, help="with --plot: where the PNG goes")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args()
+    if args.plot:
+        plot([json.loads(Path(p).read_text()) for p in args.plot], Path(args.png))
+        return
+    result = soak(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"soak_{result['label']}.json").write_text(json.dumps(result, indent=1))
+    plot([result], out / f"soak_{result['label']}.png")
+    report(result)
+
+
+if __name__ == "__main__":
+    main()
