@@ -7,10 +7,12 @@
 
 Trains the default config (``python run.py config``; ``key=value`` overrides on top) through
 ``trainer.train`` and its ``on_step`` hook. Every ``--every`` steps it records: RSS (psutil,
-else ``/proc/self/status``) and the peak RSS so far, the mean and median wall seconds of the
-window's steps (hook to hook, the sampling itself excluded) and the mean of their
-``time_step`` metric (the rollout, reward, score and update phases, without logging and
-checkpoints), the XLA compilations so far, gc-tracked Python objects, threads, open file
+else ``/proc/self/status``), the peak RSS so far, what glibc's malloc holds in use and free
+(``mallinfo2``: free memory kept in its arenas is fragmentation, not a leak), the mean and
+median wall seconds of the window's steps (hook to hook, the sampling itself excluded) and
+the median CPU seconds of this process per step (what contention from other jobs changes
+least) and the mean of their ``time_step`` metric (the rollout, reward, score and update
+phases, without logging and checkpoints), the XLA compilations so far, gc-tracked Python objects, threads, open file
 handles (``/proc/self/fd``), the run directory's size and its committed checkpoints, and the
 machine's 1-minute load average (other jobs share the cores: read step time against it).
 
@@ -22,19 +24,22 @@ private and change between releases).
 Verdicts, after step ``--settle`` (100): RSS grows < 5% (the median of the last three samples
 against the sample at ``--settle``); the compile count stays what it was at ``--settle``;
 step time is flat (a least-squares line through the windows' median step times changes by
-< 5% from ``--settle`` to the end); committed checkpoints never exceed
+< 5% from ``--settle`` to the end; the same line through CPU seconds per step is printed
+beside it); committed checkpoints never exceed
 ``trainer.keep_checkpoints``.
 
 ``--trace-at A B`` also diffs ``tracemalloc`` snapshots and gc's objects per type between
 steps A and B (slower: tracemalloc hooks every allocation). The run directory is emptied
 first; the warm start is built once in a child process (so its memory is not the soak's) and
-the run loads it as ``model.path`` (the default run's policy, read as any HF checkpoint). Writes ``soak_<label>.json`` and ``soak_<label>.png`` to ``--out``.
+the run loads it as ``model.path`` (the default run's policy, read as any HF checkpoint).
+Writes ``soak_<label>.json`` and ``soak_<label>.png`` to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import datetime
 import gc
 import json
@@ -69,6 +74,27 @@ def rss_mib() -> float:
         return int(kib) / 1024
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc >= 2.33)."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def malloc_mib() -> tuple[float | None, float | None]:
+    """``(MiB malloc has handed out and not had back, MiB freed but kept in its arenas)``
+    over every arena (glibc's ``mallinfo2``; None without it): RSS that grows in the second
+    while the first stays flat is fragmentation, not a leak."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None, None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return (round((info.uordblks + info.hblkhd) / 2**20, 1), round(info.fordblks / 2**20, 1))
+
+
 def dir_stats(run_dir: Path) -> tuple[float, int, int]:
     """``(MiB of files, committed checkpoints, unfinished checkpoint dirs)`` of ``run_dir``."""
     size = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file())
@@ -76,6 +102,12 @@ def dir_stats(run_dir: Path) -> tuple[float, int, int]:
     names = [p.name for p in ckpts.iterdir()] if ckpts.is_dir() else []
     return (size / 2**20, sum(n.isdigit() for n in names),
             sum("orbax-checkpoint-tmp" in n for n in names))
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU seconds so far, user and system, every thread."""
+    times = os.times()
+    return times.user + times.system
 
 
 class Sampler:
@@ -86,6 +118,7 @@ class Sampler:
 
         self.run_dir, self.every, self.trace_at = run_dir, every, trace_at
         self.walls: list[float] = []
+        self.cpus: list[float] = []  # this process's CPU seconds (user + system) per step
         self.phase_seconds: list[float] = []
         self.samples: list[dict] = []
         self.compiles: list[tuple[int, str]] = []  # (step running, function) per compile
@@ -94,7 +127,7 @@ class Sampler:
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
         if trace_at:
             tracemalloc.start(8)
-        self.resumed = time.perf_counter()
+        self.resumed, self.cpu_resumed = time.perf_counter(), _cpu_seconds()
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
         del duration
@@ -103,6 +136,7 @@ class Sampler:
 
     def __call__(self, step: int, metrics: dict) -> None:
         self.walls.append(time.perf_counter() - self.resumed)
+        self.cpus.append(_cpu_seconds() - self.cpu_resumed)
         self.phase_seconds.append(float(metrics.get("time_step", np.nan)))
         self.step = step
         if step % self.every == 0:
@@ -110,16 +144,19 @@ class Sampler:
         if step in self.trace_at:
             counts = collections.Counter(type(o).__name__ for o in gc.get_objects())
             self.traces[step] = (tracemalloc.take_snapshot(), counts)
-        self.resumed = time.perf_counter()
+        self.resumed, self.cpu_resumed = time.perf_counter(), _cpu_seconds()
 
     def sample(self, step: int) -> dict:
         """One row: memory, time over the last window, compiles, handles, disk."""
         window = self.walls[-self.every:]
         size, ckpts, unfinished = dir_stats(self.run_dir)
-        return {"step": step, "rss_mib": round(rss_mib(), 1),
+        used, free = malloc_mib()
+        return {"step": step, "rss_mib": round(rss_mib(), 1), "malloc_used_mib": used,
+                "malloc_free_mib": free,
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "step_s": round(float(np.mean(window)), 4),
                 "step_median_s": round(float(np.median(window)), 4),
+                "cpu_median_s": round(float(np.median(self.cpus[-self.every:])), 4),
                 "phases_s": round(float(np.nanmean(self.phase_seconds[-self.every:])), 4),
                 "compiles": len(self.compiles), "objects": len(gc.get_objects()),
                 "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
@@ -137,6 +174,18 @@ class Sampler:
                 "types": types}
 
 
+def _drift(samples: list[dict], key: str) -> tuple[np.ndarray, float, float]:
+    """``(values of key, change of a least-squares line through them from the first sample
+    to the last relative to its start, the values' spread around the line)``."""
+    steps = np.array([s["step"] for s in samples], float)
+    values = np.array([s[key] for s in samples])
+    if len(values) < 2:
+        return values, 0.0, 0.0
+    slope, intercept = np.polyfit(steps, values, 1)
+    line = intercept + slope * steps
+    return values, float((line[-1] - line[0]) / line[0]), float(np.std(values - line))
+
+
 def verdicts(samples: list[dict], settle: int, keep: int) -> dict:
     """The four criteria over the samples at or after step ``settle``: ``{name: (holds, why)}``."""
     after = [s for s in samples if s["step"] >= settle]
@@ -144,11 +193,8 @@ def verdicts(samples: list[dict], settle: int, keep: int) -> dict:
     end_rss = float(np.median([s["rss_mib"] for s in after[-3:]]))
     growth = end_rss / base["rss_mib"] - 1
     peak = max(s["rss_mib"] for s in after)
-    steps = np.array([s["step"] for s in after], float)
-    medians = np.array([s["step_median_s"] for s in after])
-    slope, intercept = np.polyfit(steps, medians, 1) if len(after) > 1 else (0.0, medians[0])
-    drift = slope * (steps[-1] - steps[0]) / (intercept + slope * steps[0])
-    noise = float(np.std(medians - (intercept + slope * steps)))
+    wall, wall_drift, noise = _drift(after, "step_median_s")
+    cpu, cpu_drift, _ = _drift(after, "cpu_median_s")
     new = after[-1]["compiles"] - base["compiles"]
     most = max(s["checkpoints"] for s in samples)
     return {
@@ -156,19 +202,22 @@ def verdicts(samples: list[dict], settle: int, keep: int) -> dict:
                 f"{end_rss:.0f} MiB at the end ({growth:+.1%}; peak after it {peak:.0f} MiB)"),
         "compiles": (new == 0, f"{base['compiles']} at step {base['step']}, "
                      f"{after[-1]['compiles']} at the end ({new} after step {base['step']})"),
-        "step_time": (bool(abs(drift) < TOLERANCE),
-                      f"median {medians[0]:.3f} s at step {base['step']} -> {medians[-1]:.3f} s; "
-                      f"fitted drift {drift:+.1%} (window medians' spread {noise * 1e3:.0f} ms)"),
+        "step_time": (bool(abs(wall_drift) < TOLERANCE),
+                      f"median {wall[0]:.3f} s at step {base['step']} -> {wall[-1]:.3f} s; fitted "
+                      f"drift {wall_drift:+.1%} (window medians' spread {noise * 1e3:.0f} ms); "
+                      f"CPU seconds per step {cpu[0]:.3f} -> {cpu[-1]:.3f}, fitted drift "
+                      f"{cpu_drift:+.1%}"),
         "checkpoints": (most <= keep, f"at most {most} committed (keep {keep})"),
     }
 
 
 def table(samples: list[dict]) -> str:
     """The samples as a markdown table."""
-    cols = ["step", "rss_mib", "peak_rss_mib", "step_s", "step_median_s", "phases_s",
-            "compiles", "objects", "threads", "fds", "run_dir_mib", "checkpoints", "load1"]
+    cols = ["step", "rss_mib", "peak_rss_mib", "malloc_used_mib", "malloc_free_mib", "step_s",
+            "step_median_s", "cpu_median_s", "phases_s", "compiles", "objects", "threads", "fds", "run_dir_mib",
+            "checkpoints", "load1"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(s[c]) for c in cols) + " |" for s in samples]
+    lines += ["| " + " | ".join(str(s.get(c, "")) for c in cols) + " |" for s in samples]
     return "\n".join(lines)
 
 
@@ -176,16 +225,21 @@ def plot(results: list[dict], png: Path) -> None:
     """One panel per measure, every soak in ``results`` overlaid (its label in the legend)."""
     from matplotlib.figure import Figure
 
-    panels = [("rss_mib", "RSS (MiB)"), ("step_median_s", "step time, window median (s)"),
+    panels = [("rss_mib", "RSS, malloc in use dashed (MiB)"),
+              ("step_median_s", "step time, window median (s)"),
               ("compiles", "XLA compilations so far"), ("objects", "gc-tracked Python objects"),
               ("fds", "open file handles"), ("run_dir_mib", "run dir (MiB)"),
               ("checkpoints", "committed checkpoints"), ("load1", "machine's 1-min load")]
     fig = Figure(figsize=(18, 7.5), dpi=80, layout="constrained")
     for ax, (key, title) in zip(fig.subplots(2, 4).ravel(), panels):
         for i, result in enumerate(results):
-            steps = [s["step"] for s in result["samples"]]
-            ax.plot(steps, [s[key] for s in result["samples"]], marker=".", color=f"C{i}",
+            samples = result["samples"]
+            steps = [s["step"] for s in samples]
+            ax.plot(steps, [s[key] for s in samples], marker=".", color=f"C{i}",
                     label=result["label"])
+            if key == "rss_mib" and samples[0].get("malloc_used_mib") is not None:
+                ax.plot(steps, [s["malloc_used_mib"] for s in samples], color=f"C{i}", ls="--",
+                        label=f"{result['label']}: malloc in use")
             if key == "step_median_s":  # every step, faint
                 walls = result["step_walls"]
                 ax.plot(np.arange(1, len(walls) + 1), walls, color=f"C{i}", alpha=0.3, lw=0.6)
