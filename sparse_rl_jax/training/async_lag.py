@@ -23,6 +23,7 @@ fails stops the trainer with an error naming the step, never a hang.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -39,6 +40,9 @@ from sparse_rl_jax.training.role_mesh import sync_weights
 
 POLL_SECONDS = 1.0
 """How often a waiting learner checks that the producer is still alive."""
+TIMELINE_SPANS = 4096
+"""The newest spans :attr:`AsyncSteps.timeline` keeps (six a step: the last ~680 steps);
+older ones are dropped, so a long run holds a bounded timeline."""
 
 
 class AsyncRolloutError(RuntimeError):
@@ -147,8 +151,10 @@ class AsyncSteps:
         self.ring = VersionRing(self.max_lag, versions)
         self.ready: queue.Queue = queue.Queue()
         self.last: LaggedRollout | None = None  # the rows of the step run last
-        # (role, phase, step, start, end) perf_counter spans, for a timeline (bench_async)
-        self.timeline: list[tuple[str, str, int, float, float]] = []
+        # the newest (role, phase, step, start, end) perf_counter spans, for a timeline
+        # (bench_async); bounded, so a long run does not hold one per phase and step
+        self.timeline: collections.deque[tuple[str, str, int, float, float]] = (
+            collections.deque(maxlen=TIMELINE_SPANS))
         self.thread = threading.Thread(target=self._produce, name="rollout-producer",
                                        daemon=True)
 
