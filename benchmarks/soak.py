@@ -6,26 +6,27 @@
     python benchmarks/soak.py --plot A.json B.json --png FILE   # redraw saved soaks on one PNG
 
 Trains the default config (``python run.py config``; ``key=value`` overrides on top) through
-``trainer.train`` and its ``on_step`` hook. Every ``--every`` steps it records: RSS (psutil,
-else ``/proc/self/status``), the peak RSS so far, what glibc's malloc holds in use and free
-(``mallinfo2``: free memory kept in its arenas is fragmentation, not a leak), the mean and
-median wall seconds of the window's steps (hook to hook, the sampling itself excluded) and
-the median CPU seconds of this process per step (what contention from other jobs changes
-least) and the mean of their ``time_step`` metric (the rollout, reward, score and update
-phases, without logging and checkpoints), the XLA compilations so far, gc-tracked Python objects, threads, open file
-handles (``/proc/self/fd``), the run directory's size and its committed checkpoints, and the
-machine's 1-minute load average (other jobs share the cores: read step time against it).
+``trainer.train`` and its ``on_step`` hook. After every step it reads RSS (psutil, else
+``/proc/self/status``), what glibc's malloc holds in use and freed but kept (``mallinfo2``:
+RSS that grows in the second while the first stays flat is fragmentation, not a leak), and
+the step's wall and CPU seconds (hook to hook, the sampling excluded). Every ``--every``
+steps it records a row: the window's median and largest RSS, median malloc bytes, mean and
+median wall seconds, median CPU seconds (what other jobs on the cores change least) and the
+mean ``time_step`` metric (rollout, reward, score and update, without logging and
+checkpoints); the XLA compilations so far; gc-tracked Python objects; threads; open file
+handles (``/proc/self/fd``); the run directory's size and committed checkpoints; the
+machine's 1-minute load average (other jobs share the cores: read wall time against it).
 
 Compilations are counted with ``jax.monitoring``'s event-duration listener: every backend
-compile (jit cache miss, eager ops included) records ``/jax/core/compile/backend_compile_duration``
-with the function's name, the public counter that jax 0.10-0.12 keep (jit's own caches are
-private and change between releases).
+compile (a jit cache miss, eager ops included) records
+``/jax/core/compile/backend_compile_duration`` with the function's name, a public counter
+that jax 0.10-0.12 keep (jit's own caches are private and change between releases).
 
-Verdicts, after step ``--settle`` (100): RSS grows < 5% (the median of the last three samples
-against the sample at ``--settle``); the compile count stays what it was at ``--settle``;
-step time is flat (a least-squares line through the windows' median step times changes by
-< 5% from ``--settle`` to the end; the same line through CPU seconds per step is printed
-beside it); committed checkpoints never exceed
+Verdicts, from step ``--settle`` (100) on: RSS grows < 5% (the last window's median RSS
+against the window's at ``--settle``); no compilation after ``--settle`` (those there are
+listed with their steps); step time is flat (a least-squares line through the windows'
+median wall seconds changes by < 5% from ``--settle`` to the end; the same line through CPU
+seconds is printed beside it); committed checkpoints never exceed
 ``trainer.keep_checkpoints``.
 
 ``--trace-at A B`` also diffs ``tracemalloc`` snapshots and gc's objects per type between
@@ -46,7 +47,6 @@ import json
 import multiprocessing
 import os
 import platform
-import resource
 import shutil
 import sys
 import threading
@@ -111,7 +111,8 @@ def _cpu_seconds() -> float:
 
 
 class Sampler:
-    """The ``on_step`` hook: per-step wall seconds, and a sample every ``every`` steps."""
+    """The ``on_step`` hook: per-step wall and CPU seconds, RSS and malloc's bytes, and a
+    sample (each window's medians) every ``every`` steps."""
 
     def __init__(self, run_dir: Path, every: int, trace_at: tuple[int, ...] = ()):
         import jax
@@ -120,6 +121,7 @@ class Sampler:
         self.walls: list[float] = []
         self.cpus: list[float] = []  # this process's CPU seconds (user + system) per step
         self.phase_seconds: list[float] = []
+        self.memory: list[tuple[float, float | None, float | None]] = []  # RSS, malloc's
         self.samples: list[dict] = []
         self.compiles: list[tuple[int, str]] = []  # (step running, function) per compile
         self.traces: dict[int, tuple] = {}
@@ -138,6 +140,7 @@ class Sampler:
         self.walls.append(time.perf_counter() - self.resumed)
         self.cpus.append(_cpu_seconds() - self.cpu_resumed)
         self.phase_seconds.append(float(metrics.get("time_step", np.nan)))
+        self.memory.append((rss_mib(), *malloc_mib()))
         self.step = step
         if step % self.every == 0:
             self.samples.append(self.sample(step))
@@ -147,17 +150,20 @@ class Sampler:
         self.resumed, self.cpu_resumed = time.perf_counter(), _cpu_seconds()
 
     def sample(self, step: int) -> dict:
-        """One row: memory, time over the last window, compiles, handles, disk."""
-        window = self.walls[-self.every:]
+        """One row: the window's median memory and time, compiles, handles, disk."""
+        window = slice(-self.every, None)
+        rss, used, free = (np.array(x[window], float) for x in zip(*self.memory))
         size, ckpts, unfinished = dir_stats(self.run_dir)
-        used, free = malloc_mib()
-        return {"step": step, "rss_mib": round(rss_mib(), 1), "malloc_used_mib": used,
-                "malloc_free_mib": free,
-                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                "step_s": round(float(np.mean(window)), 4),
-                "step_median_s": round(float(np.median(window)), 4),
-                "cpu_median_s": round(float(np.median(self.cpus[-self.every:])), 4),
-                "phases_s": round(float(np.nanmean(self.phase_seconds[-self.every:])), 4),
+
+        def median(values, digits: int = 4) -> float:
+            return round(float(np.nanmedian(values)), digits)
+
+        return {"step": step, "rss_mib": median(rss, 1), "rss_max_mib": round(rss.max(), 1),
+                "malloc_used_mib": median(used, 1), "malloc_free_mib": median(free, 1),
+                "step_s": round(float(np.mean(self.walls[window])), 4),
+                "step_median_s": median(self.walls[window]),
+                "cpu_median_s": median(self.cpus[window]),
+                "phases_s": round(float(np.nanmean(self.phase_seconds[window])), 4),
                 "compiles": len(self.compiles), "objects": len(gc.get_objects()),
                 "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
                 "load1": round(os.getloadavg()[0], 1),
@@ -190,16 +196,17 @@ def verdicts(samples: list[dict], settle: int, keep: int) -> dict:
     """The four criteria over the samples at or after step ``settle``: ``{name: (holds, why)}``."""
     after = [s for s in samples if s["step"] >= settle]
     base = after[0]
-    end_rss = float(np.median([s["rss_mib"] for s in after[-3:]]))
+    end_rss = after[-1]["rss_mib"]
     growth = end_rss / base["rss_mib"] - 1
-    peak = max(s["rss_mib"] for s in after)
+    peak = max(s["rss_max_mib"] for s in after)
     wall, wall_drift, noise = _drift(after, "step_median_s")
     cpu, cpu_drift, _ = _drift(after, "cpu_median_s")
     new = after[-1]["compiles"] - base["compiles"]
     most = max(s["checkpoints"] for s in samples)
     return {
-        "rss": (bool(growth < TOLERANCE), f"{base['rss_mib']:.0f} MiB at step {base['step']} -> "
-                f"{end_rss:.0f} MiB at the end ({growth:+.1%}; peak after it {peak:.0f} MiB)"),
+        "rss": (bool(growth < TOLERANCE), f"window median {base['rss_mib']:.0f} MiB at step "
+                f"{base['step']} -> {end_rss:.0f} MiB at the end ({growth:+.1%}; largest after "
+                f"it {peak:.0f} MiB)"),
         "compiles": (new == 0, f"{base['compiles']} at step {base['step']}, "
                      f"{after[-1]['compiles']} at the end ({new} after step {base['step']})"),
         "step_time": (bool(abs(wall_drift) < TOLERANCE),
@@ -213,9 +220,9 @@ def verdicts(samples: list[dict], settle: int, keep: int) -> dict:
 
 def table(samples: list[dict]) -> str:
     """The samples as a markdown table."""
-    cols = ["step", "rss_mib", "peak_rss_mib", "malloc_used_mib", "malloc_free_mib", "step_s",
-            "step_median_s", "cpu_median_s", "phases_s", "compiles", "objects", "threads", "fds", "run_dir_mib",
-            "checkpoints", "load1"]
+    cols = ["step", "rss_mib", "rss_max_mib", "malloc_used_mib", "malloc_free_mib", "step_s",
+            "step_median_s", "cpu_median_s", "phases_s", "compiles", "objects", "threads",
+            "fds", "run_dir_mib", "checkpoints", "load1"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(s.get(c, "")) for c in cols) + " |" for s in samples]
     return "\n".join(lines)
