@@ -105,6 +105,18 @@ def test_without_the_split_the_lagged_rows_are_scored_once_and_train_the_same(po
     assert "async/lag_mismatch_k3" not in metrics[2]
 
 
+def test_the_timeline_keeps_only_the_newest_spans(policy, monkeypatch):
+    """A long run holds a bounded timeline: past ``TIMELINE_SPANS`` the oldest spans go."""
+    from sparse_rl_jax.training import async_lag
+    monkeypatch.setattr(async_lag, "TIMELINE_SPANS", 3)
+    ctx, params, opt_state = _context(policy, "trainer.max_lag=1")
+    with AsyncSteps(ctx, params, 0, 0) as steps:
+        for step in range(3):  # six spans a step: rollout, reward, score; score, update, sync
+            params, opt_state, _ = steps.step(ctx, params, opt_state, step)
+    assert [(role, phase, step) for role, phase, step, _, _ in steps.timeline] == [
+        ("learner", "score", 2), ("learner", "update", 2), ("learner", "weight_sync", 2)]
+
+
 def test_a_failing_producer_stops_the_learner_naming_the_step(policy):
     ctx, params, opt_state = _context(policy, "trainer.max_lag=1")
     calls = []

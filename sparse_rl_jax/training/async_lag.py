@@ -25,6 +25,7 @@ learner's own update, the weight sync) stops it at a deadline (``trainer.async_t
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -42,6 +43,9 @@ from sparse_rl_jax.training.role_mesh import sync_weights
 
 POLL_SECONDS = 1.0
 """How often a waiting learner checks that the producer is still alive."""
+TIMELINE_SPANS = 4096
+"""The newest spans :attr:`AsyncSteps.timeline` keeps (six a step: the last ~680 steps);
+older ones are dropped, so a long run holds a bounded timeline."""
 
 
 class LaggedRollout(NamedTuple):
@@ -153,8 +157,10 @@ class AsyncSteps:
         self.producing = start  # the step the producer is on
         self._side = "learner"  # the side the learner's worker is on: learner / weight sync
         self._quiet = False  # a side went quiet: the producer is not waited for at the exit
-        # (role, phase, step, start, end) perf_counter spans, for a timeline (bench_async)
-        self.timeline: list[tuple[str, str, int, float, float]] = []
+        # the newest (role, phase, step, start, end) perf_counter spans, for a timeline
+        # (bench_async); bounded, so a long run does not hold one per phase and step
+        self.timeline: collections.deque[tuple[str, str, int, float, float]] = (
+            collections.deque(maxlen=TIMELINE_SPANS))
         self.thread = threading.Thread(target=self._produce, name="rollout-producer",
                                        daemon=True)
 
