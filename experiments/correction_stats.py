@@ -56,6 +56,7 @@ from experiments.correction_grads import loss_cotangent, low_r_grad_share  # noq
 from experiments.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.provenance import provenance  # noqa: E402
 from experiments.reproduce import correction_arm  # noqa: E402
+from experiments.results_correction_stats import format_row, format_table  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.rl.advantages import compute_advantages  # noqa: E402
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS  # noqa: E402
@@ -75,10 +76,6 @@ CONFIG = ROOT / "configs" / "smollm2" / "smollm2_rkv.yaml"
 STATS = ("rejection_rate", "kept_token_fraction", "is_ess", "low_r_sequence_fraction",
          "opsm_fraction", "veto_fraction", "token_mask_fraction", "mismatch_k3")
 """The correction metrics (``corrections.compute_corrections``) each correction reports."""
-COLUMNS = (("rejection_rate", "rejection"), ("kept_token_fraction", "kept tokens"),
-           ("is_ess", "ESS"), ("low_r_sequence_fraction", "seq r<1e-4"),
-           ("opsm_fraction", "OPSM"), ("veto_fraction", "veto"),
-           ("low_r_grad_share", "grad share r<1e-4"), ("low_r_grad_norm_ratio", "|g_low|/|g|"))
 
 
 def budget_overrides(budget: int) -> list[str]:
@@ -165,20 +162,6 @@ def grad_stats(cfg: RunConfig, full: Minibatch, logp_old, graphdef, params, *, m
     if cotangent is not None:
         seen.append((name, cotangent, stats))
     return {**stats, "grad_seconds": round(time.perf_counter() - start, 1)}
-
-
-def format_row(name: str, row: dict) -> str:
-    """One correction's table line (``–`` where a number is missing)."""
-    cells = [name] + [("–" if row.get(k) is None else f"{row[k]:.3f}") for k, _ in COLUMNS]
-    return "| " + " | ".join(cells) + " |"
-
-
-def format_table(record: dict) -> str:
-    """A budget's markdown table: one line per correction (``COLUMNS``)."""
-    head = ["correction"] + [title for _, title in COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += [format_row(name, row) for name, row in record["corrections"].items()]
-    return "\n".join(lines)
 
 
 def peak_rss_gb() -> float:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.reproduce import (inference_table, mean_records,  # noqa: E402
                                    plot_by_budget, reward_curve_table, training_table)
+from experiments import results_correction_stats  # noqa: E402
 from experiments.results_async import lag_table, regime_check  # noqa: E402
 from experiments.results_quant import quant_table  # noqa: E402
 from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell,  # noqa: E402
@@ -159,6 +160,9 @@ def blocks() -> dict[str, str]:
         exp = stored["quant"]
         out["quant"] = "\n".join([provenance(exp), "", quant_table(exp, regime), "",
                                    reward_curve_table(curves(exp))])
+    corrections = results_correction_stats.load()
+    if corrections:
+        out["correction-stats"] = results_correction_stats.block(corrections)
     if regime is not None:
         out["verdicts-readme"] = verdict_table(regime, stored, "docs/")
         out["verdicts"] = verdict_table(regime, stored, "")

@@ -17,6 +17,7 @@ from flax import nnx
 from correction_reference import np_corrections
 from experiments import correction_stats as script
 from experiments.reproduce import correction_arm
+from experiments.results_correction_stats import COLUMNS, format_table
 from sparse_rl_jax.rl.advantages import compute_advantages
 from sparse_rl_jax.rl.grpo_loss import grpo_loss, loss_norm
 from models.lora import split_trainable
@@ -143,8 +144,11 @@ def test_grad_share_over_row_subsets_matches_two_whole_batch_gradients(rolled, n
         assert rows == (16 if name == "shadow_mask" else int(np.sum(full.loss.advantages != 0)))
 
 
-def test_table_marks_what_was_not_computed():
-    record = {"corrections": {"none": {k: 0.5 for k, _ in script.COLUMNS},
+def test_table_marks_what_was_not_computed_or_reused():
+    record = {"corrections": {"none": {k: 0.5 for k, _ in COLUMNS},
+                              "pg_is": {k: 0.25 for k, _ in COLUMNS} | {"same_as": "none"},
                               "tis": {"rejection_rate": 0.25}}}
-    lines = script.format_table(record).splitlines()
-    assert lines[2].startswith("| none | 0.500 |") and lines[3].count("–") == 7
+    lines = format_table(record).splitlines()
+    assert lines[2].startswith("| none | 0.500 |")
+    assert lines[3].startswith("| pg_is (gradient = none's) | 0.250 |")
+    assert lines[4].count("–") == len(COLUMNS) - 1
