@@ -36,6 +36,7 @@ budget. Extra ``key=value`` arguments override the run config.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pickle
 import resource
@@ -76,6 +77,8 @@ CONFIG = ROOT / "configs" / "smollm2" / "smollm2_rkv.yaml"
 STATS = ("rejection_rate", "kept_token_fraction", "is_ess", "low_r_sequence_fraction",
          "opsm_fraction", "veto_fraction", "token_mask_fraction", "mismatch_k3")
 """The correction metrics (``corrections.compute_corrections``) each correction reports."""
+ALL_PROMPTS = 2 ** 31 - 1
+"""``eval.num_prompts`` that reads a whole eval set."""
 
 
 def budget_overrides(budget: int) -> list[str]:
@@ -87,10 +90,11 @@ def budget_overrides(budget: int) -> list[str]:
 
 def fitting_prompts(cfg: RunConfig, tokenizer, count: int, capacity: int
                     ) -> tuple[list[str], list[str], list[int]]:
-    """``(prompts, answers, skipped)``: the first ``count`` problems of ``cfg``'s eval set whose
-    prompt holds at most ``capacity`` tokens, and the eval-set indices of those passed over;
-    ValueError when fewer fit."""
-    texts, answers = eval_set(cfg, tokenizer.hf)
+    """``(prompts, answers, skipped)``: the first ``count`` problems of ``cfg``'s eval set (all
+    of it, whatever ``eval.num_prompts`` says) whose prompt holds at most ``capacity`` tokens,
+    and the eval-set indices of those passed over; ValueError when fewer fit."""
+    whole = dataclasses.replace(cfg.eval, num_prompts=ALL_PROMPTS)
+    texts, answers = eval_set(dataclasses.replace(cfg, eval=whole), tokenizer.hf)
     ids = tokenizer.hf(texts, add_special_tokens=cfg.data.add_special_tokens)["input_ids"]
     fits = [i for i, row in enumerate(ids) if len(row) <= capacity]
     if len(fits) < count:
