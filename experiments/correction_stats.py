@@ -177,10 +177,11 @@ def run_budget(path: Path, budget: int, cfg_for: Callable[[str], RunConfig], nam
                grad_names, model, prompts: tuple, args, log=print) -> dict:
     """Measures one budget into ``path`` (``budget<k>.json``), resuming what it holds: the
     batch (``.batch.pkl`` beside it, else rolled out), every correction's ``STATS``, then the
-    gradient shares of ``grad_names`` not yet there; the file is rewritten after each.
+    gradient shares of ``grad_names`` not yet there; the file is rewritten after each, with
+    this call's provenance as it started (the checkout it ran) and its wall time so far.
     ``model``: ``(graphdef, params, tokenizer)``; ``prompts``: :func:`fitting_prompts`'s."""
     graphdef, params, tokenizer = model
-    started, call = time.perf_counter(), time.time()
+    started, call, origin = time.perf_counter(), time.time(), provenance()
     record = json.loads(path.read_text()) if path.is_file() else {"corrections": {}}
     cache = path.with_suffix(".batch.pkl")
     base = cfg_for(names[0])
@@ -188,7 +189,7 @@ def run_budget(path: Path, budget: int, cfg_for: Callable[[str], RunConfig], nam
     def save():
         record["peak_rss_gb"] = max(record.get("peak_rss_gb", 0), round(peak_rss_gb(), 2))
         calls = [c for c in record.get("calls", []) if c.get("call") != call]
-        record["calls"] = calls + [{**provenance(), "call": call,
+        record["calls"] = calls + [{**origin, "call": call,
                                     "wall_s": round(time.perf_counter() - started)}]
         path.write_text(json.dumps(record, indent=1) + "\n")
 

@@ -14,7 +14,7 @@ NAME = "correction_stats"
 COLUMNS = (("rejection_rate", "rejection"), ("kept_token_fraction", "kept tokens"),
            ("is_ess", "ESS"), ("low_r_sequence_fraction", "seq r<1e-4"),
            ("opsm_fraction", "OPSM"), ("veto_fraction", "veto"),
-           ("low_r_grad_share", "grad share r<1e-4"), ("low_r_grad_norm_ratio", "|g_low|/|g|"))
+           ("low_r_grad_share", "grad share r<1e-4"), ("low_r_grad_norm_ratio", "‖g_low‖ / ‖g‖"))
 """A correction's table columns: (key in its record, title)."""
 BATCH = (("rows", "rows", "{}"), ("reward_mean", "reward", "{:.3f}"),
          ("response_length_mean", "length", "{:.0f}"),
@@ -77,17 +77,20 @@ def rejection_line(records: list[dict]) -> str:
 
 
 def provenance(records: list[dict]) -> str:
-    """Each budget's calls of the script: command, commit, date, wall time, machine, and the
-    budget's peak memory."""
-    lines = []
+    """The script's commands (each call resumes what the one before wrote), then per budget
+    the commit, date and wall time of every call that added to it and its peak memory, and
+    the machines."""
+    calls = [c for r in records for c in r["calls"]]
+    lines = ["```bash", *dict.fromkeys(c["command"] for c in calls), "```", ""]
     for r in records:
-        for call in r["calls"]:
-            dirty = (f" (uncommitted edits to {', '.join(f'`{f}`' for f in call['dirty'])})"
-                     if call.get("dirty") else "")
-            lines.append(f"- budget {r['budget']}: `{call['command']}`: commit "
-                         f"`{call['commit']}`{dirty}, {call['date']}, {call['wall_s']} s; "
-                         f"{call['machine']}")
-        lines.append(f"- budget {r['budget']}: peak resident memory {r['peak_rss_gb']} GB")
+        done = []
+        for c in r["calls"]:
+            dirty = (f" (uncommitted edits to {', '.join(f'`{f}`' for f in c['dirty'])})"
+                     if c.get("dirty") else "")
+            done.append(f"commit `{c['commit']}`{dirty}, {c['date']}, {c['wall_s']} s")
+        lines.append(f"- budget {r['budget']}: {'; '.join(done)}; peak resident memory "
+                     f"{r['peak_rss_gb']} GB")
+    lines += [f"- machine: {m}" for m in dict.fromkeys(c["machine"] for c in calls)]
     return "\n".join(lines)
 
 

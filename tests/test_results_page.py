@@ -295,6 +295,7 @@ def test_the_correction_statistics_block_reads_each_budget(tmp_path):
     assert stats.rejection_line(records).endswith(
         "64 slots 0.140 (within); 128 slots 0.030 (outside).")
     text = stats.block(records)
-    assert text.count("`python experiments/correction_stats.py`") == 2
+    assert text.count("python experiments/correction_stats.py") == 1  # one command, two budgets
+    assert text.count("commit `abc1234`, 2026-11-28 22:00 UTC, 10 s") == 2
     row = "| 64 + 16 | 256 | 0.200 | 130 | 0.050 | 0.40 | 0.100 | 0.0010 | 0.150 | 20 / 32 | 12 |"
     assert row in text
