@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.reproduce import (inference_table, mean_records,  # noqa: E402
                                    plot_by_budget, reward_curve_table, training_table)
+from experiments import results_correction_stats  # noqa: E402
 from experiments.results_async import lag_table, regime_check  # noqa: E402
 from experiments.results_corrections import (STUDY_SETTINGS, dense_reference,  # noqa: E402
                                              load_study, plot_rewards, recommendation,
@@ -156,6 +157,9 @@ def blocks() -> dict[str, str]:
         out["corrections-readme"] = "\n".join([
             setting_table(study[STUDY_SETTINGS[0]], dense_reference(study)[STUDY_SETTINGS[0]]),
             "", recommendation(study)])
+    corrections = results_correction_stats.load()
+    if corrections:
+        out["correction-stats"] = results_correction_stats.block(corrections)
     if regime is not None:
         out["verdicts-readme"] = verdict_table(regime, stored, "docs/")
         out["verdicts"] = verdict_table(regime, stored, "")

@@ -268,3 +268,34 @@ def test_the_study_rule_needs_every_setting():
         "sparse_rl": ((0.95,) * 5, (True,) + (False,) * 4)})
     settings, dense = _study(collapsing)
     assert results_verdicts.recommend(settings, dense, ["sparse_rl"], parts)["recommended"] is None
+
+
+def test_the_correction_statistics_block_reads_each_budget(tmp_path):
+    """docs/results.md's correction-statistics block from made-up records: Sparse-RL's
+    rejection rate against the paper's ~0.07 (a factor of 2 either way) per budget, smallest
+    budget first, and every call's command."""
+    from experiments import results_correction_stats as stats
+    folder = tmp_path / stats.NAME
+    folder.mkdir()
+    batch = {"rows": 256, "reward_mean": 0.2, "response_length_mean": 130.0,
+             "truncated_fraction": 0.05, "kv_saved_mean": 0.4, "low_r_sequence_fraction": 0.1,
+             "low_r_token_fraction": 0.001, "mismatch_k3": 0.15, "groups": 32,
+             "groups_with_signal": 20, "low_r_rows_with_signal": 12}
+    call = {"command": "python experiments/correction_stats.py", "commit": "abc1234",
+            "dirty": [], "date": "2026-11-28 22:00 UTC", "wall_s": 10, "machine": "cpu"}
+    for budget, rate in ((128, 0.03), (64, 0.14)):
+        (folder / f"budget{budget}.json").write_text(json.dumps({
+            "budget": budget, "capacity": budget + 16, "batch": batch, "calls": [call],
+            "peak_rss_gb": 5.0, "prompts": 32, "samples": 8, "skipped_prompts": [],
+            "config": "configs/smollm2/smollm2_rkv.yaml", "method": "rkv",
+            "temperature": 0.7, "max_new_tokens": 256, "seed": 0,
+            "corrections": {"sparse_rl": {"rejection_rate": rate}}}))
+    records = stats.load(tmp_path)
+    assert [r["budget"] for r in records] == [64, 128]
+    assert stats.rejection_line(records).endswith(
+        "64 slots 0.140 (within); 128 slots 0.030 (outside).")
+    text = stats.block(records)
+    assert text.count("python experiments/correction_stats.py") == 1  # one command, two budgets
+    assert text.count("commit `abc1234`, 2026-11-28 22:00 UTC, 10 s") == 2
+    row = "| 64 + 16 | 256 | 0.200 | 130 | 0.050 | 0.40 | 0.100 | 0.0010 | 0.150 | 20 / 32 | 12 |"
+    assert row in text

@@ -177,11 +177,18 @@ def low_r_grad_metrics(graphdef: nnx.GraphDef, trainable, frozen, batch: Minibat
     _, _, low = loss_grads(graphdef, trainable, frozen, low_only, loss_cfg=loss_cfg,
                            chunk_size=chunk_size, micro_batch_size=micro_batch_size,
                            dropout_key=dropout_key, norm=norm, temperature=temperature)
+    return grad_share(low, grads)
+
+
+def grad_share(part, grads) -> dict[str, jax.Array]:
+    """How much of the gradient ``grads`` its additive part ``part`` (a pytree like it)
+    carries: float32 scalars ``low_r_grad_norm_ratio`` (``|part| / |grads|``) and
+    ``low_r_grad_share`` (``<part, grads> / |grads|^2``), both 0 when ``|grads| == 0``."""
     total_sq = optax.tree.norm(grads, squared=True)
     dot = sum(jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32))
-              for a, b in zip(jax.tree.leaves(low), jax.tree.leaves(grads)))
+              for a, b in zip(jax.tree.leaves(part), jax.tree.leaves(grads)))
     safe = jnp.where(total_sq > 0, total_sq, 1.0)
-    return {"low_r_grad_norm_ratio": jnp.where(total_sq > 0, optax.tree.norm(low)
+    return {"low_r_grad_norm_ratio": jnp.where(total_sq > 0, optax.tree.norm(part)
                                                / jnp.sqrt(safe), 0.0),
             "low_r_grad_share": jnp.where(total_sq > 0, dot / safe, 0.0)}
 

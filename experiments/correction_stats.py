@@ -1,0 +1,278 @@
+#!/usr/bin/env python
+"""Every correction's statistics on one batch of a real LLM's compressed rollouts, without
+training (issue 47, item 5: is "average rejection rate ~0.07" true of a real model?).
+
+    python experiments/correction_stats.py --budgets 64 96 128 --out runs/correction_stats
+
+Per KV budget: one batch of ``--prompts`` eval problems x ``--samples`` samples, rolled out
+under the config's compression (default ``configs/smollm2/smollm2_rkv.yaml``: SmolLM2-135M-
+Instruct, R-KV with ``budget + buffer`` slots, temperature 0.7, 256 new tokens) with its
+eviction record kept, rewarded and scored densely. The prompts are the first ``--prompts``
+of the config's eval set whose prompt fits the smallest budget's cache (prompts are never
+truncated), so every budget rolls out the same ones; GRPO advantages over each prompt's
+samples. Then for every correction (every registered preset by default) the learner's batch
+exactly as the trainer builds it (``rl_step.learner_batch`` under the study's overrides,
+``reproduce.correction_arm``; ``shadow_mask`` replays the record, with its distillation) and:
+
+  rejection     sequences dropped whole (``rejection_rate``)
+  kept tokens   loss-mask tokens left after token and sequence rejection
+  ESS           Kish's effective sample fraction of the final IS weights (``is_ess``)
+  seq r<1e-4    sequences holding a token with r < 1e-4 (the same for every correction)
+  OPSM, veto    sequences off-policy sequence masking / the veto drops
+  grad share    ``<g_low, g> / |g|^2``: the share of the whole batch's first-update gradient
+                (parameter space, the batch as one minibatch) carried by the r < 1e-4
+                sequences under that correction's loss (``correction_grads``), with
+                ``|g_low| / |g|``; for ``--grad-corrections`` only (default: all). A
+                correction whose loss cotangent equals an earlier one's reuses its numbers.
+
+The statistics cost one rollout and one dense scoring per budget; each gradient share one
+backward of the rows that carry a gradient. Writes ``<out>/budget<k>.json`` after every step,
+with the provenance of every call that added to it, and keeps the rolled-out batch in
+``<out>/budget<k>.batch.pkl``: a rerun skips a finished budget and resumes an unfinished one
+at its next correction. ``--no-grads`` stops after the statistics. Prints a markdown table per
+budget. Extra ``key=value`` arguments override the run config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pickle
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from experiments.correction_grads import loss_cotangent, low_r_grad_share  # noqa: E402
+from experiments.overrides_cli import parse_with_overrides  # noqa: E402
+from experiments.provenance import provenance  # noqa: E402
+from experiments.reproduce import correction_arm  # noqa: E402
+from experiments.results_correction_stats import format_row, format_table  # noqa: E402
+from sparse_rl_jax.core.config_io import load_config  # noqa: E402
+from sparse_rl_jax.rl.advantages import compute_advantages  # noqa: E402
+from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS  # noqa: E402
+from sparse_rl_jax.rl.overlong import overlong_penalty  # noqa: E402
+from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
+from sparse_rl_jax.rl.update_step import Minibatch  # noqa: E402
+from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
+from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts  # noqa: E402
+from sparse_rl_jax.training.collect_rounds import UpdateBatch  # noqa: E402
+from sparse_rl_jax.training.evaluation import eval_set  # noqa: E402
+from sparse_rl_jax.training.policy import make_run_mesh, policy_path, resolve_sampling  # noqa: E402
+from sparse_rl_jax.training.preflight import load_checked_policy  # noqa: E402
+from sparse_rl_jax.training.rl_step import StepContext, learner_batch  # noqa: E402
+from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
+
+CONFIG = ROOT / "configs" / "smollm2" / "smollm2_rkv.yaml"
+STATS = ("rejection_rate", "kept_token_fraction", "is_ess", "low_r_sequence_fraction",
+         "opsm_fraction", "veto_fraction", "token_mask_fraction", "mismatch_k3")
+"""The correction metrics (``corrections.compute_corrections``) each correction reports."""
+ALL_PROMPTS = 2 ** 31 - 1
+"""``eval.num_prompts`` that reads a whole eval set."""
+
+
+def budget_overrides(budget: int) -> list[str]:
+    """The overrides of one budget: its eviction budget, the record kept (shadow-mask replays
+    it; keeping it changes no sample), no acceptance metric (two more forwards a row)."""
+    return [f"compression.eviction.budget={budget}", "sampling.record_evictions=true",
+            "compression.alpha.metric='off'"]
+
+
+def fitting_prompts(cfg: RunConfig, tokenizer, count: int, capacity: int
+                    ) -> tuple[list[str], list[str], list[int]]:
+    """``(prompts, answers, skipped)``: the first ``count`` problems of ``cfg``'s eval set (all
+    of it, whatever ``eval.num_prompts`` says) whose prompt holds at most ``capacity`` tokens,
+    and the eval-set indices of those passed over; ValueError when fewer fit."""
+    whole = dataclasses.replace(cfg.eval, num_prompts=ALL_PROMPTS)
+    texts, answers = eval_set(dataclasses.replace(cfg, eval=whole), tokenizer.hf)
+    ids = tokenizer.hf(texts, add_special_tokens=cfg.data.add_special_tokens)["input_ids"]
+    fits = [i for i, row in enumerate(ids) if len(row) <= capacity]
+    if len(fits) < count:
+        raise ValueError(f"--prompts {count}: only {len(fits)} of the eval set's {len(texts)} "
+                         f"prompts fit the {capacity}-slot cache")
+    chosen = fits[:count]
+    skipped = [i for i in range(chosen[-1] + 1) if i not in chosen]
+    return [texts[i] for i in chosen], [answers[i] for i in chosen], skipped
+
+
+def roll_out(cfg: RunConfig, graphdef, params, tokenizer, reward_fn, prompts, answers,
+             seed: int) -> tuple[UpdateBatch, dict]:
+    """One batch under ``cfg``'s compression and sampling, rewarded (plus the overlong
+    penalty) and densely scored: ``(batch with its record, batch statistics and seconds)``."""
+    sampling = resolve_sampling(cfg, tokenizer)
+    policy = RolloutPolicy.from_run(cfg, graphdef, tokenizer, reward_fn, sampling)
+    out = collect_prompts(policy, params, prompts, answers, jax.random.key(seed))
+    rollout = out.rollout
+    lengths = np.asarray(rollout.response_mask).sum(axis=1)
+    rewards = out.rewards + overlong_penalty(lengths, sampling.max_new_tokens, cfg.overlong)
+    batch = UpdateBatch(rollout.prompt, rollout.prompt_mask, rollout.response, out.loss_mask,
+                        rollout.logp, out.logp_old, rewards.astype(np.float32),
+                        np.ones(len(rewards), bool), rollout.record)
+    groups = out.rewards.reshape(-1, sampling.num_samples)
+    advantages = compute_advantages(jnp.asarray(batch.rewards), sampling.num_samples,
+                                    cfg.advantage, out.loss_mask, batch.valid)
+    signal = np.asarray(out.corrections.low_r) & (np.asarray(advantages) != 0)
+    stats = {k: float(v) for k, v in jax.device_get(out.corrections.metrics).items()
+             if k in ("low_r_sequence_fraction", "low_r_token_fraction", "mismatch_k3")}
+    stats.update(
+        rows=int(len(rewards)), reward_mean=float(np.mean(out.rewards)),
+        response_length_mean=float(lengths.mean()),
+        truncated_fraction=float(1 - np.mean(np.asarray(rollout.finished))),
+        kv_saved_mean=float(kv_token_savings(rollout.kv_mean, rollout.dense_kv_mean)),
+        groups=int(len(groups)), groups_with_signal=int(np.sum(np.any(
+            groups != groups[:, :1], axis=1))), low_r_rows_with_signal=int(signal.sum()),
+        rollout_s=round(out.seconds["rollout"], 1), score_s=round(out.seconds["score"], 1))
+    return jax.device_get(batch), stats
+
+
+def correction_batch(cfg: RunConfig, batch: UpdateBatch, graphdef, params, tokenizer
+                     ) -> tuple[Minibatch, dict[str, float]]:
+    """The learner's batch of ``batch`` under ``cfg`` (its ``correction`` and ``loss``
+    sections), exactly the trainer's (``rl_step.learner_batch``; the record only where the
+    correction replays it), and its ``STATS``."""
+    replay = cfg.correction.replay
+    ctx = StepContext(cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
+                      tokenizer=tokenizer, source=None, reward_fn=None, update=None, mesh=None)
+    full, metrics, _ = learner_batch(ctx, params, batch._replace(
+        record=batch.record if replay else None), jnp.asarray(batch.logp_old))
+    return full, {k: float(metrics[k]) for k in STATS}
+
+
+def grad_stats(cfg: RunConfig, full: Minibatch, logp_old, graphdef, params, *, micro: int,
+               seen: list, bucket: int | None = 64) -> dict:
+    """``correction_grads.low_r_grad_share`` of ``full`` under ``cfg.loss``, with the seconds
+    it took and ``same_as`` (a correction ``seen`` earlier whose loss cotangent at the dense
+    scores is equal, whose numbers it reuses; not for a replaying correction). ``seen``:
+    ``(name, cotangent, stats)`` of the corrections computed so far; this one is added."""
+    name = cfg.correction.kind
+    cotangent = None if cfg.correction.replay else loss_cotangent(full, cfg.loss, logp_old)
+    for other, earlier, stats in seen:
+        if cotangent is not None and np.allclose(cotangent, earlier, rtol=1e-6, atol=1e-12):
+            return {**stats, "same_as": other, "grad_seconds": 0.0}
+    start = time.perf_counter()
+    stats = low_r_grad_share(graphdef, params, full, loss_cfg=cfg.loss, micro=micro,
+                             chunk_size=cfg.trainer.logp_chunk,
+                             temperature=cfg.sampling.temperature, bucket=bucket)
+    if cotangent is not None:
+        seen.append((name, cotangent, stats))
+    return {**stats, "grad_seconds": round(time.perf_counter() - start, 1)}
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, GB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def run_budget(path: Path, budget: int, cfg_for: Callable[[str], RunConfig], names,
+               grad_names, model, prompts: tuple, args, log=print) -> dict:
+    """Measures one budget into ``path`` (``budget<k>.json``), resuming what it holds: the
+    batch (``.batch.pkl`` beside it, else rolled out), every correction's ``STATS``, then the
+    gradient shares of ``grad_names`` not yet there; the file is rewritten after each, with
+    this call's provenance as it started (the checkout it ran) and its wall time so far.
+    ``model``: ``(graphdef, params, tokenizer)``; ``prompts``: :func:`fitting_prompts`'s."""
+    graphdef, params, tokenizer = model
+    started, call, origin = time.perf_counter(), time.time(), provenance()
+    record = json.loads(path.read_text()) if path.is_file() else {"corrections": {}}
+    cache = path.with_suffix(".batch.pkl")
+    base = cfg_for(names[0])
+
+    def save():
+        record["peak_rss_gb"] = max(record.get("peak_rss_gb", 0), round(peak_rss_gb(), 2))
+        calls = [c for c in record.get("calls", []) if c.get("call") != call]
+        record["calls"] = calls + [{**origin, "call": call,
+                                    "wall_s": round(time.perf_counter() - started)}]
+        path.write_text(json.dumps(record, indent=1) + "\n")
+
+    record.update(budget=budget, capacity=base.compression.capacity,
+                  method=base.compression.method, config=args.config_name,
+                  prompts=len(prompts[0]), samples=args.samples, seed=args.seed,
+                  skipped_prompts=prompts[2], temperature=base.sampling.temperature,
+                  max_new_tokens=base.sampling.max_new_tokens, overrides=args.overrides,
+                  micro=args.micro)
+    if cache.is_file():
+        batch = pickle.loads(cache.read_bytes())
+    else:
+        batch, record["batch"] = roll_out(base, graphdef, params, tokenizer, get_reward_fn(
+            base.data.reward), prompts[0], prompts[1], args.seed)
+        cache.write_bytes(pickle.dumps(batch))
+        save()
+        log(f"rolled out {record['batch']['rows']} rows in {record['batch']['rollout_s']} s, "
+            f"scored in {record['batch']['score_s']} s")
+    seen = []
+    for name in names:
+        cfg = cfg_for(name)
+        full, stats = correction_batch(cfg, batch, graphdef, params, tokenizer)
+        row = {**record["corrections"].get(name, {}), **stats}
+        record["corrections"][name] = row
+        if name in grad_names and "low_r_grad_share" not in row:
+            save()
+            row.update(grad_stats(cfg, full, jnp.asarray(batch.logp_old), graphdef, params,
+                                  micro=args.micro, seen=seen))
+            log(format_row(name, row))
+        elif "grad_norm" in row and "same_as" not in row and not cfg.correction.replay:
+            seen.append((name, loss_cotangent(full, cfg.loss, jnp.asarray(batch.logp_old)),
+                         {k: row[k] for k in row if k.startswith(("low_r_grad", "grad_"))
+                          and k != "grad_seconds"}))
+    save()
+    return record
+
+
+def main(argv=None) -> int:
+    """Measures every budget not yet finished and prints its table."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(CONFIG))
+    parser.add_argument("--budgets", nargs="+", type=int, default=[64, 96, 128])
+    parser.add_argument("--prompts", type=int, default=32, help="eval problems per batch")
+    parser.add_argument("--samples", type=int, default=8, help="samples per problem")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corrections", nargs="+", default=list(CORRECTION_PRESETS.names()),
+                        help="correction presets (default: every registered one)")
+    parser.add_argument("--grad-corrections", nargs="*", default=None,
+                        help="those whose gradient share is computed (default: all)")
+    parser.add_argument("--no-grads", action="store_true", help="statistics only")
+    parser.add_argument("--micro", type=int, default=4,
+                        help="rows per backward (SmolLM2: ~4.7 GB peak at 4)")
+    parser.add_argument("--out", default="runs/correction_stats")
+    args = parse_with_overrides(parser, argv)
+    grad_names = set([] if args.no_grads else args.grad_corrections or args.corrections)
+    args.config_name = str(Path(args.config).resolve().relative_to(ROOT))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def cfg_for(budget: int) -> Callable[[str], RunConfig]:
+        return lambda name: load_config(RunConfig, args.config, [
+            *budget_overrides(budget), f"sampling.num_samples={args.samples}",
+            *args.overrides, *correction_arm(name)])
+
+    first = cfg_for(min(args.budgets))(args.corrections[0])
+    tokenizer, model = load_checked_policy(policy_path(first), first, make_run_mesh(first))
+    graphdef, params = nnx.split(model)
+    prompts = fitting_prompts(first, tokenizer, args.prompts, first.compression.capacity)
+    for budget in args.budgets:
+        path = out / f"budget{budget}.json"
+        done = json.loads(path.read_text())["corrections"] if path.is_file() else {}
+        if all(n in done and (n not in grad_names or "low_r_grad_share" in done[n])
+               for n in args.corrections):
+            print(f"budget {budget}: {path} is complete, skipped")
+            continue
+        print(f"budget {budget}: {args.prompts} prompts x {args.samples} samples", flush=True)
+        record = run_budget(path, budget, cfg_for(budget), args.corrections, grad_names,
+                            (graphdef, params, tokenizer), prompts, args,
+                            log=lambda line: print(line, flush=True))
+        print(format_table(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
