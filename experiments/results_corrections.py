@@ -11,7 +11,8 @@ import numpy as np
 
 from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
                                       degraded, early_mean, load, pass1, provenance)
-from experiments.results_verdicts import STUDY_SETTINGS, TIE_SE, recommend, study_arm
+from experiments.results_verdicts import (STUDY_SEEDS, STUDY_SETTINGS, TIE_SE, recommend,
+                                          study_arm)
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 
@@ -90,6 +91,12 @@ def recommendation(stored: dict[str, Experiment | None]) -> str:
     eligible = [p for p in presets if out["eligible"][p][0]]
     lines = [f"- Eligible (0 collapse and 0 degrade in all three settings): "
              f"{', '.join(f'`{p}`' for p in eligible) or 'none'}."]
+    short = {name: len(stored[name].seeds()) for name in STUDY_SETTINGS
+             if len(stored[name].seeds()) < STUDY_SEEDS}
+    if short:
+        lines.insert(0, "- **Provisional**: " + ", ".join(
+            f"{name} has {k} of {STUDY_SEEDS} seeds" for name, k in short.items())
+            + "; the outcome below can still change.")
     if out["recommended"] is None:
         return "\n".join(lines + [f"- {out['why']}."])
     lines += [f"- Highest mean held-out pass@1 in the regime among them: `{out['leader']}` "

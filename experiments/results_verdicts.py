@@ -216,6 +216,7 @@ def collapse_definition() -> str:
 STUDY_SETTINGS = ("corrections_regime", "corrections_local40", "corrections_control")
 STUDY_DEFAULT = "sparse_rl"  # the shipped default the recommendation is measured against
 TIE_SE = 2.0  # a seed-paired gap counts only beyond this many standard errors
+STUDY_SEEDS = 5  # the seeds each setting is planned with; fewer make the outcome provisional
 
 
 def study_arm(exp: Experiment, preset: str) -> list[dict]:

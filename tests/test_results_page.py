@@ -270,6 +270,22 @@ def test_the_study_rule_needs_every_setting():
     assert results_verdicts.recommend(settings, dense, ["sparse_rl"], parts)["recommended"] is None
 
 
+def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
+    from experiments import results_corrections
+    arms = {"sparse_rl": ((0.95, 0.96, 0.97, 0.95, 0.96), OK),
+            "icepop": ((0.96, 0.95, 0.97, 0.96, 0.95), OK)}
+    settings, _ = _study({name: arms for name in results_verdicts.STUDY_SETTINGS})
+    full = results_corrections.recommendation(settings)
+    assert "Provisional" not in full and "Recommended: `icepop`" in full
+    control = settings["corrections_control"]
+    settings["corrections_control"] = results_data.Experiment(
+        control.name, tuple(r for r in control.runs if r["seed"] < 3), control.parts)
+    short = results_corrections.recommendation(settings)
+    assert short.startswith(f"- **Provisional**: corrections_control has 3 of "
+                            f"{results_verdicts.STUDY_SEEDS} seeds")
+    assert short.splitlines()[1:] == full.splitlines()  # the same rule, flagged
+
+
 def test_the_correction_statistics_block_reads_each_budget(tmp_path):
     """docs/results.md's correction-statistics block from made-up records: Sparse-RL's
     rejection rate against the paper's ~0.07 (a factor of 2 either way) per budget, smallest
