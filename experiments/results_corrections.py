@@ -116,7 +116,9 @@ def study_block(stored: dict[str, Experiment | None]) -> str:
         exp = stored.get(name)
         if exp is None:
             continue
-        text += [f"#### {WHERE[name][0].upper()}{WHERE[name][1:]} ({len(exp.seeds())} seeds)",
+        seeds = len(exp.seeds())
+        text += [f"#### {WHERE[name][0].upper()}{WHERE[name][1:]} "
+                 f"({seeds} seed{'' if seeds == 1 else 's'})",
                  "", provenance(exp), "", setting_table(exp, dense[name]), ""]
     return "\n".join(text + ["#### The recommendation", "", recommendation(stored)])
 
