@@ -11,8 +11,8 @@ import numpy as np
 
 from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
                                       degraded, early_mean, load, pass1, provenance)
-from experiments.results_verdicts import (STUDY_SEEDS, STUDY_SETTINGS, TIE_SE, recommend,
-                                          study_arm)
+from experiments.results_verdicts import (STUDY_DEFAULT, STUDY_SEEDS, STUDY_SETTINGS, TIE_SE,
+                                          recommend, study_arm)
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 
@@ -103,7 +103,9 @@ def recommendation(stored: dict[str, Experiment | None]) -> str:
               f"({out['means'][out['leader']]:.3f}); tied with it (its seed-paired gap within "
               f"{TIE_SE:g} SE): {', '.join(f'`{p}`' for p in out['tied'])}.",
               f"- **Recommended: `{out['recommended']}`** (the fewest parts among the tied).",
-              f"- The shipped default is **`{out['default']}`**: {out['why']}."]
+              f"- The shipped default is **`{out['default']}`**: {out['why']}." if not short else
+              f"- The shipped default stays `{STUDY_DEFAULT}` until every setting has its seeds; "
+              f"by the rule so far it would be `{out['default']}`: {out['why']}."]
     return "\n".join(lines)
 
 

@@ -283,7 +283,11 @@ def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
     short = results_corrections.recommendation(settings)
     assert short.startswith(f"- **Provisional**: corrections_control has 3 of "
                             f"{results_verdicts.STUDY_SEEDS} seeds")
-    assert short.splitlines()[1:] == full.splitlines()  # the same rule, flagged
+    assert short.splitlines()[1:-1] == full.splitlines()[:-1]  # the same rule, flagged
+    assert full.splitlines()[-1].startswith("- The shipped default is **`icepop`**")
+    assert short.splitlines()[-1].startswith(  # a provisional outcome changes no default
+        "- The shipped default stays `sparse_rl` until every setting has its seeds; by the "
+        "rule so far it would be `icepop`")
 
 
 def test_the_correction_statistics_block_reads_each_budget(tmp_path):
