@@ -132,7 +132,7 @@ def test_the_older_kinds_keep_their_definitions(kind, level):
 
 
 def test_sparse_rl_defaults_are_the_official_ones():
-    cfg = CorrectionConfig()
+    cfg = CorrectionConfig(kind="sparse_rl")
     assert (cfg.kind, cfg.is_level, cfg.rs_level, cfg.is_upper, cfg.rs_lower, cfg.rs_upper) == (
         "sparse_rl", "token", "token", 1.5, 0.5, 1.5)
     assert cfg.veto and cfg.veto_threshold == 1e-4 and cfg.normalize is True
@@ -170,7 +170,7 @@ def test_sparse_rl_token_semantics_by_hand():
     old = np.log(r).astype(np.float32)
     sparse = np.zeros_like(old)
     mask = np.ones_like(old, bool)
-    out = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    out = corrections_jit(old, sparse, mask, cfg=CorrectionConfig(kind="sparse_rl"))
     raw = np.array([1.0, 1.5, 0.25, 1.2])
     np.testing.assert_allclose(np.asarray(out.weights)[0], raw / raw.mean(), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(out.token_mask)[0], [True, False, False, True])
@@ -196,7 +196,7 @@ def test_veto_drops_whole_sequence_on_one_catastrophic_token():
     sparse[0, 3] = -np.log(0.9e-4)  # log r = log(0.9e-4): below the 1e-4 veto threshold
     sparse[1, 2] = -np.log(1.1e-4)  # just above the veto threshold: token rejected, not vetoed
     mask = np.ones((2, 5), bool)
-    out = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    out = corrections_jit(old, sparse, mask, cfg=CorrectionConfig(kind="sparse_rl"))
     np.testing.assert_array_equal(np.asarray(out.seq_mask), [False, True])
     assert not bool(out.token_mask[1, 2])
     assert float(out.metrics["rejection_rate"]) == 0.5
@@ -256,7 +256,7 @@ def test_extreme_inputs_at_valid_tokens_are_finite_and_catastrophic():
                                       advantages=adv)
             for leaf in jax.tree.leaves(out):
                 assert np.all(np.isfinite(np.asarray(leaf, np.float64))), (kind, level)
-    out = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    out = corrections_jit(old, sparse, mask, cfg=CorrectionConfig(kind="sparse_rl"))
     assert not bool(out.seq_mask[0])  # -inf dense log-prob and inf - inf both veto
     np.testing.assert_allclose(float(out.metrics["log_ratio_min"]), -20.0)
     np.testing.assert_allclose(float(out.metrics["log_ratio_max"]), 20.0)
@@ -265,8 +265,8 @@ def test_extreme_inputs_at_valid_tokens_are_finite_and_catastrophic():
 def test_shape_errors_name_the_tensor():
     x = np.zeros((2, 3), np.float32)
     with pytest.raises(ValueError, match="logp_sparse"):
-        compute_corrections(x, np.zeros((2, 4), np.float32), x, CorrectionConfig())
+        compute_corrections(x, np.zeros((2, 4), np.float32), x, CorrectionConfig(kind="sparse_rl"))
     with pytest.raises(ValueError, match="loss_mask"):
-        compute_corrections(x, x, np.zeros((3,), bool), CorrectionConfig())
+        compute_corrections(x, x, np.zeros((3,), bool), CorrectionConfig(kind="sparse_rl"))
     with pytest.raises(ValueError, match="advantages"):
         compute_corrections(x, x, x, CorrectionConfig(kind="opsm"), advantages=np.zeros(3))

@@ -40,7 +40,8 @@ from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP, CorrectionConfig, GRPO
          r"CorrectionConfig\.is_lower=2\.0 must be < is_upper=1\.5"),
         ({"rs_lower": 1.2, "rs_upper": 1.1},
          r"CorrectionConfig\.rs_lower=1\.2 must be < rs_upper=1\.1"),
-        ({"rs_lower": 1.6}, r"CorrectionConfig\.rs_lower=1\.6 must be < rs_upper=1\.5"),
+        ({"kind": "sparse_rl", "rs_lower": 1.6},
+         r"CorrectionConfig\.rs_lower=1\.6 must be < rs_upper=1\.5"),
         ({"rs_upper": float("nan")}, r"CorrectionConfig\.rs_upper=nan must be a finite number"),
         ({"veto_threshold": 1.5}, r"CorrectionConfig\.veto_threshold=1\.5 must be in "
                                   r"\(exp\(-LOG_RATIO_CLAMP\)="),
@@ -101,7 +102,8 @@ def test_defaults_and_resolution():
     c = CorrectionConfig(is_lower=0.6, is_upper=2.0)
     assert (c.rs_lower, c.rs_upper) == (0.6, 2.0)  # rejection bounds default to the IS bounds
     assert CorrectionConfig(kind="mis", normalize=True).normalize is True
-    assert CorrectionConfig(veto=False).veto is False and CorrectionConfig().veto is True
+    assert CorrectionConfig(kind="sparse_rl", veto=False).veto is False
+    assert CorrectionConfig(kind="sparse_rl").veto is True
     # frozen and hashable: usable as a static jit argument
     assert hash(CorrectionConfig()) == hash(CorrectionConfig())
     with pytest.raises(AttributeError):

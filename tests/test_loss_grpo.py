@@ -84,7 +84,7 @@ def test_end_to_end_with_corrections_and_advantages():
     mask = rng.random((b, t)) < 0.9
     rewards = rng.integers(0, 2, b).astype(np.float32)
     adv = group_advantages(jnp.asarray(rewards), g)
-    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig(kind="sparse_rl"))
     batch = LossBatch.from_corrections(old, adv, mask, corr)
     cfg = GRPOLossConfig()
     (loss, _), grad = loss_and_grad(jnp.asarray(new), batch, cfg=cfg)
@@ -101,7 +101,7 @@ def test_minimal_case_rejected_sequence_stays_in_the_denominator():
     old = np.array([[-1.0], [-1.0]], np.float32)
     sparse = np.array([[-1.0], [9.0]], np.float32)
     mask = np.ones((2, 1), bool)
-    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig(kind="sparse_rl"))
     assert list(np.asarray(corr.seq_mask)) == [True, False]
     batch = LossBatch.from_corrections(old, np.array([1.0, -1.0], np.float32), mask, corr)
     w0 = 1.0 / ((1.0 + np.exp(-10.0)) / 2.0)
@@ -214,7 +214,7 @@ def test_all_vetoed_batch_is_a_zero_update(seed, agg):
         sparse[i, j] = old[i, j] + 10.0
     new = old + rng.normal(0, 0.5, (B, T)).astype(np.float32)
     adv = rng.normal(0, 1, B).astype(np.float32)
-    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig())
+    corr = corrections_jit(old, sparse, mask, cfg=CorrectionConfig(kind="sparse_rl"))
     batch = LossBatch.from_corrections(old, adv, mask, corr, logp_ref=old - 0.5)
     cfg = GRPOLossConfig(aggregation=agg, kl_coef=1e-4)
     (loss, metrics), grad = loss_and_grad(jnp.asarray(new), batch, cfg=cfg)

@@ -290,6 +290,28 @@ def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
         "rule so far it would be `icepop`")
 
 
+def test_the_shipped_default_correction_is_the_stored_studys_outcome():
+    """``CorrectionConfig()``'s preset is the one the rule picks from the stored study (all
+    three settings at their full seeds), and the paper's configs keep Sparse-RL's by name."""
+    from experiments import results_corrections
+    from sparse_rl_jax.core.config_io import load_config
+    from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
+    from sparse_rl_jax.rl.loss_config import CorrectionConfig
+    from sparse_rl_jax.training.run_config import RunConfig
+    stored = results_corrections.load_study()
+    assert all(len(stored[name].seeds()) == results_verdicts.STUDY_SEEDS
+               for name in results_verdicts.STUDY_SETTINGS)
+    presets = results_corrections.presets_of(stored[results_verdicts.STUDY_SETTINGS[0]])
+    out = results_verdicts.recommend(
+        stored, results_corrections.dense_reference(stored), presets,
+        {name: CORRECTION_PRESETS.get(name).count() for name in presets})
+    assert out["default"] != results_verdicts.STUDY_DEFAULT  # the study moved the default
+    assert CorrectionConfig().kind == out["default"]
+    assert load_config(RunConfig, None, []).correction.kind == out["default"]
+    paper = load_config(RunConfig, ROOT / "configs/paper/qwen2.5-1.5b_rkv.yaml", [])
+    assert paper.correction.kind == "sparse_rl"
+
+
 def test_the_correction_statistics_block_reads_each_budget(tmp_path):
     """docs/results.md's correction-statistics block from made-up records: Sparse-RL's
     rejection rate against the paper's ~0.07 (a factor of 2 either way) per budget, smallest

@@ -39,9 +39,11 @@ class CorrectionConfig:
     scores over the sampler's own log-probs) is corrected: a named preset and its parts.
 
     kind: a registered preset (`correction_presets.CORRECTION_PRESETS`; `python run.py
-      config` prints the parts it resolves to). The project's own: `none` (naive), `tis`,
-      `mis`, `sparse_rl` (the default: veto r < 1e-4, reject r outside [0.5, 1.5], TIS
-      min(r, 1.5), normalised), `shadow_mask` (the learner replays the rollout's eviction
+      config` prints the parts it resolves to). The default, `decoupled_seq_is` (PPO anchored
+      on the learner's dense log-probs, times the sequence ratio truncated at 2), is the
+      corrections study's outcome (docs/results.md, "Which correction"). The project's own:
+      `none` (naive), `tis`, `mis`, `sparse_rl` (Sparse-RL's: veto r < 1e-4, reject r outside
+      [0.5, 1.5], TIS min(r, 1.5), normalised; the default before the study), `shadow_mask` (the learner replays the rollout's eviction
       record; distillation is `loss.distill_coef`), `ppo_behaviour` (PPO with the ratio to
       the sampler's log-probs); verl's `disabled`, `decoupled_token_is`, `decoupled_seq_is`,
       `decoupled_seq_is_rs`, `decoupled_geo_rs`, `ppo_is_bypass`, `pg_is`, `pg_rs`; `icepop`;
@@ -81,7 +83,7 @@ class CorrectionConfig:
     in the walk experiments, makes them equal).
     """
 
-    kind: str = "sparse_rl"
+    kind: str = "decoupled_seq_is"
     anchor: str | None = None
     loss: str | None = None
     is_level: str | None = None
