@@ -99,7 +99,8 @@ def test_a_partial_section_derives_its_derived_fields_anew():
     # the real case: correction.kind=tis gets tis's normalize (off), rs_upper follows is_upper
     cfg = load_config(RunConfig, None, ["correction.kind=tis", "correction.is_upper=1.2"])
     assert cfg.correction.normalize is False and cfg.correction.rs_upper == 1.2
-    assert load_config(RunConfig, None, []).correction.normalize is True
+    assert load_config(RunConfig, None,
+                       ["correction.kind=sparse_rl"]).correction.normalize is True
 
 
 def test_compression_sections_merge_through_base_files_and_overrides(tmp_path):

@@ -155,13 +155,17 @@ def test_layout_defaults_to_the_methods_own_and_hashes_the_same(method):
 
 
 @pytest.mark.parametrize("config, overrides, expected", [
-    (None, [], "42895e9c8c3d2f28"),
-    (None, ["compression.method=sparrow", "compression.adapt.enabled=true"], "0d8f302732112a61"),
+    (None, ["correction.kind=sparse_rl"], "42895e9c8c3d2f28"),
+    (None, ["correction.kind=sparse_rl", "compression.method=sparrow",
+            "compression.adapt.enabled=true"], "0d8f302732112a61"),
     ("configs/paper/qwen2.5-1.5b_rkv.yaml", [], "f8a13cb80472a91c"),
 ])
 def test_runs_from_before_the_sections_still_resume(config, overrides, expected):
     """The config hash reads the compression config in its flat form of before the sections:
-    these are the hashes the flat config gave (commit ee46664), so its runs resume."""
+    these are the hashes the flat config gave (commit ee46664), so its runs resume. (Their
+    correction, ``sparse_rl``, was the default then: an old run resumes from its own
+    config.yaml, which names it; the new default trains differently, so its hash differs and
+    an old run dir refuses it.)"""
     from pathlib import Path
 
     from sparse_rl_jax.training.trainer import config_hash
