@@ -79,15 +79,20 @@ def setting_table(exp: Experiment, dense: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def study_outcome(stored: dict[str, Experiment]) -> tuple[list[str], dict]:
+    """The presets the study ran and ``results_verdicts.recommend``'s outcome over them."""
+    presets = presets_of(stored[STUDY_SETTINGS[0]])
+    parts = {p: CORRECTION_PRESETS.get(p).count() for p in presets}
+    return presets, recommend(stored, dense_reference(stored), presets, parts)
+
+
 def recommendation(stored: dict[str, Experiment | None]) -> str:
     """The rule's outcome in words, or why it cannot be computed yet."""
     missing = [name for name in STUDY_SETTINGS if stored.get(name) is None]
     if missing:
         return (f"**Not decided yet**: the rule needs all three settings; "
                 f"{', '.join(missing)} not stored.")
-    presets = presets_of(stored[STUDY_SETTINGS[0]])
-    parts = {p: CORRECTION_PRESETS.get(p).count() for p in presets}
-    out = recommend(stored, dense_reference(stored), presets, parts)
+    presets, out = study_outcome(stored)
     eligible = [p for p in presets if out["eligible"][p][0]]
     lines = [f"- Eligible (0 collapse and 0 degrade in all three settings): "
              f"{', '.join(f'`{p}`' for p in eligible) or 'none'}."]

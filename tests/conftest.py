@@ -2,7 +2,7 @@
 environment, so child processes compute, and compile, the same programs as this one).
 
 The suite compiles hundreds of tiny programs and runs each briefly, so compilation dominates
-its time. Three settings cut it, both inherited by child processes (``run.py``, the experiment
+its time. Three settings cut it, all inherited by child processes (``run.py``, the experiment
 scripts) through the environment:
 
 * ``--xla_backend_optimization_level=0``: XLA:CPU's backend codegen at its lowest

@@ -295,16 +295,12 @@ def test_the_shipped_default_correction_is_the_stored_studys_outcome():
     three settings at their full seeds), and the paper's configs keep Sparse-RL's by name."""
     from experiments import results_corrections
     from sparse_rl_jax.core.config_io import load_config
-    from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
     from sparse_rl_jax.rl.loss_config import CorrectionConfig
     from sparse_rl_jax.training.run_config import RunConfig
     stored = results_corrections.load_study()
     assert all(len(stored[name].seeds()) == results_verdicts.STUDY_SEEDS
                for name in results_verdicts.STUDY_SETTINGS)
-    presets = results_corrections.presets_of(stored[results_verdicts.STUDY_SETTINGS[0]])
-    out = results_verdicts.recommend(
-        stored, results_corrections.dense_reference(stored), presets,
-        {name: CORRECTION_PRESETS.get(name).count() for name in presets})
+    _, out = results_corrections.study_outcome(stored)
     assert out["default"] != results_verdicts.STUDY_DEFAULT  # the study moved the default
     assert CorrectionConfig().kind == out["default"]
     assert load_config(RunConfig, None, []).correction.kind == out["default"]
