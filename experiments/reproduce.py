@@ -83,7 +83,8 @@ def correction_arm(name: str) -> list[str]:
 
 def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (),
          lags: tuple[int, ...] = (), quants: tuple[str, ...] = (),
-         corrections: tuple[str, ...] = ()) -> list[tuple[str, list[str]]]:
+         corrections: tuple[str, ...] = (), quant_alone: bool = True
+         ) -> list[tuple[str, list[str]]]:
     """(label, overrides) of every arm: dense once, then naive and Sparse-RL on the positive
     control per rate in ``controls`` (dense rollouts, ``data.control_missed_increment``; walk
     task only), then naive, Sparse-RL and shadow-mask per budget and method. With ``lags``,
@@ -92,7 +93,8 @@ def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (
     ratio to the sampler's log-probs (``correction.kind: ppo_behaviour``). With ``quants``
     (quantized KV, ``compression.quant``), naive and Sparse-RL per level instead: on
     quantization alone (``<kind> none <level>``, a dense cache of that level) and on each
-    budget's eviction with it (``<kind> <method> <budget> <level>``). With ``corrections``
+    budget's eviction with it (``<kind> <method> <budget> <level>``; without ``quant_alone``,
+    only the latter). With ``corrections``
     (preset names), every place that has a naive / Sparse-RL (/ shadow-mask) set has one arm
     per named correction instead, labelled by its name (``<name> <method> <budget>``,
     ``<name> control <q>``, ``... lag <k>``, ``... <level>``; :func:`correction_arm`); a
@@ -108,7 +110,7 @@ def arms(methods: list[str], budgets: list[int], controls: tuple[float, ...] = (
         setting = ["compression.method=none", f"data.control_missed_increment={rate}"]
         out += [(f"{kind} control {rate:g}", [*setting, *over])
                 for kind, over in kinds(naive, sparse_rl, replay=False)]
-    for quant in quants:
+    for quant in quants if quant_alone else ():
         alone = ["compression.method=none", "compression.layout=dense",
                  f"compression.quant={quant}"]
         out += [(f"{kind} none {quant}", [*alone, *over])
@@ -233,6 +235,9 @@ def main(argv=None) -> int:
                         help="quantized-KV arms instead of the per-budget ones: naive and "
                              "Sparse-RL at each compression.quant level given, on quantization "
                              "alone and with each budget's eviction")
+    parser.add_argument("--no-quant-alone", dest="quant_alone", action="store_false",
+                        help="with --quants: only the arms that stack quantization on a "
+                             "budget's eviction, not those on quantization alone")
     parser.add_argument("--corrections", nargs="*", default=[],
                         help="one arm per named correction (correction.kind presets, e.g. "
                              "none sparse_rl icepop opsm) wherever the naive / Sparse-RL arms "
@@ -274,7 +279,8 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         runs = []
         for label, arm in arms(args.methods, args.budgets, tuple(args.controls),
-                               tuple(args.lags), tuple(args.quants), tuple(args.corrections)):
+                               tuple(args.lags), tuple(args.quants), tuple(args.corrections),
+                               args.quant_alone):
             if label.split(" ")[0] not in (*args.only, *args.corrections):
                 continue
             run_dir = out / f"seed{seed}" / label.replace(" ", "_")

@@ -102,6 +102,11 @@ def test_lag_and_quant_arms_replace_the_per_budget_arms():
             "correction.kind=none"} <= set(quant["naive none int8"])
     assert {"compression.method=rkv", "compression.quant=int8",
             "correction.kind=sparse_rl"} <= set(quant["sparse-rl rkv 32 int8"])
+    stacked = dict(reproduce.arms(["rkv"], [32], quants=("int4",),
+                                  corrections=("decoupled_seq_is",), quant_alone=False))
+    assert list(stacked) == ["dense", "decoupled_seq_is rkv 32 int4"]
+    assert {"compression.method=rkv", "compression.quant=int4",
+            "correction.kind=decoupled_seq_is"} <= set(stacked["decoupled_seq_is rkv 32 int4"])
 
 
 def test_first_difference_counts_changed_tokens_and_early_stops():
