@@ -33,11 +33,13 @@ def presets_of(exp: Experiment) -> list[str]:
 
 
 def dense_reference(stored: dict[str, Experiment | None]) -> dict[str, list[dict]]:
-    """Per setting, the dense-trained runs its arms are measured against: its own dense arm,
-    or the regime's where it has none (the control and stacked settings share its config)."""
+    """Per setting, the dense-trained runs its arms are measured against: its own dense arm
+    where it ran on every seed of the setting, else the regime's (the control and stacked
+    settings share its config, and a dense run repeats bit for bit)."""
     regime = stored.get(STUDY_SETTINGS[0])
     fallback = regime.arm("dense") if regime else []
-    return {name: (exp.arm("dense") or fallback) for name, exp in stored.items() if exp}
+    return {name: (own if len(own := exp.arm("dense")) == len(exp.seeds()) else fallback)
+            for name, exp in stored.items() if exp}
 
 
 def _fraction_of_dense(runs: list[dict], dense: list[dict]) -> list[float]:
@@ -60,7 +62,7 @@ def setting_table(exp: Experiment, dense: list[dict]) -> str:
             "rejected sequences | kept tokens | ESS | mismatch k3 | "
             f"grad share r<1e-4, first {EARLY_STEPS} steps |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    if exp.arm("dense"):
+    if dense == exp.arm("dense"):
         lines.append(f"| dense training | – | {count(r['collapsed'] for r in dense)} | – | "
                      f"{cell(pass1(r, 'dense') for r in dense)} | 100% | – | – | – | – | – | – |")
     for preset in presets_of(exp):
@@ -149,11 +151,11 @@ def plot_rewards(stored: dict[str, Experiment | None], path: Path, window: int =
     names = list(dict.fromkeys(label.split()[0] for _, exp in shown for label in exp.arms()))
     colors = {name: plt.cm.tab20(i % 20) for i, name in enumerate(names)}
     for ax, (name, exp) in zip(axes[0], shown):
-        for label in exp.arms():
-            curves = np.array([r["steps"]["reward_mean"] for r in exp.arm(label)], float)
+        for key in ["dense"] * bool(exp.arm("dense")) + presets_of(exp):
+            runs = exp.arm("dense") if key == "dense" else study_arm(exp, key)
+            curves = np.array([r["steps"]["reward_mean"] for r in runs], float)
             mean = curves.mean(axis=0)
             smooth = [mean[max(0, i - window + 1):i + 1].mean() for i in range(len(mean))]
-            key = label.split()[0]
             ax.plot(np.arange(1, len(mean) + 1), smooth, label=key, color=colors[key],
                     lw=2.4 if key in ("dense", "sparse_rl") else 1.3,
                     ls="--" if key in CORRECTION_PRESETS.names()

@@ -221,8 +221,10 @@ STUDY_SEEDS = 5  # the seeds each setting is planned with; fewer make the outcom
 
 def study_arm(exp: Experiment, preset: str) -> list[dict]:
     """The runs of correction ``preset`` in one study setting (its arm's label starts with
-    the preset's name: ``<name> rkv 32``, ``<name> control 0.1``)."""
-    labels = [label for label in exp.arms() if label.split()[0] == preset]
+    the preset's name: ``<name> rkv 32``, ``<name> control 0.1``, ``<name> rkv 32 int4``);
+    an arm on quantization alone (``<name> none int4``) is not the setting's."""
+    labels = [label for label in exp.arms()
+              if label.split()[0] == preset and label.split()[1:2] != ["none"]]
     return exp.arm(labels[0]) if labels else []
 
 

@@ -290,6 +290,32 @@ def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
         "rule so far it would be `icepop`")
 
 
+def test_a_stacked_setting_reads_its_stacked_arms_against_a_dense_run_per_seed():
+    """The int4 setting's arm of a preset is the one on eviction plus int4, not the one on
+    int4 alone; its dense reference is its own dense arm only where that covers every seed."""
+    from experiments import results_corrections
+    regime = _setting("corrections_regime", {"decoupled_seq_is": ((0.9,) * 5, OK)}, dense=0.8)
+    own_dense = [run("dense", 0, 0.99)]
+    stacked = [run("decoupled_seq_is none int4", 0, 0.10),
+               *(run("decoupled_seq_is rkv 32 int4", s, 0.95) for s in range(3))]
+    int4 = results_data.Experiment("corrections_int4", tuple(own_dense + stacked), ())
+    runs = results_verdicts.study_arm(int4, "decoupled_seq_is")
+    assert [(r["arm"], r["seed"]) for r in runs] == [("decoupled_seq_is rkv 32 int4", s)
+                                                     for s in range(3)]
+    dense = results_corrections.dense_reference({"corrections_regime": regime,
+                                                 "corrections_int4": int4})
+    assert dense["corrections_int4"] == regime.arm("dense")  # seed 0 only: the regime's
+    table = results_corrections.setting_table(int4, dense["corrections_int4"])
+    assert "dense training" not in table  # no row for a dense arm that is not the reference
+    assert "| `decoupled_seq_is` | 1 | 0/3 | 0/3 | 0.950" in table
+    assert "| 119% |" in table  # 0.95 / 0.8: against the regime's dense run, seed by seed
+    whole = results_data.Experiment("corrections_int4", tuple(
+        [run("dense", s, 0.99) for s in range(3)] + stacked), ())
+    assert results_corrections.dense_reference({"corrections_regime": regime,
+                                                "corrections_int4": whole}
+                                               )["corrections_int4"] == whole.arm("dense")
+
+
 def test_the_shipped_default_correction_is_the_stored_studys_outcome():
     """``CorrectionConfig()``'s preset is the one the rule picks from the stored study (all
     three settings at their full seeds), and the paper's configs keep Sparse-RL's by name."""
