@@ -150,20 +150,23 @@ def plot_rewards(stored: dict[str, Experiment | None], path: Path, window: int =
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.2), squeeze=False)
     names = list(dict.fromkeys(label.split()[0] for _, exp in shown for label in exp.arms()))
     colors = {name: plt.cm.tab20(i % 20) for i, name in enumerate(names)}
+    dense, handles = dense_reference(stored), {}
     for ax, (name, exp) in zip(axes[0], shown):
-        for key in ["dense"] * bool(exp.arm("dense")) + presets_of(exp):
-            runs = exp.arm("dense") if key == "dense" else study_arm(exp, key)
+        own_dense = bool(exp.arm("dense")) and dense[name] == exp.arm("dense")
+        for key in ["dense"] * own_dense + presets_of(exp):
+            runs = dense[name] if key == "dense" else study_arm(exp, key)
             curves = np.array([r["steps"]["reward_mean"] for r in runs], float)
             mean = curves.mean(axis=0)
             smooth = [mean[max(0, i - window + 1):i + 1].mean() for i in range(len(mean))]
-            ax.plot(np.arange(1, len(mean) + 1), smooth, label=key, color=colors[key],
-                    lw=2.4 if key in ("dense", "sparse_rl") else 1.3,
-                    ls="--" if key in CORRECTION_PRESETS.names()
-                    and CorrectionConfig(kind=key).anchor == "behaviour" else "-")
+            behaviour = (key in CORRECTION_PRESETS.names()
+                         and CorrectionConfig(kind=key).anchor == "behaviour")
+            handles[key], = ax.plot(np.arange(1, len(mean) + 1), smooth, label=key,
+                                    color=colors[key], ls="--" if behaviour else "-",
+                                    lw=2.4 if key in ("dense", "sparse_rl") else 1.3)
         ax.set_title(WHERE[name].split(":")[0], fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("training reward (seed mean)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    axes[0][0].legend(handles=list(handles.values()), fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
