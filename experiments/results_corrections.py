@@ -62,7 +62,7 @@ def setting_table(exp: Experiment, dense: list[dict]) -> str:
             "rejected sequences | kept tokens | ESS | mismatch k3 | "
             f"grad share r<1e-4, first {EARLY_STEPS} steps |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    if dense == exp.arm("dense"):
+    if dense and dense == exp.arm("dense"):
         lines.append(f"| dense training | – | {count(r['collapsed'] for r in dense)} | – | "
                      f"{cell(pass1(r, 'dense') for r in dense)} | 100% | – | – | – | – | – | – |")
     for preset in presets_of(exp):
@@ -152,7 +152,7 @@ def plot_rewards(stored: dict[str, Experiment | None], path: Path, window: int =
     colors = {name: plt.cm.tab20(i % 20) for i, name in enumerate(names)}
     dense, handles = dense_reference(stored), {}
     for ax, (name, exp) in zip(axes[0], shown):
-        own_dense = bool(exp.arm("dense")) and dense[name] == exp.arm("dense")
+        own_dense = bool(dense[name]) and dense[name] == exp.arm("dense")
         for key in ["dense"] * own_dense + presets_of(exp):
             runs = dense[name] if key == "dense" else study_arm(exp, key)
             curves = np.array([r["steps"]["reward_mean"] for r in runs], float)
