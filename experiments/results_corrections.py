@@ -42,6 +42,12 @@ def dense_reference(stored: dict[str, Experiment | None]) -> dict[str, list[dict
             for name, exp in stored.items() if exp}
 
 
+def _own_dense(exp: Experiment, dense: list[dict]) -> bool:
+    """Whether ``dense``, a setting's reference, is the setting's own dense arm (a table row
+    and a curve of its own) rather than the regime's."""
+    return bool(dense) and dense == exp.arm("dense")
+
+
 def _fraction_of_dense(runs: list[dict], dense: list[dict]) -> list[float]:
     ref = {r["seed"]: pass1(r, "dense") for r in dense}
     return [pass1(r, "dense") / ref[r["seed"]] for r in runs]
@@ -62,7 +68,7 @@ def setting_table(exp: Experiment, dense: list[dict]) -> str:
             "rejected sequences | kept tokens | ESS | mismatch k3 | "
             f"grad share r<1e-4, first {EARLY_STEPS} steps |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    if dense and dense == exp.arm("dense"):
+    if _own_dense(exp, dense):
         lines.append(f"| dense training | – | {count(r['collapsed'] for r in dense)} | – | "
                      f"{cell(pass1(r, 'dense') for r in dense)} | 100% | – | – | – | – | – | – |")
     for preset in presets_of(exp):
@@ -152,8 +158,7 @@ def plot_rewards(stored: dict[str, Experiment | None], path: Path, window: int =
     colors = {name: plt.cm.tab20(i % 20) for i, name in enumerate(names)}
     dense, handles = dense_reference(stored), {}
     for ax, (name, exp) in zip(axes[0], shown):
-        own_dense = bool(dense[name]) and dense[name] == exp.arm("dense")
-        for key in ["dense"] * own_dense + presets_of(exp):
+        for key in ["dense"] * _own_dense(exp, dense[name]) + presets_of(exp):
             runs = dense[name] if key == "dense" else study_arm(exp, key)
             curves = np.array([r["steps"]["reward_mean"] for r in runs], float)
             mean = curves.mean(axis=0)
