@@ -27,8 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.overrides_cli import parse_with_overrides  # noqa: E402
-from experiments.provenance import provenance  # noqa: E402
+from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
+from experiments.kit.provenance import provenance  # noqa: E402
 from experiments.reproduce import arms  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402

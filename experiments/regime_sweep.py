@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.overrides_cli import parse_with_overrides  # noqa: E402
+from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402

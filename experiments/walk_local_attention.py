@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import models  # noqa: E402
-from experiments.overrides_cli import parse_with_overrides  # noqa: E402
+from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer  # noqa: E402
 from sparse_rl_jax.tasks.walk_task import synthetic_dataset  # noqa: E402

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from experiments.overrides_cli import parse_with_overrides
+from experiments.kit.overrides_cli import parse_with_overrides
 
 
 def _parser():
