@@ -57,7 +57,7 @@ from experiments.kit.correction_grads import loss_cotangent, low_r_grad_share  #
 from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.kit.provenance import provenance  # noqa: E402
 from experiments.reproduce import correction_arm  # noqa: E402
-from experiments.results_correction_stats import format_row, format_table  # noqa: E402
+from experiments.kit.results_correction_stats import format_row, format_table  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.rl.advantages import compute_advantages  # noqa: E402
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS  # noqa: E402

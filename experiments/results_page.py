@@ -29,16 +29,16 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.reproduce import (inference_table, mean_records,  # noqa: E402
                                    plot_by_budget, reward_curve_table, training_table)
-from experiments import results_correction_stats  # noqa: E402
-from experiments.results_async import lag_table, regime_check  # noqa: E402
-from experiments.results_corrections import (STUDY_SETTINGS, dense_reference,  # noqa: E402
-                                             load_study, plot_rewards, recommendation,
-                                             setting_table, study_block)
-from experiments.results_quant import quant_table  # noqa: E402
-from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell,  # noqa: E402
-                                      count, degraded, early_mean, load, pass1, provenance)
-from experiments.results_verdicts import (NAIVE, SPARSE, collapse_definition,  # noqa: E402
-                                          verdict_rows)
+from experiments.kit import results_correction_stats  # noqa: E402
+from experiments.kit.results_async import lag_table, regime_check  # noqa: E402
+from experiments.kit.results_corrections import (STUDY_SETTINGS, dense_reference,  # noqa: E402
+                                                 load_study, plot_rewards, recommendation,
+                                                 setting_table, study_block)
+from experiments.kit.results_quant import quant_table  # noqa: E402
+from experiments.kit.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell,  # noqa: E402
+                                          count, degraded, early_mean, load, pass1, provenance)
+from experiments.kit.results_verdicts import (NAIVE, SPARSE, collapse_definition,  # noqa: E402
+                                              verdict_rows)
 
 COMMAND = "python experiments/results_page.py"
 README, RESULTS_PAGE = ROOT / "README.md", ROOT / "docs" / "results.md"

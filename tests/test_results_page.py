@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments import results_data, results_verdicts  # noqa: E402
+from experiments.kit import results_data, results_verdicts  # noqa: E402
 
 
 def _load_script(name: str):
@@ -152,7 +152,7 @@ def test_other_experiments_add_their_arms_to_the_first_two_claims():
 
 
 def test_lag_table_pairs_each_lag_with_lag_zero_seed_by_seed():
-    from experiments import results_async
+    from experiments.kit import results_async
     lag0, lag1, lag4 = (0.95, 0.90, 0.97), (0.93, 0.91, 0.90), (0.60, 0.70, 0.80)
     runs = []
     for seed in range(3):
@@ -183,7 +183,7 @@ def test_lag_table_pairs_each_lag_with_lag_zero_seed_by_seed():
 
 
 def test_quant_table_pairs_each_arm_with_its_unquantized_regime_arm():
-    from experiments import results_quant
+    from experiments.kit import results_quant
     base = regime(sparse_dense=(0.95, 0.97, 0.96))
     runs = []
     for seed, (naive, sparse) in enumerate([(0.5, 0.94), (0.4, 0.93), (0.45, 0.95)]):
@@ -271,7 +271,7 @@ def test_the_study_rule_needs_every_setting():
 
 
 def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
-    from experiments import results_corrections
+    from experiments.kit import results_corrections
     arms = {"sparse_rl": ((0.95, 0.96, 0.97, 0.95, 0.96), OK),
             "icepop": ((0.96, 0.95, 0.97, 0.96, 0.95), OK)}
     settings, _ = _study({name: arms for name in results_verdicts.STUDY_SETTINGS})
@@ -293,7 +293,7 @@ def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
 def test_a_stacked_setting_reads_its_stacked_arms_against_a_dense_run_per_seed():
     """The int4 setting's arm of a preset is the one on eviction plus int4, not the one on
     int4 alone; its dense reference is its own dense arm only where that covers every seed."""
-    from experiments import results_corrections
+    from experiments.kit import results_corrections
     regime = _setting("corrections_regime", {"decoupled_seq_is": ((0.9,) * 5, OK)}, dense=0.8)
     own_dense = [run("dense", 0, 0.99)]
     stacked = [run("decoupled_seq_is none int4", 0, 0.10),
@@ -319,7 +319,7 @@ def test_a_stacked_setting_reads_its_stacked_arms_against_a_dense_run_per_seed()
 def test_the_shipped_default_correction_is_the_stored_studys_outcome():
     """``CorrectionConfig()``'s preset is the one the rule picks from the stored study (all
     three settings at their full seeds), and the paper's configs keep Sparse-RL's by name."""
-    from experiments import results_corrections
+    from experiments.kit import results_corrections
     from sparse_rl_jax.core.config_io import load_config
     from sparse_rl_jax.rl.loss_config import CorrectionConfig
     from sparse_rl_jax.training.run_config import RunConfig
@@ -338,7 +338,7 @@ def test_the_correction_statistics_block_reads_each_budget(tmp_path):
     """docs/results.md's correction-statistics block from made-up records: Sparse-RL's
     rejection rate against the paper's ~0.07 (a factor of 2 either way) per budget, smallest
     budget first, and every call's command."""
-    from experiments import results_correction_stats as stats
+    from experiments.kit import results_correction_stats as stats
     folder = tmp_path / stats.NAME
     folder.mkdir()
     batch = {"rows": 256, "reward_mean": 0.2, "response_length_mean": 130.0,

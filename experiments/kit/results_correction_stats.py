@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.results_data import RESULTS
+from experiments.kit.results_data import RESULTS
 
 NAME = "correction_stats"
 COLUMNS = (("rejection_rate", "rejection"), ("kept_token_fraction", "kept tokens"),

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.reproduce import COLLAPSE_DROP, COLLAPSE_TRUNCATION, COLLAPSE_TRUNCATION_FLOOR
-from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
-                                      degraded, early_mean, mean_se, paired_gap, pass1)
+from experiments.kit.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
+                                          degraded, early_mean, mean_se, paired_gap, pass1)
 
 BUDGET = 32
 NAIVE, SPARSE, SHADOW = f"naive rkv {BUDGET}", f"sparse-rl rkv {BUDGET}", f"shadow-mask rkv {BUDGET}"

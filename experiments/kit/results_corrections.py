@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
-                                      degraded, early_mean, load, pass1, provenance)
-from experiments.results_verdicts import (STUDY_DEFAULT, STUDY_SEEDS, STUDY_SETTINGS, TIE_SE,
-                                          recommend, study_arm)
+from experiments.kit.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
+                                          degraded, early_mean, load, pass1, provenance)
+from experiments.kit.results_verdicts import (STUDY_DEFAULT, STUDY_SEEDS, STUDY_SETTINGS, TIE_SE,
+                                              recommend, study_arm)
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 

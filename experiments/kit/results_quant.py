@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.results_data import (DEGRADED_BY, Experiment, cell, count, degraded,
-                                      paired_gap, pass1, verdict)
+from experiments.kit.results_data import (DEGRADED_BY, Experiment, cell, count, degraded,
+                                          paired_gap, pass1, verdict)
 
 WITHIN = 0.03
 """The target: Sparse-RL on R-KV 32 + int8 within this held-out pass@1 of Sparse-RL on R-KV
