@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from experiments.kit.correction_grads import loss_cotangent, low_r_grad_share  # noqa: E402
 from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.kit.provenance import provenance  # noqa: E402
-from experiments.reproduce import correction_arm  # noqa: E402
+from experiments.kit.arms import correction_arm  # noqa: E402
 from experiments.kit.results_correction_stats import format_row, format_table  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.rl.advantages import compute_advantages  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.kit.provenance import provenance  # noqa: E402
-from experiments.reproduce import arms  # noqa: E402
+from experiments.kit.arms import arms  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.records.metrics_writer import read_metrics  # noqa: E402
 from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402

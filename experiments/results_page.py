@@ -27,8 +27,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.reproduce import (inference_table, mean_records,  # noqa: E402
-                                   plot_by_budget, reward_curve_table, training_table)
+from experiments.kit.budget_plots import plot_by_budget  # noqa: E402
+from experiments.kit.reproduce_tables import (inference_table, reward_curve_table,  # noqa: E402
+                                              training_table)
+from experiments.kit.run_summary import mean_records  # noqa: E402
 from experiments.kit import results_correction_stats  # noqa: E402
 from experiments.kit.results_async import lag_table, regime_check  # noqa: E402
 from experiments.kit.results_corrections import (STUDY_SETTINGS, dense_reference,  # noqa: E402

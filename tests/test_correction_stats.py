@@ -16,7 +16,7 @@ from flax import nnx
 
 from correction_reference import np_corrections
 from experiments import correction_stats as script
-from experiments.reproduce import correction_arm
+from experiments.kit.arms import correction_arm
 from experiments.kit.results_correction_stats import COLUMNS, format_table
 from sparse_rl_jax.rl.advantages import compute_advantages
 from sparse_rl_jax.rl.grpo_loss import grpo_loss, loss_norm

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from experiments.kit import arms, collapse, reproduce_tables, run_summary
 from tiny_rl import TINY_WARM_START
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,10 +62,8 @@ def _load_script(name: str):
 
 
 def test_tables_average_seeds_and_list_every_inference_mode():
-    reproduce = _load_script("reproduce")
-
     def result(arm, seed, own, reward_last, dense, sparse):
-        stats = {key: 0.5 for key in reproduce.COMPARE_KEYS}
+        stats = {key: 0.5 for key in run_summary.COMPARE_KEYS}
         return {"arm": arm, "seed": seed, "own_eval": own, "reward_first": 0.1,
                 "reward_last": reward_last, **stats,
                 "eval": [{"mode": "dense", "pass_at_1": dense, "avg_at_k": dense / 2},
@@ -73,36 +72,35 @@ def test_tables_average_seeds_and_list_every_inference_mode():
     results = [result("dense", 0, "dense", 0.2, 0.5, 0.25),
                result("naive rkv 8", 0, "sparse (rkv 8)", 0.4, 0.75, 0.5),
                result("dense", 1, "dense", 0.4, 0.25, 0.75)]
-    training = reproduce.training_table(results).splitlines()
+    training = reproduce_tables.training_table(results).splitlines()
     assert len(training) == 4  # header, rule, one line per arm with the seeds averaged
     # seed means ± their standard error (sd / sqrt(n)), the per-seed values in brackets
     assert training[2].startswith("| dense | 0.100 → 0.30 ± 0.10 (0.20, 0.40) |")
     assert training[2].endswith("| 0.38 ± 0.12 (0.50, 0.25) | – |")
     assert training[3].endswith("| 0.75 | 0.50 |")
-    per_seed = reproduce.training_table(results, per_seed=True).splitlines()
+    per_seed = reproduce_tables.training_table(results, per_seed=True).splitlines()
     assert [line.split(" | ")[:2] for line in per_seed[2:]] == [
         ["| dense", "0"], ["| naive rkv 8", "0"], ["| dense", "1"]]
-    inference = reproduce.inference_table(results).splitlines()
+    inference = reproduce_tables.inference_table(results).splitlines()
     assert inference[0] == "| policy \\ inference | dense | sparse (rkv 8) |"
     assert inference[2] == "| dense | 0.375 (0.188) | 0.500 (0.000) |"
 
 
 def test_lag_and_quant_arms_replace_the_per_budget_arms():
-    reproduce = _load_script("reproduce")
-    lagged = dict(reproduce.arms(["rkv"], [32], lags=(0, 2)))
+    lagged = dict(arms.arms(["rkv"], [32], lags=(0, 2)))
     assert list(lagged) == ["dense", "naive rkv 32 lag 0", "sparse-rl rkv 32 lag 0",
                             "naive rkv 32 lag 2", "sparse-rl rkv 32 lag 2"]
     assert {"trainer.mode=async", "trainer.max_lag=2", "correction.kind=ppo_behaviour",
             "compression.eviction.budget=32"} <= set(lagged["naive rkv 32 lag 2"])
     assert "correction.kind=sparse_rl" in lagged["sparse-rl rkv 32 lag 0"]
-    quant = dict(reproduce.arms(["rkv"], [32], quants=("int8",)))
+    quant = dict(arms.arms(["rkv"], [32], quants=("int8",)))
     assert list(quant) == ["dense", "naive none int8", "sparse-rl none int8",
                            "naive rkv 32 int8", "sparse-rl rkv 32 int8"]
     assert {"compression.method=none", "compression.layout=dense", "compression.quant=int8",
             "correction.kind=none"} <= set(quant["naive none int8"])
     assert {"compression.method=rkv", "compression.quant=int8",
             "correction.kind=sparse_rl"} <= set(quant["sparse-rl rkv 32 int8"])
-    stacked = dict(reproduce.arms(["rkv"], [32], quants=("int4",),
+    stacked = dict(arms.arms(["rkv"], [32], quants=("int4",),
                                   corrections=("decoupled_seq_is",), quant_alone=False))
     assert list(stacked) == ["dense", "decoupled_seq_is rkv 32 int4"]
     assert {"compression.method=rkv", "compression.quant=int4",
@@ -141,11 +139,10 @@ def test_regime_sweep_quick_couples_dense_and_sparse_samples(tmp_path):
 
 
 def test_reward_curve_table_averages_seeds_per_span():
-    reproduce = _load_script("reproduce")
     run = lambda rewards: [{"step": i + 1, "reward_mean": r}  # noqa: E731
                            for i, r in enumerate(rewards)]
     curves = {"dense": [run([0.0, 0.2, 0.4, 0.6, 0.8]), run([0.2, 0.4, 0.6, 0.8, 1.0])]}
-    table = reproduce.reward_curve_table(curves, blocks=2).splitlines()
+    table = reproduce_tables.reward_curve_table(curves, blocks=2).splitlines()
     # Spans of steps 1-3 and 4-5; seed means 0.1, 0.3, 0.5, 0.7, 0.9.
     assert table[2] == "| dense | 0.300 → 0.800 |"
 
@@ -153,15 +150,12 @@ def test_reward_curve_table_averages_seeds_per_span():
 def test_table_means_are_exactly_rounded_on_every_python():
     """Python 3.11's ``sum`` of ten 0.1 is 0.9999999999999999, 3.12's is 1.0: a mean on a
     rounding boundary printed 0.883 on one and 0.882 on the other (docs/results.md)."""
-    reproduce = _load_script("reproduce")
-    assert reproduce._mean([0.1] * 10) == 0.1
+    assert run_summary.exact_mean([0.1] * 10) == 0.1
     runs = [[{"step": 1, "reward_mean": 0.1}] for _ in range(10)]
-    assert reproduce.mean_records(runs)[0]["reward_mean"] == 0.1
+    assert run_summary.mean_records(runs)[0]["reward_mean"] == 0.1
 
 
 def test_collapse_needs_a_long_reward_drop_with_truncation():
-    reproduce = _load_script("reproduce")
-
     def run(rewards, truncated):
         return [{"step": i + 1, "reward_mean": r, "truncated_fraction": t}
                 for i, (r, t) in enumerate(zip(rewards, truncated))]
@@ -172,18 +166,17 @@ def test_collapse_needs_a_long_reward_drop_with_truncation():
     falls = run([0.5] * 25 + [0.1] * 15, [0.02] * 25 + [0.3] * 15)
     short = run([0.5] * 34 + [0.1] * 6, [0.02] * 34 + [0.3] * 6)
     no_truncation = run([0.5] * 25 + [0.1] * 15, [0.02] * 40)
-    assert reproduce.collapse_steps(healthy) == 0 and not reproduce.collapsed(healthy)
-    assert 10 <= reproduce.collapse_steps(falls) <= 15 and reproduce.collapsed(falls)
-    assert not reproduce.collapsed(short)  # 6 bad steps < 10
-    assert reproduce.collapse_steps(no_truncation) == 0
+    assert collapse.collapse_steps(healthy) == 0 and not collapse.collapsed(healthy)
+    assert 10 <= collapse.collapse_steps(falls) <= 15 and collapse.collapsed(falls)
+    assert not collapse.collapsed(short)  # 6 bad steps < 10
+    assert collapse.collapse_steps(no_truncation) == 0
 
 
 def test_control_arms_train_on_dense_rollouts_with_the_anomaly():
-    reproduce = _load_script("reproduce")
-    labels = [label for label, _ in reproduce.arms(["rkv"], [], (0.03, 0.1))]
+    labels = [label for label, _ in arms.arms(["rkv"], [], (0.03, 0.1))]
     assert labels == ["dense", "naive control 0.03", "sparse-rl control 0.03",
                       "naive control 0.1", "sparse-rl control 0.1"]
-    overrides = dict(reproduce.arms(["rkv"], [48], (0.1,)))
+    overrides = dict(arms.arms(["rkv"], [48], (0.1,)))
     assert overrides["sparse-rl control 0.1"] == [
         "compression.method=none", "data.control_missed_increment=0.1",
         "correction.kind=sparse_rl"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.reproduce import COLLAPSE_DROP, COLLAPSE_TRUNCATION, COLLAPSE_TRUNCATION_FLOOR
+from experiments.kit.collapse import COLLAPSE_DROP, COLLAPSE_TRUNCATION, COLLAPSE_TRUNCATION_FLOOR
 from experiments.kit.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
                                           degraded, early_mean, mean_se, paired_gap, pass1)
 
@@ -201,7 +201,7 @@ def verdict_rows(regime: Experiment, others: dict[str, Experiment | None]
 
 
 def collapse_definition() -> str:
-    """The pre-registered collapse definition, in words, with reproduce.py's constants."""
+    """The pre-registered collapse definition, in words, with the constants of ``collapse``."""
     return (f"a run collapses when, for at least a quarter of its steps in a row, its training "
             f"reward (smoothed over a tenth of the run) sits at least {COLLAPSE_DROP} below its "
             f"peak while its truncated fraction (smoothed alike) is at least "
