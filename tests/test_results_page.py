@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.kit import results_data, results_verdicts  # noqa: E402
+from experiments.kit import results_data, results_pages, results_verdicts  # noqa: E402
 
 
 def _load_script(name: str):
@@ -129,7 +129,7 @@ def test_parts_merge_and_a_seed_run_twice_is_refused(tmp_path):
 
 
 def test_a_marker_without_results_names_the_page_and_block():
-    page = _load_script("results_page")
+    page = results_pages
     text = "a\n<!-- results_page:nothing -->\nold\n<!-- /results_page:nothing -->\n"
     with pytest.raises(KeyError, match="README.md: block 'nothing' has no stored results"):
         page.fill(text, {}, page.README)
