@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
+from experiments.kit.sweep_output import cell_footer, write_results  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.kv.compression_config import CompressionConfig  # noqa: E402
 from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
@@ -136,21 +136,6 @@ def format_table(rows: list[dict]) -> str:
                   for key, _ in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def cell_footer(prompts: int, samples: int, started: float) -> str:
-    """The line under a sweep table: its cell size and the wall time since ``started``."""
-    return (f"{prompts} prompts x {samples} samples per cell; "
-            f"wall time {time.monotonic() - started:.0f} s")
-
-
-def write_results(out: Path, stem: str, data, table: str, footer: str) -> None:
-    """Writes ``out/<stem>.json`` (``data``) and ``out/<stem>.md`` (``table``, then
-    ``footer``), and prints the table."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
-    (out / f"{stem}.md").write_text(f"{table}\n\n{footer}\n")
-    print(table)
 
 
 def main(argv=None) -> int:

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
-from experiments.regime_sweep import cell_footer, write_results  # noqa: E402
+from experiments.kit.sweep_output import cell_footer, write_results  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
 from sparse_rl_jax.kv.state import check_prompt_fits  # noqa: E402
 from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
