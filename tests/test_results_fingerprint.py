@@ -5,23 +5,14 @@ of the very runs the page was made from."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from experiments.kit import regime_fingerprint as fingerprint
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fingerprint = _load_script("fingerprint")
 STORED = json.loads(fingerprint.STORED.read_text())
 
 
