@@ -12,7 +12,7 @@ of the config's eval set whose prompt fits the smallest budget's cache (prompts 
 truncated), so every budget rolls out the same ones; GRPO advantages over each prompt's
 samples. Then for every correction (every registered preset by default) the learner's batch
 exactly as the trainer builds it (``rl_step.learner_batch`` under the study's overrides,
-``reproduce.correction_arm``; ``shadow_mask`` replays the record, with its distillation) and:
+``kit.arms.correction_arm``; ``shadow_mask`` replays the record, with its distillation) and:
 
   rejection     sequences dropped whole (``rejection_rate``)
   kept tokens   loss-mask tokens left after token and sequence rejection
@@ -36,7 +36,6 @@ budget. Extra ``key=value`` arguments override the run config.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pickle
 import resource
@@ -45,127 +44,27 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.kit.correction_grads import loss_cotangent, low_r_grad_share  # noqa: E402
+from experiments.kit.arms import correction_arm  # noqa: E402
+from experiments.kit.correction_batch import (budget_overrides, correction_batch,  # noqa: E402
+                                              fitting_prompts, grad_stats, roll_out)
+from experiments.kit.correction_grads import loss_cotangent  # noqa: E402
 from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
 from experiments.kit.provenance import provenance  # noqa: E402
-from experiments.kit.arms import correction_arm  # noqa: E402
 from experiments.kit.results_correction_stats import format_row, format_table  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
-from sparse_rl_jax.rl.advantages import compute_advantages  # noqa: E402
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS  # noqa: E402
-from sparse_rl_jax.rl.overlong import overlong_penalty  # noqa: E402
-from sparse_rl_jax.rl.rollout_metrics import kv_token_savings  # noqa: E402
-from sparse_rl_jax.rl.update_step import Minibatch  # noqa: E402
 from sparse_rl_jax.tasks.rewards import get_reward_fn  # noqa: E402
-from sparse_rl_jax.training.collect import RolloutPolicy, collect_prompts  # noqa: E402
-from sparse_rl_jax.training.collect_rounds import UpdateBatch  # noqa: E402
-from sparse_rl_jax.training.evaluation import eval_set  # noqa: E402
-from sparse_rl_jax.training.policy import make_run_mesh, policy_path, resolve_sampling  # noqa: E402
+from sparse_rl_jax.training.policy import make_run_mesh, policy_path  # noqa: E402
 from sparse_rl_jax.training.preflight import load_checked_policy  # noqa: E402
-from sparse_rl_jax.training.rl_step import StepContext, learner_batch  # noqa: E402
 from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
 
 CONFIG = ROOT / "configs" / "smollm2" / "smollm2_rkv.yaml"
-STATS = ("rejection_rate", "kept_token_fraction", "is_ess", "low_r_sequence_fraction",
-         "opsm_fraction", "veto_fraction", "token_mask_fraction", "mismatch_k3")
-"""The correction metrics (``corrections.compute_corrections``) each correction reports."""
-ALL_PROMPTS = 2 ** 31 - 1
-"""``eval.num_prompts`` that reads a whole eval set."""
-
-
-def budget_overrides(budget: int) -> list[str]:
-    """The overrides of one budget: its eviction budget, the record kept (shadow-mask replays
-    it; keeping it changes no sample), no acceptance metric (two more forwards a row)."""
-    return [f"compression.eviction.budget={budget}", "sampling.record_evictions=true",
-            "compression.alpha.metric='off'"]
-
-
-def fitting_prompts(cfg: RunConfig, tokenizer, count: int, capacity: int
-                    ) -> tuple[list[str], list[str], list[int]]:
-    """``(prompts, answers, skipped)``: the first ``count`` problems of ``cfg``'s eval set (all
-    of it, whatever ``eval.num_prompts`` says) whose prompt holds at most ``capacity`` tokens,
-    and the eval-set indices of those passed over; ValueError when fewer fit."""
-    whole = dataclasses.replace(cfg.eval, num_prompts=ALL_PROMPTS)
-    texts, answers = eval_set(dataclasses.replace(cfg, eval=whole), tokenizer.hf)
-    ids = tokenizer.hf(texts, add_special_tokens=cfg.data.add_special_tokens)["input_ids"]
-    fits = [i for i, row in enumerate(ids) if len(row) <= capacity]
-    if len(fits) < count:
-        raise ValueError(f"--prompts {count}: only {len(fits)} of the eval set's {len(texts)} "
-                         f"prompts fit the {capacity}-slot cache")
-    chosen = fits[:count]
-    skipped = [i for i in range(chosen[-1] + 1) if i not in chosen]
-    return [texts[i] for i in chosen], [answers[i] for i in chosen], skipped
-
-
-def roll_out(cfg: RunConfig, graphdef, params, tokenizer, reward_fn, prompts, answers,
-             seed: int) -> tuple[UpdateBatch, dict]:
-    """One batch under ``cfg``'s compression and sampling, rewarded (plus the overlong
-    penalty) and densely scored: ``(batch with its record, batch statistics and seconds)``."""
-    sampling = resolve_sampling(cfg, tokenizer)
-    policy = RolloutPolicy.from_run(cfg, graphdef, tokenizer, reward_fn, sampling)
-    out = collect_prompts(policy, params, prompts, answers, jax.random.key(seed))
-    rollout = out.rollout
-    lengths = np.asarray(rollout.response_mask).sum(axis=1)
-    rewards = out.rewards + overlong_penalty(lengths, sampling.max_new_tokens, cfg.overlong)
-    batch = UpdateBatch(rollout.prompt, rollout.prompt_mask, rollout.response, out.loss_mask,
-                        rollout.logp, out.logp_old, rewards.astype(np.float32),
-                        np.ones(len(rewards), bool), rollout.record)
-    groups = out.rewards.reshape(-1, sampling.num_samples)
-    advantages = compute_advantages(jnp.asarray(batch.rewards), sampling.num_samples,
-                                    cfg.advantage, out.loss_mask, batch.valid)
-    signal = np.asarray(out.corrections.low_r) & (np.asarray(advantages) != 0)
-    stats = {k: float(v) for k, v in jax.device_get(out.corrections.metrics).items()
-             if k in ("low_r_sequence_fraction", "low_r_token_fraction", "mismatch_k3")}
-    stats.update(
-        rows=int(len(rewards)), reward_mean=float(np.mean(out.rewards)),
-        response_length_mean=float(lengths.mean()),
-        truncated_fraction=float(1 - np.mean(np.asarray(rollout.finished))),
-        kv_saved_mean=float(kv_token_savings(rollout.kv_mean, rollout.dense_kv_mean)),
-        groups=int(len(groups)), groups_with_signal=int(np.sum(np.any(
-            groups != groups[:, :1], axis=1))), low_r_rows_with_signal=int(signal.sum()),
-        rollout_s=round(out.seconds["rollout"], 1), score_s=round(out.seconds["score"], 1))
-    return jax.device_get(batch), stats
-
-
-def correction_batch(cfg: RunConfig, batch: UpdateBatch, graphdef, params, tokenizer
-                     ) -> tuple[Minibatch, dict[str, float]]:
-    """The learner's batch of ``batch`` under ``cfg`` (its ``correction`` and ``loss``
-    sections), exactly the trainer's (``rl_step.learner_batch``; the record only where the
-    correction replays it), and its ``STATS``."""
-    replay = cfg.correction.replay
-    ctx = StepContext(cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
-                      tokenizer=tokenizer, source=None, reward_fn=None, update=None, mesh=None)
-    full, metrics, _ = learner_batch(ctx, params, batch._replace(
-        record=batch.record if replay else None), jnp.asarray(batch.logp_old))
-    return full, {k: float(metrics[k]) for k in STATS}
-
-
-def grad_stats(cfg: RunConfig, full: Minibatch, logp_old, graphdef, params, *, micro: int,
-               seen: list, bucket: int | None = 64) -> dict:
-    """``correction_grads.low_r_grad_share`` of ``full`` under ``cfg.loss``, with the seconds
-    it took and ``same_as`` (a correction ``seen`` earlier whose loss cotangent at the dense
-    scores is equal, whose numbers it reuses; not for a replaying correction). ``seen``:
-    ``(name, cotangent, stats)`` of the corrections computed so far; this one is added."""
-    name = cfg.correction.kind
-    cotangent = None if cfg.correction.replay else loss_cotangent(full, cfg.loss, logp_old)
-    for other, earlier, stats in seen:
-        if cotangent is not None and np.allclose(cotangent, earlier, rtol=1e-6, atol=1e-12):
-            return {**stats, "same_as": other, "grad_seconds": 0.0}
-    start = time.perf_counter()
-    stats = low_r_grad_share(graphdef, params, full, loss_cfg=cfg.loss, micro=micro,
-                             chunk_size=cfg.trainer.logp_chunk,
-                             temperature=cfg.sampling.temperature, bucket=bucket)
-    if cotangent is not None:
-        seen.append((name, cotangent, stats))
-    return {**stats, "grad_seconds": round(time.perf_counter() - start, 1)}
 
 
 def peak_rss_gb() -> float:

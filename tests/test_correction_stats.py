@@ -1,8 +1,9 @@
-"""experiments/correction_stats.py's core on a tiny random policy, against independent
-computations: every correction's statistics against the NumPy reference of
-tests/correction_reference.py on the same log-probs, and the gradient share computed over row
-subsets (rows without a gradient skipped, columns cut after the longest response, micro-batches
-padded) against ``jax.grad`` of the whole batch's loss with and without the low-r rows."""
+"""experiments/correction_stats.py's core (``experiments/kit/correction_batch.py``) on a tiny
+random policy, against independent computations: every correction's statistics against the
+NumPy reference of tests/correction_reference.py on the same log-probs, and the gradient share
+computed over row subsets (rows without a gradient skipped, columns cut after the longest
+response, micro-batches padded) against ``jax.grad`` of the whole batch's loss with and without
+the low-r rows."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from flax import nnx
 
 from correction_reference import np_corrections
-from experiments import correction_stats as script
+from experiments.kit import correction_batch as measure
 from experiments.kit.arms import correction_arm
 from experiments.kit.results_correction_stats import COLUMNS, format_table
 from sparse_rl_jax.rl.advantages import compute_advantages
@@ -39,9 +40,9 @@ def rolled(tmp_path_factory):
     policy = tiny_task_policy(tmp_path_factory.mktemp("correction_stats"), dtype=jnp.float32)
     ctx = step_context(policy, *SETTING)
     prompts = ctx.source.batch(0)
-    batch, stats = script.roll_out(ctx.cfg, policy[2], policy[3], policy[1], hash_reward,
+    batch, stats = measure.roll_out(ctx.cfg, policy[2], policy[3], policy[1], hash_reward,
                                    prompts.prompts, prompts.answers, seed=0)
-    assert stats["rows"] == 4 * SAMPLES and set(script.STATS) >= {"rejection_rate", "is_ess"}
+    assert stats["rows"] == 4 * SAMPLES and set(measure.STATS) >= {"rejection_rate", "is_ess"}
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, MAX_NEW + 1, batch.loss_mask.shape[0])
     mask = np.asarray(batch.loss_mask) * (np.arange(MAX_NEW)[None] < lengths[:, None])
@@ -63,14 +64,14 @@ def rolled(tmp_path_factory):
 def test_statistics_match_the_numpy_reference(rolled, name):
     (_, tokenizer, graphdef, params), cfg_for, batch, low = rolled
     cfg = cfg_for(name)
-    full, stats = script.correction_batch(cfg, batch, graphdef, params, tokenizer)
+    full, stats = measure.correction_batch(cfg, batch, graphdef, params, tokenizer)
     assert (full.record is not None) == (name == "shadow_mask")
     mask = np.asarray(batch.loss_mask).astype(bool)
     _, _, seq_mask, want = np_corrections(
         np.asarray(batch.logp_old, np.float64), np.asarray(batch.logp_sparse, np.float64),
         mask, cfg.correction, advantages=np.asarray(full.loss.advantages))
     np.testing.assert_array_equal(np.asarray(full.loss.seq_mask), seq_mask)
-    for key in script.STATS:
+    for key in measure.STATS:
         np.testing.assert_allclose(stats[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
     assert stats["low_r_sequence_fraction"] == pytest.approx(len(low) / mask.shape[0])
 
@@ -125,8 +126,8 @@ def test_grad_share_over_row_subsets_matches_two_whole_batch_gradients(rolled, n
     seen = []
     for name in names:
         cfg = cfg_for(name)
-        full, _ = script.correction_batch(cfg, batch, graphdef, params, tokenizer)
-        got = script.grad_stats(cfg, full, jnp.asarray(batch.logp_old), graphdef, params,
+        full, _ = measure.correction_batch(cfg, batch, graphdef, params, tokenizer)
+        got = measure.grad_stats(cfg, full, jnp.asarray(batch.logp_old), graphdef, params,
                                 micro=3, seen=seen, bucket=6)
         if name == "sparse_rl":  # the veto drops every low-r row: g_low = 0, nothing computed
             assert got["low_r_grad_share"] == 0.0 and got["grad_norm"] is None
