@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.kit import results_data, results_pages, results_verdicts  # noqa: E402
+from experiments.kit import results_data, results_pages, results_verdicts, study_rule  # noqa: E402
 
 
 def _load_script(name: str):
@@ -216,7 +216,7 @@ def _setting(name, per_preset, dense=0.99):
 
 def _study(per_preset_by_setting):
     settings = {name: _setting(name, per_preset_by_setting[name])
-                for name in results_verdicts.STUDY_SETTINGS}
+                for name in study_rule.STUDY_SETTINGS}
     dense = {name: settings[name].arm("dense") for name in settings}
     return settings, dense
 
@@ -230,9 +230,9 @@ def test_the_study_rule_ties_go_to_fewer_parts_and_the_default_follows_only_a_wi
             "icepop": ((0.96, 0.95, 0.97, 0.96, 0.95), OK),      # ties sparse_rl, fewer parts
             "pg_rs": ((0.97, 0.97, 0.98, 0.97, 0.97), OK),       # the leader
             "none": ((0.95, 0.97, 0.50, 0.96, 0.97), OK)}        # one seed degrades
-    same = {name: good for name in results_verdicts.STUDY_SETTINGS}
+    same = {name: good for name in study_rule.STUDY_SETTINGS}
     settings, dense = _study(same)
-    out = results_verdicts.recommend(settings, dense, list(parts), parts)
+    out = study_rule.recommend(settings, dense, list(parts), parts)
     assert not out["eligible"]["none"][0]  # degraded (0.50 < 0.99 - 0.1)
     assert out["leader"] == "pg_rs"
     # the leader's paired gaps over icepop (+0.016 +- 0.005?) decide whether they tie
@@ -248,8 +248,8 @@ def test_the_study_rule_keeps_the_default_when_nothing_beats_it():
     parts = {"sparse_rl": 4, "pg_rs": 4}
     flat = {"sparse_rl": ((0.95, 0.96, 0.97, 0.95, 0.96), OK),
             "pg_rs": ((0.96, 0.95, 0.97, 0.96, 0.96), OK)}  # higher mean, within 2 SE
-    settings, dense = _study({name: flat for name in results_verdicts.STUDY_SETTINGS})
-    out = results_verdicts.recommend(settings, dense, list(parts), parts)
+    settings, dense = _study({name: flat for name in study_rule.STUDY_SETTINGS})
+    out = study_rule.recommend(settings, dense, list(parts), parts)
     assert out["leader"] == "pg_rs" and out["recommended"] == "pg_rs"  # tie: same parts, mean
     assert out["default"] == "sparse_rl"  # a tie with as many parts is no win
 
@@ -257,24 +257,24 @@ def test_the_study_rule_keeps_the_default_when_nothing_beats_it():
 def test_the_study_rule_needs_every_setting():
     parts = {"sparse_rl": 4, "shadow_mask": 1}
     arms = {"sparse_rl": ((0.95,) * 5, OK), "shadow_mask": ((0.99,) * 5, OK)}
-    by_setting = {name: arms for name in results_verdicts.STUDY_SETTINGS}
+    by_setting = {name: arms for name in study_rule.STUDY_SETTINGS}
     by_setting["corrections_control"] = {"sparse_rl": arms["sparse_rl"]}  # shadow has none
     settings, dense = _study(by_setting)
-    out = results_verdicts.recommend(settings, dense, list(parts), parts)
+    out = study_rule.recommend(settings, dense, list(parts), parts)
     assert not out["eligible"]["shadow_mask"][0]
     assert "corrections_control: not run" in out["eligible"]["shadow_mask"][1]
     assert out["recommended"] == "sparse_rl" and out["default"] == "sparse_rl"
     collapsing = dict(by_setting, corrections_regime={
         "sparse_rl": ((0.95,) * 5, (True,) + (False,) * 4)})
     settings, dense = _study(collapsing)
-    assert results_verdicts.recommend(settings, dense, ["sparse_rl"], parts)["recommended"] is None
+    assert study_rule.recommend(settings, dense, ["sparse_rl"], parts)["recommended"] is None
 
 
 def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
     from experiments.kit import results_corrections
     arms = {"sparse_rl": ((0.95, 0.96, 0.97, 0.95, 0.96), OK),
             "icepop": ((0.96, 0.95, 0.97, 0.96, 0.95), OK)}
-    settings, _ = _study({name: arms for name in results_verdicts.STUDY_SETTINGS})
+    settings, _ = _study({name: arms for name in study_rule.STUDY_SETTINGS})
     full = results_corrections.recommendation(settings)
     assert "Provisional" not in full and "Recommended: `icepop`" in full
     control = settings["corrections_control"]
@@ -282,7 +282,7 @@ def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
         control.name, tuple(r for r in control.runs if r["seed"] < 3), control.parts)
     short = results_corrections.recommendation(settings)
     assert short.startswith(f"- **Provisional**: corrections_control has 3 of "
-                            f"{results_verdicts.STUDY_SEEDS} seeds")
+                            f"{study_rule.STUDY_SEEDS} seeds")
     assert short.splitlines()[1:-1] == full.splitlines()[:-1]  # the same rule, flagged
     assert full.splitlines()[-1].startswith("- The shipped default is **`icepop`**")
     assert short.splitlines()[-1].startswith(  # a provisional outcome changes no default
@@ -299,7 +299,7 @@ def test_a_stacked_setting_reads_its_stacked_arms_against_a_dense_run_per_seed()
     stacked = [run("decoupled_seq_is none int4", 0, 0.10),
                *(run("decoupled_seq_is rkv 32 int4", s, 0.95) for s in range(3))]
     int4 = results_data.Experiment("corrections_int4", tuple(own_dense + stacked), ())
-    runs = results_verdicts.study_arm(int4, "decoupled_seq_is")
+    runs = study_rule.study_arm(int4, "decoupled_seq_is")
     assert [(r["arm"], r["seed"]) for r in runs] == [("decoupled_seq_is rkv 32 int4", s)
                                                      for s in range(3)]
     dense = results_corrections.dense_reference({"corrections_regime": regime,
@@ -324,10 +324,10 @@ def test_the_shipped_default_correction_is_the_stored_studys_outcome():
     from sparse_rl_jax.rl.loss_config import CorrectionConfig
     from sparse_rl_jax.training.run_config import RunConfig
     stored = results_corrections.load_study()
-    assert all(len(stored[name].seeds()) == results_verdicts.STUDY_SEEDS
-               for name in results_verdicts.STUDY_SETTINGS)
+    assert all(len(stored[name].seeds()) == study_rule.STUDY_SEEDS
+               for name in study_rule.STUDY_SETTINGS)
     _, out = results_corrections.study_outcome(stored)
-    assert out["default"] != results_verdicts.STUDY_DEFAULT  # the study moved the default
+    assert out["default"] != study_rule.STUDY_DEFAULT  # the study moved the default
     assert CorrectionConfig().kind == out["default"]
     assert load_config(RunConfig, None, []).correction.kind == out["default"]
     paper = load_config(RunConfig, ROOT / "configs/paper/qwen2.5-1.5b_rkv.yaml", [])

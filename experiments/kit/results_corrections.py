@@ -1,6 +1,6 @@
 """The corrections study's tables, figure and recommendation (issue 47), from its stored runs
 (``docs/results/corrections_<setting>/*.json``, each one ``experiments/reproduce.py
---corrections ...`` call's ``results.json``). The rule is ``results_verdicts.recommend``,
+--corrections ...`` call's ``results.json``). The rule is ``study_rule.recommend``,
 fixed before the runs; this module only lays out what it and the runs say."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 
 from experiments.kit.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
                                           degraded, early_mean, load, pass1, provenance)
-from experiments.kit.results_verdicts import (STUDY_DEFAULT, STUDY_SEEDS, STUDY_SETTINGS, TIE_SE,
-                                              recommend, study_arm)
+from experiments.kit.study_rule import (STUDY_DEFAULT, STUDY_SEEDS, STUDY_SETTINGS, TIE_SE,
+                                         recommend, study_arm)
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 
@@ -88,7 +88,7 @@ def setting_table(exp: Experiment, dense: list[dict]) -> str:
 
 
 def study_outcome(stored: dict[str, Experiment]) -> tuple[list[str], dict]:
-    """The presets the study ran and ``results_verdicts.recommend``'s outcome over them."""
+    """The presets the study ran and ``study_rule.recommend``'s outcome over them."""
     presets = presets_of(stored[STUDY_SETTINGS[0]])
     parts = {p: CORRECTION_PRESETS.get(p).count() for p in presets}
     return presets, recommend(stored, dense_reference(stored), presets, parts)
