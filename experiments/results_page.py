@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from experiments.kit.results_pages import COMMAND, pages, write_plots, write_study_plot  # noqa: E402
+from experiments.kit.results_pages import (COMMAND, pages, write_plots,  # noqa: E402
+                                           write_study_plot)
 
 
 def main(argv=None) -> int:
