@@ -5,6 +5,7 @@
   python run.py --config configs/paper/qwen2.5-1.5b_rkv.yaml --config configs/mesh/tpu_pod.yaml
   python run.py eval --checkpoint runs/default    # dense vs sparse pass@1 / avg@k
   python run.py config --config configs/X.yaml    # the resolved config, as the method reads it
+                                                  # (and a comment on the correction preset)
   python run.py config --all                      # ... every section, read or not
   python run.py doctor [model.path=DIR_OR_GGUF]  # platform, devices, versions, memory, model
 
@@ -101,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         import yaml
 
+        from sparse_rl_jax.rl.correction_presets import describe
+
         print(yaml.safe_dump(to_dict(cfg, used_only=not args.all), sort_keys=False))
+        print(f"# correction.kind {describe(cfg.correction.kind)}")
         return 0
 
     import jax

@@ -1,8 +1,9 @@
 """A plain NumPy (float64, one sequence at a time) reference of ``compute_corrections``,
 written from the sources: verl's ``rollout_corr_helper.py`` (IS at token / sequence level,
-truncation, IcePop's zeroed weights, rejection bands, batch normalisation, the token veto),
-slime's ``mis.py`` (Sparse-RL: truncate, reject, veto, normalise) and ``compute_opsm_mask``
-(DeepSeek-V3.2's off-policy sequence masking)."""
+truncation, IcePop's zeroed weights, rejection bands, the k1/k2/k3 rejection measures at
+token / sum / mean / max, batch normalisation, the token veto), slime's ``mis.py``
+(Sparse-RL: truncate, reject, veto, normalise), ``compute_opsm_mask`` (DeepSeek-V3.2's
+off-policy sequence masking) and our adaptive threshold (``np.quantile``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,39 @@ def level_ratio(lr: np.ndarray, level: str, clamp: float) -> np.ndarray:
         return np.exp(lr)
     agg = lr.sum() if level == "sequence" else lr.mean()
     return np.full(len(lr), np.exp(np.clip(agg, -clamp, clamp)))
+
+
+def verl_measure(lr: np.ndarray, option: str) -> np.ndarray:
+    """verl's value of the rejection option at one sequence's tokens (``lr``: their clamped
+    log ratios): the per-token divergence, or its sequence sum / mean / max."""
+    agg, div = option.rsplit("_", 1)
+    token = {"k1": -lr, "k2": 0.5 * lr ** 2, "k3": np.exp(lr) - 1.0 - lr}[div]
+    reduce = {"token": lambda x: x, "seq_sum": np.sum, "seq_mean": np.mean, "seq_max": np.max}
+    return np.broadcast_to(reduce[agg](token), lr.shape)
+
+
+def verl_thresholds(rs: str, spec) -> list[tuple[str, float | None, float]]:
+    """``(option, lower, upper)`` per option of verl's ``rollout_rs`` / threshold grammar."""
+    options = list(dict.fromkeys(o.strip() for o in rs.split(",")))
+    entries = [str(spec)] if not isinstance(spec, str) else spec.split(",")
+    entries = entries * len(options) if len(entries) == 1 else entries
+    out = []
+    for option, entry in zip(options, entries):
+        if option.endswith("k1"):
+            lo, up = (map(float, entry.split("_"))) if "_" in entry else (
+                1 / float(entry), float(entry))
+            out.append((option, lo, up))
+        else:
+            out.append((option, None, float(entry)))
+    return out
+
+
+def verl_rejects(lr: np.ndarray, option: str, lower, upper) -> np.ndarray:
+    """Tokens of one sequence that the option rejects (all of them for a sequence option)."""
+    value = verl_measure(lr, option)
+    if lower is not None:
+        return (value < np.log(lower)) | (value > np.log(upper))
+    return value > upper
 
 
 def np_corrections(old, sparse, mask, cfg, advantages=None):
@@ -42,6 +76,8 @@ def np_corrections(old, sparse, mask, cfg, advantages=None):
             r = level_ratio(lr, cfg.is_level, c)
             if cfg.is_mode == "truncate":
                 w, alt = np.minimum(r, cfg.is_upper), r > cfg.is_upper
+            elif cfg.is_mode == "raw":
+                w, alt = r, np.zeros(len(r), bool)
             else:  # mask: IcePop, weight r inside the band, 0 outside
                 alt = (r < cfg.is_lower) | (r > cfg.is_upper)
                 w = np.where(alt, 0.0, r)
@@ -56,12 +92,29 @@ def np_corrections(old, sparse, mask, cfg, advantages=None):
                 token_mask[i, idx] = ~rej
             elif rej.any():
                 seq_mask[i] = False
+        for option, lower, upper in ([] if cfg.rs == "none" else
+                                     verl_thresholds(cfg.rs, cfg.rs_threshold)):
+            if cfg.rs_target_rate is not None:  # the adaptive threshold, set per batch below
+                continue
+            rej = verl_rejects(lr, option, lower, upper)
+            if option.startswith("token"):
+                token_mask[i, idx] &= ~rej
+            elif rej.any():
+                seq_mask[i] = False
         if cfg.veto and np.any(np.exp(lr) < cfg.veto_threshold):
             veto[i] = True
         if cfg.opsm and advantages[i] < 0 and np.mean(-lr) > cfg.opsm_delta:
             opsm[i] = True
         if veto[i] or opsm[i]:
             seq_mask[i] = False
+    adaptive = {}
+    if cfg.rs_target_rate is not None:
+        (option, _, floor), = verl_thresholds(cfg.rs, cfg.rs_threshold)
+        rows = np.flatnonzero(mask.any(1))
+        value = np.array([verl_measure(tok_lr[i][mask[i]], option)[0] for i in rows])
+        threshold = max(floor, np.quantile(value, 1 - cfg.rs_target_rate)) if len(rows) else floor
+        seq_mask[rows[value > threshold]] = False
+        adaptive["rs_adaptive_threshold"] = threshold
     factor = 1.0
     if cfg.normalize:
         mean = weights[mask].mean() if cfg.is_level in ("none", "token") else np.mean(seq_weight)
@@ -83,6 +136,7 @@ def np_corrections(old, sparse, mask, cfg, advantages=None):
         "kept_token_fraction": kept[mask].mean(),
         "is_truncated_fraction": alt_fraction if cfg.is_mode == "truncate" else 0.0,
         "is_masked_fraction": alt_fraction if cfg.is_mode == "mask" else 0.0,
+        **adaptive,
         "is_ess": ess,
         "mismatch_k3": np.mean(np.exp(lr_valid) - lr_valid - 1),
         "log_ratio_mean": lr_valid.mean(),

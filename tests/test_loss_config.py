@@ -193,8 +193,13 @@ def test_every_preset_and_every_part_override_hashes_differently():
     overrides = {"anchor": "behaviour", "is_level": "sequence", "is_mode": "mask",
                  "rs_level": "geometric", "veto": False, "normalize": False, "opsm": True,
                  "opsm_delta": 0.5, "replay": True, "is_upper": 2.0, "rs_lower": 0.8,
-                 "veto_threshold": 1e-3}
-    hashes = {part: run_hash(kind="sparse_rl", **{part: value})
+                 "veto_threshold": 1e-3,  # the measures need their threshold beside them
+                 "rs": {"rs": "seq_mean_k3", "rs_threshold": 0.01},
+                 "rs_threshold": {"rs": "seq_mean_k3", "rs_threshold": 0.02},
+                 "rs_target_rate": {"rs": "seq_mean_k3", "rs_threshold": 0.01,
+                                    "rs_target_rate": 0.1}}
+    hashes = {part: run_hash(kind="sparse_rl", **(value if isinstance(value, dict)
+                                                  else {part: value}))
               for part, value in overrides.items()}
     assert base not in hashes.values()
     assert len(set(hashes.values())) == len(hashes)

@@ -31,15 +31,30 @@ def masked_mean(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.A
     return masked_sum(x, mask, axis) / jnp.maximum(masked_count(mask, axis), 1.0)
 
 
-def masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """Max of `x` over valid positions (all axes); 0 when nothing is valid."""
-    m = jnp.max(jnp.where(mask, x, -jnp.inf))
-    return jnp.where(jnp.any(mask), m, 0.0)
+def masked_max(x: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
+    """Max of `x` over valid positions (all axes, or `axis`); 0 where nothing is valid."""
+    m = jnp.max(jnp.where(mask, x, -jnp.inf), axis=axis)
+    return jnp.where(jnp.any(mask, axis=axis), m, 0.0)
 
 
 def masked_min(x: jax.Array, mask: jax.Array) -> jax.Array:
     """Min of `x` over valid positions (all axes); 0 when nothing is valid."""
     return -masked_max(-x, mask)
+
+
+def masked_quantile(x_N: jax.Array, mask_N: jax.Array, q: float) -> jax.Array:
+    """The `q` quantile of the valid entries of the vector `x_N` (NumPy's default `linear`
+    interpolation between order statistics); 0 when nothing is valid. Static shapes: the
+    invalid entries sort last and the interpolation reads only the first `n` valid ones."""
+    n = jnp.sum(mask_N.astype(jnp.int32))
+    ordered = jnp.sort(jnp.where(mask_N, x_N, jnp.inf))
+    last = jnp.maximum(n - 1, 0)
+    position = q * last.astype(jnp.float32)
+    below = jnp.floor(position).astype(jnp.int32)
+    above = jnp.minimum(below + 1, last)
+    low, high = ordered[below], ordered[above]
+    value = low + (position - below.astype(jnp.float32)) * (high - low)
+    return jnp.where(n > 0, value, 0.0)
 
 
 def safe_log_ratio(

@@ -19,6 +19,7 @@ from sparse_rl_jax.core.masked_math import (as_mask, masked_max, masked_mean, ma
                                             safe_log_ratio)
 from sparse_rl_jax.rl.correction_parts import IS_MODES, is_sequence_level, level_log_ratio
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
+from sparse_rl_jax.rl.rejection_measures import rejections
 
 NORMALIZE_MIN_MEAN = 1e-8
 LOW_RATIO = 1e-4
@@ -152,10 +153,12 @@ def compute_corrections(
     The parts of `cfg` (`CorrectionConfig`; a preset names a combination), from the token
     log ratio `log r_t = clamp(logp_old_dense - logp_sparse)`:
       IS weight: `cfg.is_mode` (`truncate`: `min(r, is_upper)`; `mask`: `r` inside
-        `[is_lower, is_upper]`, 0 outside) at the ratio of `cfg.is_level` (`token`;
-        `sequence`: `prod_t r_t`; `geometric`: `exp(mean_t log r_t)`), weight 1 at `none`;
+        `[is_lower, is_upper]`, 0 outside; `raw`: `r`) at the ratio of `cfg.is_level`
+        (`token`; `sequence`: `prod_t r_t`; `geometric`: `exp(mean_t log r_t)`), weight 1
+        at `none`;
       rejection: positions whose ratio of `cfg.rs_level` leaves `[rs_lower, rs_upper]` leave
-        `token_mask` (token level) or drop their sequence (`seq_mask`, other levels);
+        `token_mask` (token level) or drop their sequence (`seq_mask`, other levels); so do
+        the tokens and sequences any measure of `cfg.rs` rejects (`rejection_measures`);
       veto: drops a sequence with a valid token `r_t < veto_threshold`;
       OPSM: drops a sequence with advantage < 0 and mean `-log r_t` above `opsm_delta`;
       normalize: divides the weights by their mean over all loss-mask tokens (token level or
@@ -184,6 +187,8 @@ def compute_corrections(
       low_r_sequence_fraction  fraction of sequences holding such a token (what a 1e-4 veto
                             would drop; logged for every correction)
       is_norm_factor        the divisor applied by normalisation (1 when off or skipped)
+      rs_adaptive_threshold with `cfg.rs_target_rate` only: the threshold the adaptive
+                            measure chose for this batch
     """
     check_shape("logp_old_dense", logp_old_dense, dtype=float, B=None, T=None)
     b, t = logp_old_dense.shape
@@ -201,11 +206,17 @@ def compute_corrections(
         token_mask, seq_mask = valid, ~(veto | opsm | jnp.any(reject, axis=1))
     else:
         token_mask, seq_mask = valid & ~reject, ~(veto | opsm)
+    measured = {}
+    if cfg.rejection:
+        tokens, sequences, measured = rejections(log_r_tok, valid, cfg.rejection,
+                                                 cfg.rs_target_rate)
+        token_mask, seq_mask = token_mask & ~tokens, seq_mask & ~sequences
     weights, norm_factor = _normalize(jnp.where(valid, weights, 0.0), valid, cfg)
     low = valid & (log_r_tok < math.log(LOW_RATIO))
     metrics = _metrics(cfg, log_r_tok, weights, altered, valid, token_mask, seq_mask, veto,
                        opsm, low)
     metrics["is_norm_factor"] = norm_factor
+    metrics.update(measured)
     return Corrections(
         weights=jax.lax.stop_gradient(weights.astype(jnp.float32)),
         token_mask=token_mask,

@@ -17,6 +17,7 @@ from sparse_rl_jax.rl.correction_parts import IS_MODES
 from sparse_rl_jax.rl.correction_parts import RATIO_LEVELS as _CORRECTION_LEVELS
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS, PARTS
 from sparse_rl_jax.rl.loss_terms import KL_ESTIMATORS, POLICY_LOSSES
+from sparse_rl_jax.rl.rejection_measures import Criterion, RejectionSpecError, parse_rejection
 
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum",
                 "seq_mean_token_sum_norm")
@@ -38,34 +39,56 @@ class CorrectionConfig:
     """How the sampler/learner mismatch `r_t = pi_proximal(o_t) / pi_behaviour(o_t)` (dense
     scores over the sampler's own log-probs) is corrected: a named preset and its parts.
 
-    kind: a registered preset (`correction_presets.CORRECTION_PRESETS`; `python run.py
-      config` prints the parts it resolves to). The default, `decoupled_seq_is` (PPO anchored
-      on the learner's dense log-probs, times the sequence ratio truncated at 2), is the
-      corrections study's outcome (docs/results.md, "Which correction"). The project's own:
-      `none` (naive), `tis`, `mis`, `sparse_rl` (Sparse-RL's: veto r < 1e-4, reject r outside
-      [0.5, 1.5], TIS min(r, 1.5), normalised; the default before the study), `shadow_mask` (the learner replays the rollout's eviction
-      record; distillation is `loss.distill_coef`), `ppo_behaviour` (PPO with the ratio to
-      the sampler's log-probs); verl's `disabled`, `decoupled_token_is`, `decoupled_seq_is`,
-      `decoupled_seq_is_rs`, `decoupled_geo_rs`, `ppo_is_bypass`, `pg_is`, `pg_rs`; `icepop`;
-      `opsm` (DeepSeek-V3.2).
+    kind: a registered preset or alias (`correction_presets.CORRECTION_PRESETS`, tabulated
+      with its parts and source in docs/corrections.md; `python run.py config` prints the
+      parts a name resolves to). The default, `decoupled_seq_is` (PPO anchored on the
+      learner's dense log-probs, times the sequence ratio truncated at 2), is the corrections
+      study's outcome (docs/results.md, "Which correction"). verl 0.9's 19 presets by their
+      names and numbers (`decoupled_*`, `bypass_*`, `disabled`); their names before 0.9
+      (`ppo_is_bypass`, `pg_is`, `icepop` are aliases; `pg_rs` and `decoupled_geo_rs_veto`
+      keep the old geometric band with a veto; the stored walk study's `decoupled_geo_rs`
+      runs are `decoupled_geo_rs_veto`); NeMo-RL's `seq-mask-tis` (alias `seq_mask_tis`);
+      AReaL's `areal_geo_is`; the project's `none` (naive), `tis`, `mis`, `sparse_rl`
+      (Sparse-RL's: veto r < 1e-4, reject r outside [0.5, 1.5], TIS min(r, 1.5),
+      normalised; the default before the study), `shadow_mask` (the learner replays the
+      rollout's eviction record; distillation is `loss.distill_coef`), `ppo_behaviour`,
+      `opsm` (DeepSeek-V3.2) and `adaptive_k3_rs_token_tis` (token TIS at 2 + a seq_mean_k3
+      rejection threshold set per batch, `rs_target_rate`).
     Every part below left unset (None) takes the preset's value; a part set here overrides it.
     anchor: the PPO ratio's denominator: `proximal` (dense under the learner's params at the
       update) or `behaviour` (the sampler's own log-probs: verl's bypass).
     loss: `ppo` (the loss section's `policy_loss`) or `pg` (plain policy gradient
-      `-w A log pi`, verl's bypass REINFORCE: `loss.policy_loss` becomes `pg`).
+      `-w A log pi`, verl's bypass `reinforce`: `loss.policy_loss` becomes `pg`).
     is_level: the IS weight's ratio: `none` (weight 1), `token`, `sequence` (product over the
       response) or `geometric` (`exp(mean log r)`).
-    is_mode: `truncate` (`min(r, is_upper)`) or `mask` (`r` inside `[is_lower, is_upper]`, 0
-      outside; the token stays in the loss's denominators, as in IcePop).
+    is_mode: `truncate` (`min(r, is_upper)`), `mask` (`r` inside `[is_lower, is_upper]`, 0
+      outside; the token stays in the loss's denominators, as in IcePop and verl's
+      `"lower_upper"` IS threshold) or `raw` (`r` itself; bounds unused).
     is_lower, is_upper: the IS bounds.
-    rs_level: rejection: `none`, `token` (tokens leave the loss), `sequence` or `geometric`
-      (whole sequences leave it) when the ratio of that level leaves `[rs_lower, rs_upper]`.
-    rs_lower, rs_upper: the rejection band (unset in the preset too: the IS bounds). A
-      geometric band must hold 1.
+    rs_level: ratio-band rejection: `none`, `token` (tokens leave the loss), `sequence` or
+      `geometric` (whole sequences leave it) when the ratio of that level leaves `[rs_lower,
+      rs_upper]` (verl's k1 measures at token / seq_sum / seq_mean, in ratio space).
+    rs_lower, rs_upper: the rejection band (unset in the preset too: the IS bounds);
+      `rs_lower` 0: no lower bound. A geometric band must hold 1.
+    rs: verl 0.9's rejection measures (`rejection_measures`): `none` or a comma-separated
+      list of `<aggregation>_<divergence>`, aggregation `token`, `seq_sum`, `seq_mean` or
+      `seq_max`, divergence `k1` (`-log r`), `k2` (`(log r)^2 / 2`) or `k3` (`r - 1 - log
+      r`), e.g. `seq_mean_k3` or `token_k1,seq_max_k3` (no `seq_max_k1`); a token or
+      sequence leaves the loss when any measure rejects it. It adds to `rs_level`.
+    rs_threshold: one entry for all of `rs`'s measures or one per measure, comma-separated:
+      a k1 band `"lower_upper"` on `exp(k1) = 1 / r` (verl's grammar: `"0.999_1.001"` keeps
+      `1/1.001 <= r <= 1/0.999`; one number `u` means `1/u_u`), a k2/k3 upper bound. Quote
+      it in YAML or write decimals (`0.5_2.0`): YAML reads `0.5_2` as 0.52.
+    rs_target_rate: None (fixed thresholds) or a rate in (0, 1) (ours): one sequence-level
+      k2/k3 measure then rejects, each batch, the sequences above `max(rs_threshold, the (1 -
+      rs_target_rate) quantile of the batch's non-empty sequences' values)`; logged as
+      `rs_adaptive_threshold`.
     veto, veto_threshold: drop a sequence holding a loss-mask token with `r_t <
       veto_threshold` (which must exceed `exp(-LOG_RATIO_CLAMP)` to be reachable).
     normalize: divide the IS weights by their batch mean (over loss-mask tokens at the token
-      level, over non-empty sequences' means otherwise; skipped below 1e-8).
+      level, over non-empty sequences' means otherwise, rejected ones included; skipped
+      below 1e-8): verl's `rollout_is_batch_normalize`, which also takes the mean before
+      rejection (in bypass mode per minibatch).
     opsm, opsm_delta: off-policy sequence masking (DeepSeek-V3.2): drop a sequence whose
       advantage is negative and whose mean `log(pi_behaviour / pi_proximal)` over its response
       exceeds `opsm_delta` (>= 0).
@@ -93,6 +116,9 @@ class CorrectionConfig:
     rs_level: str | None = None
     rs_lower: float | None = None
     rs_upper: float | None = None
+    rs: str | None = None
+    rs_threshold: str | float | None = None
+    rs_target_rate: float | None = None
     veto: bool | None = None
     veto_threshold: float | None = None
     normalize: bool | None = None
@@ -128,6 +154,13 @@ class CorrectionConfig:
         check_choice(self, "rs_level", ("none", *_CORRECTION_LEVELS.names()))
         for flag in ("veto", "normalize", "opsm", "replay"):
             check_bool(self, flag)
+        check(isinstance(self.rs, str), self, "rs", "must be a string ('none', or measures "
+              "such as 'seq_mean_k3' or 'token_k1,seq_max_k3')")
+        check_number(self, "rs_target_rate", gt=0, lt=1, optional=True)
+        try:
+            parse_rejection(self.rs, self.rs_threshold, self.rs_target_rate)
+        except RejectionSpecError as e:
+            reject(self, e.field, e.rule)
         floor = math.exp(-LOG_RATIO_CLAMP)
         check_number(self, "veto_threshold", gt=floor, lt=1,
                      rule=f"must be in (exp(-LOG_RATIO_CLAMP)={floor:.3g}, 1)")
@@ -138,7 +171,7 @@ class CorrectionConfig:
         check_number(self, "is_upper", gt=0)
         check(self.is_lower < self.is_upper, self, "is_lower",
               f"must be < is_upper={self.is_upper!r}")
-        check_number(self, "rs_lower", gt=0)
+        check_number(self, "rs_lower", ge=0)
         check_number(self, "rs_upper", gt=0)
         check(self.rs_lower < self.rs_upper, self, "rs_lower",
               f"must be < rs_upper={self.rs_upper!r}")
@@ -165,6 +198,12 @@ class CorrectionConfig:
         implied = CorrectionConfig(**flat)
         return flat | {part: getattr(self, part) for part in PARTS
                        if part not in flat and getattr(self, part) != getattr(implied, part)}
+
+    @property
+    def rejection(self) -> tuple[Criterion, ...]:
+        """The rejection measures of `rs` with their `rs_threshold` entries (`()` for
+        `none`; `rejection_measures.parse_rejection`)."""
+        return parse_rejection(self.rs, self.rs_threshold, self.rs_target_rate)
 
     @property
     def log_ratio_clamp(self) -> float:
