@@ -80,7 +80,7 @@ class CorrectionConfig:
       when `is_ess` or `kept_token_fraction` stays below it for `low_ess_steps` RL steps in a
       row, the trainer says so once (per such episode), naming the correction, the measured
       values and what to try. In [0, 1]; 0 or null turns the guard off. The default, 0.1,
-      lies below every walk-study arm's mean ESS (0.26 at the lowest) and above the failing
+      lies below every walk-study arm's mean ESS (0.255 at the lowest) and above the failing
       corrections' on SmolLM2-135M (`decoupled_seq_is` 0.02 at 64 slots, `decoupled_seq_is_rs`
       0.09 at 96): under it a handful of sequences carry the update.
     on_low_ess: `warn` (one line, the run goes on) or `stop` (the run ends cleanly at that
