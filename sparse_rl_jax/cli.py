@@ -18,7 +18,8 @@ Bad input (config, model, tokenizer, data, run directory) prints one ``config er
 fails (a full disk), and an async run whose producer failed or whose producer, learner or
 weight sync went quiet past ``trainer.async_timeout_s``; ``--debug`` shows the traceback. ``--take-over`` lets ``train`` take
 over a run directory whose lock a run on another host left (one that crashed, or a directory
-moved here).
+moved here). A run that the low-ESS guard stopped (``correction.on_low_ess: stop``) prints one
+``stopped:`` line and exits with 3 (``ess_guard.LOW_ESS_EXIT``), its last checkpoint saved.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_rl_jax.records.checkpoint import CheckpointError
     from sparse_rl_jax.records.run_dir import RunDirError
     from sparse_rl_jax.training.async_deadline import AsyncRolloutError
+    from sparse_rl_jax.training.ess_guard import LOW_ESS_EXIT, LowEssStop
     from sparse_rl_jax.training.trainer import NonFiniteError
 
     if args.command == "doctor":
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             run_eval(cfg, args.checkpoint)
     except ConfigError as e:
         return _fail("config error", e, args.debug)
+    except LowEssStop as e:  # not an error: the run ended as configured, resumable
+        print(f"stopped: {e}", file=sys.stderr)
+        return LOW_ESS_EXIT
     except (ValueError, OSError, RunDirError, CheckpointError, NonFiniteError,
             AsyncRolloutError) as e:
         return _fail("error", e, args.debug)

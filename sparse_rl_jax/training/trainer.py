@@ -42,6 +42,7 @@ from sparse_rl_jax.rl.optim import make_optimizer
 from sparse_rl_jax.rl.update_step import init_optimizer, jit_update_step
 from sparse_rl_jax.tasks.rewards import get_reward_fn
 from sparse_rl_jax.training.budget_control import BudgetLoop
+from sparse_rl_jax.training.ess_guard import EssGuard, LowEssStop
 from sparse_rl_jax.training.evaluation import eval_metrics
 from sparse_rl_jax.training.policy import (export_policy, make_run_mesh, policy_path,
                                            resolve_sampling)
@@ -225,6 +226,9 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
         ``take_over``, a run on another host), or a different config.
       CheckpointError: no checkpoint restores, or a save failed (e.g. disk full).
       NonFiniteError: ``trainer.max_nonfinite_steps`` non-finite steps in a row.
+      LowEssStop: ``correction.on_low_ess: stop`` and a low-ESS episode (``ess_guard``): the
+        run ended cleanly at that step (checkpoint committed, metrics and plots written, no
+        export).
       AsyncRolloutError: async mode's producer failed, or the producer, the learner or the
         weight sync went quiet past the deadline (``trainer.async_timeout_s``).
     """
@@ -326,6 +330,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         metrics: dict = {}
         pending = None  # the step of the last save started, until it is known to be committed
         quant_warning = QuantErrorWarning(cfg.compression.quant, log)
+        low_ess, stop = EssGuard(cfg.correction), None  # correction.min_ess's guard
         steps = closing.enter_context(STEP_MODES.get(cfg.trainer.mode)(
             ctx, params, start, position, lagged, rollout_mesh(cfg)))
         with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
@@ -351,12 +356,18 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                 if on_step is not None:
                     on_step(done, metrics)
                 guard.record(done, nonfinite)
+                said = low_ess.observe(done, metrics)
+                if said is not None and not said.stop:
+                    log(f"warning: {said.message}")
+                stop = said if said is not None and said.stop else None
                 if ckpt.save(done, train_state(params, opt_state, steps.lagged(done)),
                              {"step": done, "config_hash": chash, "data_position": position,
                               "seed": cfg.trainer.seed, "skipped_nonfinite_steps": guard.skipped,
                               **budget.meta(), **({BASE_KEY: base} if base else {})},
-                             force=done == cfg.trainer.steps):
+                             force=done == cfg.trainer.steps or stop is not None):
                     pending = done
+                if stop is not None:  # the checkpoint of this step is saved: end cleanly
+                    break
         ckpt.wait()  # the last save is committed before the manifest names it
         if owner is not None and pending is not None:
             owner.write_manifest(pending)
@@ -364,6 +375,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         records = read_metrics(run_dir / "metrics.jsonl")
         plot_metrics(records, run_dir / "plots", smooth=max(1, len(records) // 10),
                      title=str(run_dir))
+    if stop is not None:
+        raise LowEssStop(stop)
     if cfg.trainer.export_final:
         export = export_policy(graphdef, params, tokenizer, run_dir / "final")
         log(f"final policy exported to {export}")
