@@ -14,19 +14,20 @@ from sparse_rl_jax.rl.loss_config import LOG_RATIO_CLAMP, CorrectionConfig, GRPO
             {"kind": "ice_pop"},
             r"CorrectionConfig\.kind='ice_pop' must be one of "
             r"\('none', 'tis', 'mis', 'sparse_rl', 'shadow_mask', 'ppo_behaviour', 'disabled', "
-            r"'decoupled_token_is', .*'pg_rs', 'icepop', 'opsm'\)",
+            r"'decoupled_token_is', .*'pg_rs', 'icepop', 'opsm', .*'seq-mask-tis', .*"
+            r"'adaptive_k3_rs_token_tis'\)",
         ),
         ({"anchor": "old"}, r"CorrectionConfig\.anchor='old' must be one of "
                             r"\('proximal', 'behaviour'\)"),
         ({"loss": "reinforce"}, r"CorrectionConfig\.loss='reinforce' must be one of "
                                 r"\('ppo', 'pg'\)"),
         ({"is_mode": "clip"}, r"CorrectionConfig\.is_mode='clip' must be one of "
-                              r"\('truncate', 'mask'\)"),
+                              r"\('truncate', 'mask', 'raw'\)"),
         ({"rs_level": "seq"}, r"CorrectionConfig\.rs_level='seq' must be one of "
                               r"\('none', 'token', 'sequence', 'geometric'\)"),
-        ({"kind": "decoupled_geo_rs", "rs_lower": 1.0005},
+        ({"kind": "decoupled_geo_rs_veto", "rs_lower": 1.0005},
          r"CorrectionConfig\.rs_lower=1\.0005 must be <= 1 with rs_level=geometric"),
-        ({"kind": "decoupled_geo_rs", "rs_lower": 0.9, "rs_upper": 0.95},
+        ({"kind": "decoupled_geo_rs_veto", "rs_lower": 0.9, "rs_upper": 0.95},
          r"CorrectionConfig\.rs_upper=0\.95 must be >= 1 with rs_level=geometric"),
         ({"opsm_delta": -0.1}, r"CorrectionConfig\.opsm_delta=-0\.1 must be >= 0"),
         ({"veto": 1}, r"CorrectionConfig\.veto=1 must be true or false"),

@@ -24,7 +24,7 @@ from sparse_rl_jax.kv.compression_sections import EvictionConfig
 from sparse_rl_jax.kv.scores import EVICTION_SCORES, slot_scores
 from sparse_rl_jax.rl.advantages import (ESTIMATORS, AdvantageConfig, compute_advantages,
                                          register_estimator)
-from sparse_rl_jax.rl.correction_parts import IS_MODES
+from sparse_rl_jax.rl.correction_parts import AGGREGATIONS, DIVERGENCES, IS_MODES, Divergence
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS, Preset
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.grpo_loss import LossBatch, grpo_loss
@@ -89,8 +89,16 @@ def test_config_allowed_values_are_the_registries_names():
     assert CORRECTION_PRESETS.names() == (
         "none", "tis", "mis", "sparse_rl", "shadow_mask", "ppo_behaviour", "disabled",
         "decoupled_token_is", "decoupled_seq_is", "decoupled_seq_is_rs", "decoupled_geo_rs",
-        "ppo_is_bypass", "pg_is", "pg_rs", "icepop", "opsm")
-    assert IS_MODES.names() == ("truncate", "mask")
+        "ppo_is_bypass", "pg_is", "pg_rs", "icepop", "opsm", "decoupled_geo_rs_veto",
+        "decoupled_token_icepop", "decoupled_geo_rs_seq_tis", "decoupled_geo_rs_token_tis",
+        "decoupled_k3_rs", "decoupled_k3_rs_seq_tis", "decoupled_k3_rs_token_tis",
+        "bypass_ppo_clip", "bypass_ppo_clip_geo_rs", "bypass_ppo_clip_k3_rs", "bypass_pg_is",
+        "bypass_pg_token_icepop", "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis",
+        "bypass_pg_geo_rs_token_tis", "seq-mask-tis", "seq_mask_tis", "areal_geo_is",
+        "adaptive_k3_rs_token_tis")
+    assert IS_MODES.names() == ("truncate", "mask", "raw")
+    assert AGGREGATIONS.names() == ("token", "seq_sum", "seq_mean", "seq_max")
+    assert DIVERGENCES.names() == ("k1", "k2", "k3")
     assert ESTIMATORS.names() == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
     assert methods() == ("none", *EVICTION_SCORES.names(), "sparrow")
     assert EVICTION_SCORES.names() == ("snapkv", "rkv", "streaming")
@@ -184,6 +192,23 @@ def test_a_registered_is_mode_and_preset_are_selectable_and_used():
     np.testing.assert_allclose(np.asarray(out.weights), r / 2, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(out.token_mask), (r <= 1.5) & (r >= 0.5))
     assert np.asarray(out.seq_mask).all()  # no veto in the preset
+
+
+def test_a_registered_divergence_and_aggregation_are_rejection_measures():
+    """``rs`` takes its measures from the divergence x aggregation registries."""
+    log_r = np.log(np.array([[1.0, 1.5, 1.0], [0.5, 1.0, 1.0], [1.1, 0.95, 1.0]]))
+    dense, sparse = jnp.asarray(log_r, jnp.float32), jnp.zeros((3, 3), jnp.float32)
+    mask = jnp.ones((3, 3), bool)
+    with registered(DIVERGENCES, "kabs", Divergence(jnp.abs, banded=False)), \
+            registered(AGGREGATIONS, "seq_median", lambda x, valid: jnp.median(x, axis=1)):
+        cfg = CorrectionConfig(kind="none", rs="seq_max_kabs", rs_threshold=0.4)
+        out = compute_corrections(dense, sparse, mask, cfg)  # |log 1.5| = 0.405 > 0.4
+        np.testing.assert_array_equal(np.asarray(out.seq_mask), [False, False, True])
+        cfg = CorrectionConfig(kind="none", rs="seq_median_k3", rs_threshold=1e-3)
+        out = compute_corrections(dense, sparse, mask, cfg)  # row 2's median k3: 1.3e-3
+        np.testing.assert_array_equal(np.asarray(out.seq_mask), [True, True, False])
+    with pytest.raises(FieldError, match="rs='seq_max_kabs' must be 'none' or"):
+        CorrectionConfig(kind="none", rs="seq_max_kabs", rs_threshold=0.4)
 
 
 def test_a_registered_eviction_score_is_selectable_and_used():
