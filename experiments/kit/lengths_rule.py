@@ -12,8 +12,8 @@ evidence, per correction preset:
   walk       the walk regime (R-KV 32 on walk_local2, 80 steps): the runs of
              ``LENGTHS_WALK`` (docs/results/lengths_walk/), or where a preset has none there,
              the issue-47 study's runs (``WALK_STORED``) of a preset with exactly the same
-             parts, under whatever name they ran (``STORED_AS`` names the preset an old arm's
-             name meant then). Dense reference: the walk setting's own dense arm where it has
+             parts, under whatever name they ran (``study_rule.STORED_AS`` names the preset an old
+             arm's name meant then). Dense reference: the walk setting's own dense arm where it has
              every seed, else the issue-47 regime's.
   SmolLM2    ``correction_stats`` on SmolLM2-135M's R-KV rollouts at 64, 96 and 128 slots
              (docs/results/correction_stats/budget<k>.json; no training).
@@ -36,14 +36,11 @@ regime and the walk beats one that passes the walk and SmolLM2).
 from __future__ import annotations
 
 from experiments.kit.results_data import Experiment, degraded, mean_se, pass1
-from experiments.kit.study_rule import TIE_SE, beats, study_arm
+from experiments.kit.study_rule import TIE_SE, beats, stored_preset, study_arm
 
 LENGTHS_REGIME = "lengths_regime"
 LENGTHS_WALK = "lengths_walk"
 WALK_STORED = "corrections_regime"
-STORED_AS = {"decoupled_geo_rs": "decoupled_geo_rs_veto"}
-"""Issue 47's arm names whose preset has since taken verl 0.9's numbers -> the preset with the
-numbers they ran (the stored runs and SmolLM2 statistics under those names)."""
 LENGTHS_ARMS = (
     "sparse_rl", "decoupled_seq_is", "decoupled_token_is", "decoupled_token_icepop",
     "decoupled_seq_is_rs", "decoupled_geo_rs", "decoupled_geo_rs_token_tis", "decoupled_k3_rs",
@@ -65,11 +62,6 @@ def resolved_parts(name: str) -> dict:
     from sparse_rl_jax.rl.loss_config import CorrectionConfig
     cfg = CorrectionConfig(kind=name)
     return {part: getattr(cfg, part) for part in PARTS}
-
-
-def stored_preset(arm_name: str) -> str:
-    """The preset an issue-47 arm (or SmolLM2 statistic) stored under ``arm_name`` ran."""
-    return STORED_AS.get(arm_name, arm_name)
 
 
 def walk_runs(settings: dict[str, Experiment | None], preset: str) -> tuple[list[dict], str]:

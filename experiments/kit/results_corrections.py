@@ -12,7 +12,7 @@ import numpy as np
 from experiments.kit.results_data import (DEGRADED_BY, EARLY_STEPS, Experiment, cell, count,
                                           degraded, early_mean, load, pass1, provenance)
 from experiments.kit.study_rule import (STUDY_DEFAULT, STUDY_SEEDS, STUDY_SETTINGS, TIE_SE,
-                                         recommend, study_arm)
+                                         recommend, stored_preset, study_arm)
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 
@@ -76,7 +76,7 @@ def setting_table(exp: Experiment, dense: list[dict]) -> str:
         own = runs[0]["own_eval"]
         share = [early_mean(r, "low_r_grad_share") for r in runs]
         lines.append(
-            f"| `{preset}` | {CORRECTION_PRESETS.get(preset).count()} | "
+            f"| `{preset}` | {CORRECTION_PRESETS.get(stored_preset(preset)).count()} | "
             f"{count(r['collapsed'] for r in runs)} | {count(degraded(runs, dense))} | "
             f"{cell([pass1(r, 'dense') for r in runs], 3)} | "
             f"{100 * np.mean(_fraction_of_dense(runs, dense)):.0f}% | "
@@ -90,7 +90,7 @@ def setting_table(exp: Experiment, dense: list[dict]) -> str:
 def study_outcome(stored: dict[str, Experiment]) -> tuple[list[str], dict]:
     """The presets the study ran and ``study_rule.recommend``'s outcome over them."""
     presets = presets_of(stored[STUDY_SETTINGS[0]])
-    parts = {p: CORRECTION_PRESETS.get(p).count() for p in presets}
+    parts = {p: CORRECTION_PRESETS.get(stored_preset(p)).count() for p in presets}
     return presets, recommend(stored, dense_reference(stored), presets, parts)
 
 

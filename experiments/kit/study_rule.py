@@ -14,6 +14,14 @@ STUDY_SETTINGS = ("corrections_regime", "corrections_local40", "corrections_cont
 STUDY_DEFAULT = "sparse_rl"  # the shipped default the recommendation is measured against
 TIE_SE = 2.0  # a seed-paired gap counts only beyond this many standard errors
 STUDY_SEEDS = 5  # the seeds each setting is planned with; fewer make the outcome provisional
+STORED_AS = {"decoupled_geo_rs": "decoupled_geo_rs_veto"}
+"""The study's arm names whose preset has since taken verl 0.9's numbers -> the preset with the
+numbers they ran (its stored runs and SmolLM2 statistics under those names)."""
+
+
+def stored_preset(arm_name: str) -> str:
+    """The preset a stored arm (or SmolLM2 statistic) named ``arm_name`` ran."""
+    return STORED_AS.get(arm_name, arm_name)
 
 
 def study_arm(exp: Experiment, preset: str) -> list[dict]:
