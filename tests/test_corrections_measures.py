@@ -16,6 +16,7 @@ from sparse_rl_jax.core.masked_math import masked_quantile
 from sparse_rl_jax.rl.corrections import compute_corrections
 from sparse_rl_jax.rl.loss_config import CorrectionConfig
 from sparse_rl_jax.rl.rejection_measures import measure_names
+from sparse_rl_jax.training.run_config import RunConfig
 
 corrections_jit = jax.jit(compute_corrections, static_argnames="cfg")
 VERL_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -176,17 +177,12 @@ def test_rejection_errors_name_the_field(kwargs, field, words):
 def test_yamls_digit_separators_are_caught_on_the_command_line():
     """``0.5_2`` is the YAML number 0.52: a k1 band of [1/0.52, 0.52], refused with a hint."""
     with pytest.raises(ConfigError, match=r"correction\.rs_threshold=0\.52 .*write 0\.5_2\.0"):
-        load_config(_run_config(), None, ["correction.rs=seq_mean_k1",
-                                          "correction.rs_threshold=0.5_2"])
-    cfg = load_config(_run_config(), None, ["correction.rs=token_k1,seq_max_k3",
-                                            "correction.rs_threshold=0.5_2.0,0.3"])
+        load_config(RunConfig, None, ["correction.rs=seq_mean_k1",
+                                      "correction.rs_threshold=0.5_2"])
+    cfg = load_config(RunConfig, None, ["correction.rs=token_k1,seq_max_k3",
+                                        "correction.rs_threshold=0.5_2.0,0.3"])
     assert [(c.option, c.lower, c.upper) for c in cfg.correction.rejection] == [
         ("token_k1", 0.5, 2.0), ("seq_max_k3", None, 0.3)]
-
-
-def _run_config():
-    from sparse_rl_jax.training.run_config import RunConfig
-    return RunConfig
 
 
 def test_the_hash_form_holds_the_rejection_parts_only_where_they_are_set():
@@ -267,3 +263,18 @@ def test_the_adaptive_threshold_rejects_nothing_below_the_floor():
         kind="decoupled_k3_rs_token_tis"))
     assert "rs_adaptive_threshold" not in fixed.metrics  # logged only where it adapts
     np.testing.assert_array_equal(np.asarray(fixed.seq_mask), np.asarray(out.seq_mask))
+
+
+@pytest.mark.parametrize("correction", [
+    {"kind": "decoupled_geo_rs"}, {"kind": "adaptive_k3_rs_token_tis"},
+    {"kind": "none", "rs": "token_k1,seq_max_k3", "rs_threshold": "0.5_2.0,0.3"},
+    {"kind": "none", "rs": "seq_mean_k1", "rs_threshold": "0.5_2"},  # quoted in the file
+])
+def test_a_saved_config_reloads_its_measures_as_they_ran(tmp_path, correction):
+    from sparse_rl_jax.core.config_io import save_config
+
+    cfg = RunConfig(correction=CorrectionConfig(**correction))
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(RunConfig, tmp_path / "config.yaml")
+    assert again.correction == cfg.correction
+    assert again.correction.rejection == cfg.correction.rejection
