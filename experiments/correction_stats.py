@@ -10,7 +10,7 @@ Instruct, R-KV with ``budget + buffer`` slots, temperature 0.7, 256 new tokens) 
 eviction record kept, rewarded and scored densely. The prompts are the first ``--prompts``
 of the config's eval set whose prompt fits the smallest budget's cache (prompts are never
 truncated), so every budget rolls out the same ones; GRPO advantages over each prompt's
-samples. Then for every correction (every registered preset by default) the learner's batch
+samples. Then for every correction (every registered preset but aliases, by default) the learner's batch
 exactly as the trainer builds it (``rl_step.learner_batch`` under the study's overrides,
 ``kit.arms.correction_arm``; ``shadow_mask`` replays the record, with its distillation) and:
 
@@ -135,8 +135,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=32, help="eval problems per batch")
     parser.add_argument("--samples", type=int, default=8, help="samples per problem")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--corrections", nargs="+", default=list(CORRECTION_PRESETS.names()),
-                        help="correction presets (default: every registered one)")
+    parser.add_argument("--corrections", nargs="+", default=[
+        n for n in CORRECTION_PRESETS.names() if CORRECTION_PRESETS.get(n).alias_of is None],
+                        help="correction presets (default: every registered one but aliases)")
     parser.add_argument("--grad-corrections", nargs="*", default=None,
                         help="those whose gradient share is computed (default: all)")
     parser.add_argument("--no-grads", action="store_true", help="statistics only")
