@@ -10,8 +10,8 @@ Instruct, R-KV with ``budget + buffer`` slots, temperature 0.7, 256 new tokens) 
 eviction record kept, rewarded and scored densely. The prompts are the first ``--prompts``
 of the config's eval set whose prompt fits the smallest budget's cache (prompts are never
 truncated), so every budget rolls out the same ones; GRPO advantages over each prompt's
-samples. Then for every correction (every registered preset but aliases, by default) the learner's batch
-exactly as the trainer builds it (``rl_step.learner_batch`` under the study's overrides,
+samples. Then for every correction (by default every registered preset but aliases) the
+learner's batch exactly as the trainer builds it (``rl_step.learner_batch`` under the study's overrides,
 ``kit.arms.correction_arm``; ``shadow_mask`` replays the record, with its distillation) and:
 
   rejection     sequences dropped whole (``rejection_rate``)
