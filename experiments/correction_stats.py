@@ -12,7 +12,8 @@ of the config's eval set whose prompt fits the smallest budget's cache (prompts 
 truncated), so every budget rolls out the same ones; GRPO advantages over each prompt's
 samples. Then for every correction (by default every registered preset but aliases) the
 learner's batch exactly as the trainer builds it (``rl_step.learner_batch`` under the study's
-overrides, ``kit.arms.correction_arm``; ``shadow_mask`` replays the record, with its distillation) and:
+overrides, ``kit.arms.correction_arm``; ``shadow_mask`` replays the record, with its
+distillation) and:
 
   rejection     sequences dropped whole (``rejection_rate``)
   kept tokens   loss-mask tokens left after token and sequence rejection
