@@ -16,7 +16,8 @@ evidence, per correction preset:
              arm's name meant then). Dense reference: the walk setting's own dense arm where it has
              every seed, else the issue-47 regime's.
   SmolLM2    ``correction_stats`` on SmolLM2-135M's R-KV rollouts at 64, 96 and 128 slots
-             (docs/results/correction_stats/budget<k>.json; no training).
+             (docs/results/lengths_smol/budget<k>.json: every preset on one fresh batch per
+             budget; no training).
 
 The rule, in order:
   1. eligible: 0 collapsed and 0 degraded seeds in the regime and in the walk, and on
