@@ -26,7 +26,9 @@ whose budgets sum to :data:`DEFAULT_GPU_SECONDS` (480 s, first compiles included
 Opt-in with ``--cells``: ``decode_transformers`` (dense vs ``transformers`` generate, b32 x
 1024; needs torch with CUDA), ``compile`` (compile seconds at 2 and 28 layers) and
 ``rl_async`` (the R-KV arm of the RL pair, sync vs async ``trainer.max_lag: 1``: steps/s, lag,
-waits and weight sync; issue 39).
+waits and weight sync; issue 39) and ``corrections`` (alone, 450 s: SmolLM2 GRPO on R-KV 64 +
+16, the shipped default correction vs ``sparse_rl`` and ``decoupled_seq_is``, 32 steps each,
+per step and per arm; issue 53, ``kit/gpu_corrections.py``).
 ``--dump-hlo DIR`` also writes the compiled HLO of one decode step and of the update to
 ``DIR/decode_static_none.hlo`` and ``DIR/update.hlo`` for ``hlo_cost.py --hlo FILE``.
 
