@@ -26,7 +26,9 @@ whose budgets sum to :data:`DEFAULT_GPU_SECONDS` (480 s, first compiles included
 Opt-in with ``--cells``: ``decode_transformers`` (dense vs ``transformers`` generate, b32 x
 1024; needs torch with CUDA), ``compile`` (compile seconds at 2 and 28 layers) and
 ``rl_async`` (the R-KV arm of the RL pair, sync vs async ``trainer.max_lag: 1``: steps/s, lag,
-waits and weight sync; issue 39).
+waits and weight sync; issue 39) and ``corrections`` (alone, 450 s: SmolLM2 GRPO on R-KV 64 +
+16, the shipped default correction vs ``sparse_rl`` and ``decoupled_seq_is``, 32 steps each,
+per step and per arm; issue 53, ``kit/gpu_corrections.py``).
 ``--dump-hlo DIR`` also writes the compiled HLO of one decode step and of the update to
 ``DIR/decode_static_none.hlo`` and ``DIR/update.hlo`` for ``hlo_cost.py --hlo FILE``.
 
@@ -66,6 +68,7 @@ from benchmarks.kit.gpu_cells import (  # noqa: E402
     PALLAS_BACKEND, Context, Skip, cell_compile, cell_decode_continuous, cell_decode_pallas,
     cell_decode_static, cell_decode_transformers, cell_score, cell_sparrow_8k, cell_update,
     print_flush)
+from benchmarks.kit.gpu_corrections import GPU_STEPS, cell_corrections  # noqa: E402
 from benchmarks.kit.gpu_rl_pair import RL_STEPS, cell_rl_async, cell_rl_pair  # noqa: E402
 
 
@@ -106,6 +109,10 @@ CELLS = [  # in priority order: a run that is cut short has the first ones
          default=False),
     Cell("rl_async", f"the R-KV arm, sync vs async max_lag 1 (issue 39), {RL_STEPS} steps: "
          "steps/s, lag, waits, weight sync", cell_rl_async, 240, 60, default=False),
+    Cell("corrections", f"SmolLM2-135M GRPO on R-KV 64 + 16, the default correction vs "
+         f"sparse_rl and decoupled_seq_is, {GPU_STEPS} steps each (issue 53): reward, ESS, "
+         "kept tokens, rejection, k3; held-out pass@1", cell_corrections, 450, 120,
+         default=False),
 ]
 DEFAULT_GPU_SECONDS = 480
 """What the default GPU plan may take, first compiles included: 8 of a lease's 15 minutes."""
@@ -233,7 +240,8 @@ def fmt(x) -> str:
 
 
 def markdown(report: dict) -> str:
-    """The report as markdown: the header, a summary table, then each cell's rows."""
+    """The report as markdown: the header, a summary table, then each cell's rows, one table
+    per value of a row's ``table`` key (its heading; rows without one: the first table)."""
     lines = [f"# GPU suite, {report['date']}, {report['device']}", "",
              f"mode {report['mode']}; jax {report['jax']}; total {report['total_s']:.0f} s; "
              f"command `{report['command']}`", "",
@@ -244,10 +252,13 @@ def markdown(report: dict) -> str:
     for c in report["cells"]:
         if not c["rows"]:
             continue
-        keys = list(dict.fromkeys(k for r in c["rows"] for k in r))
-        lines += ["", f"## {c['name']}", "", "| " + " | ".join(keys) + " |",
-                  "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in c["rows"]]
+        lines += ["", f"## {c['name']}"]
+        for table in dict.fromkeys(r.get("table") for r in c["rows"]):
+            rows = [r for r in c["rows"] if r.get("table") == table]
+            keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "table"]
+            lines += ["", *([f"### {table}", ""] if table else []),
+                      "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
