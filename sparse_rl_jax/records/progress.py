@@ -4,7 +4,13 @@ On a TTY the bar shows ``step/total``, elapsed time, ETA and the latest values o
 metrics. When the stream is not a terminal (CI, a subprocess, a log file) every update prints
 one self-contained line instead, e.g.::
 
-    step 12/100 | reward 0.412 | rejected 0.07 | kv saved 0.75 | 3.10 s/step | eta 0:04:32
+    step 1/100 | reward 0.395 | rejected 0 | kv saved 0.13 | compiled in 28 s | 1.60 s/step | eta 0:02:38
+    step 12/100 | reward 0.412 | rejected 0.07 | kv saved 0.75 | 1.52 s/step | eta 0:02:14
+
+``s/step`` and the ETA come from the median of the last steps that did not compile
+(``step_rate.StepRate``); the first step's compile is reported apart, and anything compiled
+after it is named on a line of its own (a new shape mid-run: the run's data should never
+bring one, see ``trainer``).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
+
+from sparse_rl_jax.records.compile_watch import Compiles
+from sparse_rl_jax.records.step_rate import StepRate, format_duration
 
 # (metric name, short label) pairs shown by default.
 DEFAULT_PROGRESS_FIELDS: tuple[tuple[str, str], ...] = (
@@ -36,11 +44,6 @@ DEFAULT_PROGRESS_FIELDS: tuple[tuple[str, str], ...] = (
 
 COMPILING = "compiling the first step..."
 """Shown until the first step ends: that step includes XLA compilation."""
-
-
-def _format_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def format_fields(metrics: Mapping[str, Any], fields: Sequence[tuple[str, str]]) -> str:
@@ -63,7 +66,7 @@ class TrainProgress:
       stream: where to write (default sys.stdout).
       live: True forces the rich bar, False plain lines; None picks the bar only when the
         stream is a terminal.
-      clock: seconds counter used for the plain-mode rate and ETA.
+      clock: seconds counter timing the steps (for ``s/step`` and the ETA).
 
     Use as a context manager (or call :meth:`close`) so the bar is finalised.
     """
@@ -87,8 +90,9 @@ class TrainProgress:
         self.total_steps = total_steps
         self.start_step = start_step
         self.fields = tuple(fields)
+        self.rate = StepRate()
         self._clock = clock
-        self._start_time = clock()
+        self._last_time, self._last_step = clock(), start_step
         stream = sys.stdout if stream is None else stream
         self._console = Console(file=stream, force_terminal=live, highlight=False)
         self.live = self._console.is_terminal if live is None else live
@@ -100,36 +104,48 @@ class TrainProgress:
                 BarColumn(bar_width=12),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
+                TextColumn("eta {task.fields[eta]}"),
                 # folds onto further lines instead of being cut at the terminal width
                 TextColumn("{task.fields[stats]}", table_column=Column(overflow="fold")),
                 console=self._console,
-                speed_estimate_period=600.0,
             )
             self._task = self._progress.add_task(
-                "train", total=total_steps, completed=start_step, stats=COMPILING
+                "train", total=total_steps, completed=start_step, stats=COMPILING, eta="-:--:--"
             )
             self._progress.start()
         else:
             self._stream.write(f"step {start_step}/{total_steps} | {COMPILING}\n")
             self._stream.flush()
 
-    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Show that ``step`` finished with these metrics (scalars: floats or 0-d arrays)."""
-        stats = format_fields(metrics, self.fields)
+    def update(self, step: int, metrics: Mapping[str, Any],
+               compiles: Compiles | None = None) -> None:
+        """Show that ``step`` finished with these metrics (scalars: floats or 0-d arrays).
+
+        ``compiles``: what XLA compiled since the previous update
+        (``compile_watch.CompileWatch.lap``). The first update's is reported as "compiled in
+        N s"; a later one is named on a line of its own. Either step stays out of the rate.
+        """
+        now = self._clock()
+        seconds, steps = now - self._last_time, max(step - self._last_step, 1)
+        first = self._last_step == self.start_step
+        self._last_time, self._last_step = now, step
+        compiled = compiles is not None and compiles.count > 0
+        self.rate.add(seconds, steps, compiles.seconds if compiled else 0.0)
+        parts = [format_fields(metrics, self.fields)]
+        if compiled and first:
+            parts.append(f"compiled in {compiles.seconds:.0f} s")
+        elif compiled:
+            self.message(f"step {step}: compiled {compiles.summary()} after the first step")
+        remaining = self.total_steps - step
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, stats=stats)
+            eta = self.rate.eta(remaining)
+            self._progress.update(self._task, completed=step,
+                                  stats=" | ".join(p for p in parts if p),
+                                  eta="-:--:--" if eta is None else format_duration(eta))
             return
-        done = step - self.start_step
-        line = f"step {step}/{self.total_steps}"
-        if stats:
-            line += f" | {stats}"
-        if done > 0:
-            per_step = (self._clock() - self._start_time) / done
-            eta = per_step * max(self.total_steps - step, 0)
-            line += f" | {per_step:.2f} s/step | eta {_format_duration(eta)}"
-        self._stream.write(line + "\n")
+        parts.append(self.rate.describe(remaining))
+        self._stream.write(" | ".join([f"step {step}/{self.total_steps}",
+                                       *(p for p in parts if p)]) + "\n")
         self._stream.flush()
 
     def message(self, text: str) -> None:
