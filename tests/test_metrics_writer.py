@@ -16,6 +16,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from sparse_rl_jax.records.metrics_writer import MetricsWriter, read_metrics, tb_tag
+from sparse_rl_jax.records.compile_watch import Compiles
 from sparse_rl_jax.records.progress import COMPILING, TrainProgress
 
 
@@ -226,6 +227,29 @@ def test_progress_plain_lines_when_not_a_tty():
         "saved checkpoint 4",
         # 9 s for 3 steps -> 3 s/step, 5 steps left -> 15 s
         "step 5/10 | reward 0.25 | 3.00 s/step | eta 0:00:15",
+    ]
+
+
+def test_progress_reports_the_compile_apart_and_names_a_later_one():
+    """Step 1's compile is reported apart and its remainder stands in for s/step; a step that
+    compiles later is named on its own line and stays out of the rate (``StepRate``)."""
+    stream = io.StringIO()
+    now = iter([0.0, 30.0, 31.5, 37.5, 39.0])
+    progress = TrainProgress(10, stream=stream, clock=lambda: next(now))
+    progress.update(1, {"reward_mean": 0.5}, Compiles(5, 27.0, ("jit(prefill)",) * 5))
+    progress.update(2, {"reward_mean": 0.5}, Compiles(0, 0.0, ()))
+    progress.update(3, {}, Compiles(2, 4.5, ("jit(prefill)", "jit(score)")))
+    progress.update(4, {})
+    assert stream.getvalue().splitlines() == [
+        f"step 0/10 | {COMPILING}",
+        # 30 s, 27 of them compiling: 3 s/step stands in, 9 steps left
+        "step 1/10 | reward 0.5 | compiled in 27 s | 3.00 s/step | eta 0:00:27",
+        # the first clean step: 1.5 s/step, 8 steps left
+        "step 2/10 | reward 0.5 | 1.50 s/step | eta 0:00:12",
+        "step 3: compiled 2 programs (jit(prefill), jit(score)) in 4.5 s after the first step",
+        "step 3/10 | 1.50 s/step | eta 0:00:10",  # 6 s of step 3 left out: 7 x 1.5 s
+        # median of [1.5, 1.5] over 6 steps left
+        "step 4/10 | 1.50 s/step | eta 0:00:09",
     ]
 
 
