@@ -27,7 +27,7 @@ class SamplingConfig:
       prompt_bucket: prompt lengths are left-padded up to a multiple of this, so calls with
         similar prompt lengths reuse one compiled program. A training run and an evaluation
         pad every batch to one width, its data's longest prompt rounded up to a
-        multiple of this (:meth:`one_width`): step 1 compiles the only program set.
+        multiple of this (``SamplingConfig.one_width``): step 1 compiles the only program set.
       record_evictions: keep the rollout's replay record (``Rollout.record``: the int32
         ``[N, L, Hkv, P + M]`` eviction times of the evicting methods, the ``[N, L, Hkv, M, K]``
         selected pages of ``sparrow``) that lets ``score`` replay the sparse context exactly.
