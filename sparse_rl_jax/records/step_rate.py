@@ -16,6 +16,8 @@ import numpy as np
 
 WINDOW = 10
 """Recent steps the median is taken over."""
+FLOOR = 0.02
+"""The least share of a compiling interval that stands in for its steps' time."""
 
 
 def format_duration(seconds: float) -> str:
@@ -49,9 +51,9 @@ class StepRate:
                              f"compile_seconds={compile_seconds}")
         if compile_seconds > 0:
             self.compile_seconds += compile_seconds
-            if self._stand_in is None:  # a compile's share is measured a little short or long:
-                # a stand-in is never under a tenth of the interval's mean
-                self._stand_in = max(seconds - compile_seconds, 0.1 * seconds) / steps
+            if self._stand_in is None:  # never under 2% of the interval: a compile measured
+                # longer than its interval (threads overlapping) still leaves a rate
+                self._stand_in = max(seconds - compile_seconds, FLOOR * seconds) / steps
             return
         self._recent.append(seconds / steps)
 
