@@ -1,10 +1,13 @@
-"""StepRate, the estimate behind every progress line's s/step and ETA, against windows worked
-out by hand: the compiling step and spikes stay out, the compiling step less its compile
-seconds stands in until a clean step is known."""
+"""StepRate, the estimate behind every progress line's s/step and ETA, and LoopClock, which
+puts it on a loop's lines, against windows worked out by hand: the compiling step and spikes
+stay out, the compiling step less its compile seconds stands in until a clean step is
+known."""
 
+import jax
+import numpy as np
 import pytest
 
-from sparse_rl_jax.records.step_rate import StepRate, format_duration
+from sparse_rl_jax.records.step_rate import LoopClock, StepRate, format_duration
 
 
 def test_the_compiling_step_stands_in_until_a_clean_step_is_known():
@@ -72,3 +75,20 @@ def test_format_duration():
     assert format_duration(0) == "0:00:00"
     assert format_duration(272.4) == "0:04:32"
     assert format_duration(3 * 3600 + 61) == "3:01:01"
+
+
+def test_a_loop_clock_reports_the_compile_then_the_rate_of_recent_intervals():
+    """A loop logging every 5 steps (the warm start's way): the first interval compiled (a
+    real jit compile, whatever its seconds) and is reported apart; then 4 s and 6 s per 5
+    steps: 0.8, then the median 1.0 s/step; an ETA "at most" for a loop that may stop early,
+    none at the last step."""
+    now = iter([0.0, 10.0, 14.0, 20.0, 21.0])
+    clock = LoopClock(20, stops_early=True, clock=lambda: next(now))
+    with clock.compiles:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7.0))
+        first = clock.lap(5)
+        assert first.startswith("(10s) | compiled in ") and " s/step | eta 0:00:" in first
+        assert clock.rate.compile_seconds > 0
+        assert clock.lap(10) == "(14s) | 0.80 s/step | eta 0:00:08 at most"
+        assert clock.lap(15) == "(20s) | 1.00 s/step | eta 0:00:05 at most"
+        assert clock.lap(20) == "(21s)"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -24,8 +23,7 @@ import numpy as np
 from flax import nnx
 
 import models
-from sparse_rl_jax.records.compile_watch import CompileWatch
-from sparse_rl_jax.records.step_rate import StepRate
+from sparse_rl_jax.records.step_rate import LoopClock
 from sparse_rl_jax.tasks.task import Problem, TaskConfig
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, synthetic_dataset
@@ -82,32 +80,6 @@ def warm_start_problems(warm: WarmStartConfig, task: TaskConfig | WalkTaskConfig
     return problems, masked
 
 
-class _Clock:
-    """The warm start's timing on its progress lines: time so far, the first interval's
-    compile apart, ``s/step`` and the ETA over recent intervals (``step_rate.StepRate``); an
-    ETA "at most" when the held-out check may stop it early."""
-
-    def __init__(self, steps: int, target: float | None):
-        self.steps, self.target = steps, target
-        self.rate, self.compiles = StepRate(), CompileWatch()
-        self.start = self.last = time.monotonic()
-        self.last_step = 0
-
-    def lap(self, step: int) -> str:
-        """``"(35s) | compiled in 9 s | 0.52 s/step | eta 0:12:30 at most"`` at ``step``."""
-        now, compiled = time.monotonic(), self.compiles.lap()
-        seconds = compiled.seconds if compiled.count else 0.0
-        self.rate.add(now - self.last, step - self.last_step, seconds)
-        self.last, self.last_step = now, step
-        parts = [f"({now - self.start:.0f}s)"]
-        if seconds:
-            parts.append(f"compiled in {seconds:.0f} s")
-        if step < self.steps:
-            parts.append(self.rate.describe(self.steps - step)
-                         + " at most" * (self.target is not None))
-        return " | ".join(parts)
-
-
 def build_default_model(
     out_dir: str | Path,
     warm: WarmStartConfig,
@@ -151,7 +123,7 @@ def build_default_model(
     check = HeldOutCheck(tokenizer, dataclasses.replace(task, seed=task.seed + CHECK_SEED_OFFSET),
                          warm.check_problems, width=full)
     score: HeldOutScore | None = None
-    clock = _Clock(warm.steps, warm.target_accuracy)
+    clock = LoopClock(warm.steps, stops_early=warm.target_accuracy is not None)
     with clock.compiles:
         for step in range(1, warm.steps + 1):
             problems, masked = warm_start_problems(warm, task, step - 1)
