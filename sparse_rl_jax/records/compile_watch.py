@@ -44,6 +44,15 @@ class Compiles(NamedTuple):
                 f"{self.seconds:.1f} s")
 
 
+NO_COMPILES = Compiles(0, 0.0, ())
+
+
+def merged(first: Compiles, second: Compiles) -> Compiles:
+    """The compilations of two intervals as one."""
+    return Compiles(first.count + second.count, first.seconds + second.seconds,
+                    first.names + second.names)
+
+
 class CompileWatch:
     """Listens to compile events from ``__enter__`` to ``__exit__`` (any thread).
 

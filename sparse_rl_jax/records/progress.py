@@ -15,9 +15,10 @@ bring one, see ``trainer``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -31,7 +32,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from sparse_rl_jax.records.compile_watch import Compiles
+from sparse_rl_jax.records.compile_watch import NO_COMPILES, Compiles, merged
 from sparse_rl_jax.records.step_rate import StepRate, format_duration
 
 # (metric name, short label) pairs shown by default.
@@ -67,6 +68,10 @@ class TrainProgress:
       live: True forces the rich bar, False plain lines; None picks the bar only when the
         stream is a terminal.
       clock: seconds counter timing the steps (for ``s/step`` and the ETA).
+      compiles: returns what XLA compiled since its previous call
+        (``compile_watch.CompileWatch.lap``); None: nothing is known to compile.
+      eval_every: an evaluation follows every this many steps (``eval.every_steps``; 0:
+        none): the ETA counts those still to come at the recent evaluations' median.
 
     Use as a context manager (or call :meth:`close`) so the bar is finalised.
     """
@@ -80,6 +85,8 @@ class TrainProgress:
         stream: TextIO | None = None,
         live: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        compiles: Callable[[], Compiles] | None = None,
+        eval_every: int = 0,
     ) -> None:
         if not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"TrainProgress.total_steps must be an int >= 1, got {total_steps!r}")
@@ -90,9 +97,11 @@ class TrainProgress:
         self.total_steps = total_steps
         self.start_step = start_step
         self.fields = tuple(fields)
-        self.rate = StepRate()
+        self.rate, self.eval_rate, self.eval_every = StepRate(), StepRate(), eval_every
         self._clock = clock
+        self._compiles = compiles or (lambda: NO_COMPILES)
         self._last_time, self._last_step = clock(), start_step
+        self._pending, self._eval = NO_COMPILES, None
         stream = sys.stdout if stream is None else stream
         self._console = Console(file=stream, force_terminal=live, highlight=False)
         self.live = self._console.is_terminal if live is None else live
@@ -117,33 +126,58 @@ class TrainProgress:
             self._stream.write(f"step {start_step}/{total_steps} | {COMPILING}\n")
             self._stream.flush()
 
-    def update(self, step: int, metrics: Mapping[str, Any],
-               compiles: Compiles | None = None) -> None:
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Times an evaluation inside the coming step: left out of the step's time, shown on
+        its line ("eval 12 s", with its compile the first time), and the rate of the
+        evaluations still to come (``eval_every``)."""
+        self._pending = merged(self._pending, self._compiles())  # the step's own so far
+        start = self._clock()
+        yield
+        seconds, compiled = self._clock() - start, self._compiles()
+        self.eval_rate.add(seconds, 1, compiled.seconds if compiled.count else 0.0)
+        self._eval = (seconds, compiled)
+
+    def eta(self, step: int) -> float | None:
+        """Seconds left after ``step``: the steps at :attr:`rate`, the evaluations to come at
+        :attr:`eval_rate` (None while the step rate is unknown)."""
+        steps, per_eval = self.rate.eta(self.total_steps - step), self.eval_rate.per_step()
+        evals = (self.total_steps // self.eval_every - step // self.eval_every
+                 if self.eval_every else 0)
+        if steps is None or not evals or per_eval is None:
+            return steps
+        return steps + evals * per_eval
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Show that ``step`` finished with these metrics (scalars: floats or 0-d arrays).
 
-        ``compiles``: what XLA compiled since the previous update
-        (``compile_watch.CompileWatch.lap``). The first update's is reported as "compiled in
-        N s"; a later one is named on a line of its own. Either step stays out of the rate.
+        What compiled since the previous update (``compiles``) is reported as "compiled in
+        N s" the first time, and named on a line of its own later; either step stays out of
+        the rate.
         """
-        now = self._clock()
-        seconds, steps = now - self._last_time, max(step - self._last_step, 1)
+        now, compiles = self._clock(), merged(self._pending, self._compiles())
+        aside, eval_compiles = self._eval or (0.0, NO_COMPILES)
+        seconds, steps = now - self._last_time - aside, max(step - self._last_step, 1)
         first = self._last_step == self.start_step
         self._last_time, self._last_step = now, step
-        compiled = compiles is not None and compiles.count > 0
-        self.rate.add(seconds, steps, compiles.seconds if compiled else 0.0)
+        self._pending, self._eval = NO_COMPILES, None
+        self.rate.add(max(seconds, 0.0), steps, compiles.seconds if compiles.count else 0.0)
         parts = [format_fields(metrics, self.fields)]
-        if compiled and first:
+        if compiles.count and first:
             parts.append(f"compiled in {compiles.seconds:.0f} s")
-        elif compiled:
+        elif compiles.count:
             self.message(f"step {step}: compiled {compiles.summary()} after the first step")
-        remaining = self.total_steps - step
+        if aside:
+            parts.append(f"eval {aside:.0f} s" + (f" (compiled in {eval_compiles.seconds:.0f} s)"
+                                                   if eval_compiles.count else ""))
+        rate, eta = self.rate.per_step(), self.eta(step)
         if self._progress is not None:
-            eta = self.rate.eta(remaining)
             self._progress.update(self._task, completed=step,
                                   stats=" | ".join(p for p in parts if p),
                                   eta="-:--:--" if eta is None else format_duration(eta))
             return
-        parts.append(self.rate.describe(remaining))
+        if rate is not None:
+            parts.append(f"{rate:.2f} s/step | eta {format_duration(eta)}")
         self._stream.write(" | ".join([f"step {step}/{self.total_steps}",
                                        *(p for p in parts if p)]) + "\n")
         self._stream.flush()

@@ -324,7 +324,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         compiles.lap()  # the eval before training's: not step 1's
         steps = closing.enter_context(STEP_MODES.get(cfg.trainer.mode)(
             ctx, params, start, position, lagged, rollout_mesh(cfg)))
-        with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
+        with TrainProgress(cfg.trainer.steps, start_step=start, compiles=compiles.lap,
+                           eval_every=cfg.eval.every_steps if evaluate_now else 0) as progress:
             for step in range(start, cfg.trainer.steps):
                 ckpt.check()  # a save that has already failed stops the run before another step
                 params, opt_state, metrics = steps.step(budget.context(ctx), params, opt_state,
@@ -334,7 +335,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                 done = step + 1
                 if evaluate_now is not None and cfg.eval.every_steps and (
                         done % cfg.eval.every_steps == 0):
-                    metrics.update(evaluate_now(params))
+                    with progress.evaluating():  # timed apart from the step
+                        metrics.update(evaluate_now(params))
                 nonfinite = metrics.get("nonfinite_update", 0) > 0
                 metrics["skipped_nonfinite_steps"] = guard.skipped + nonfinite
                 ckpt.wait()  # nothing after a failed save is recorded: it stops the run here
@@ -343,7 +345,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                 pending = None
                 writer.log(done, metrics)
                 quant_warning.observe(metrics)
-                progress.update(done, metrics, compiles.lap())
+                progress.update(done, metrics)
                 if on_step is not None:
                     on_step(done, metrics)
                 guard.record(done, nonfinite)
