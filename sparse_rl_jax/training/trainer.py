@@ -284,9 +284,8 @@ def build_step_context(cfg: RunConfig, prepared: Prepared, mesh, reward_fn):
     )
     ctx = StepContext(
         cfg=cfg, sampling=run_sampling(cfg, tokenizer, prepared.longest_prompt),
-        graphdef=graphdef,
-        tokenizer=tokenizer, source=source, reward_fn=reward_fn, update=update, mesh=mesh,
-        reference=reference,
+        graphdef=graphdef, tokenizer=tokenizer, source=source, reward_fn=reward_fn,
+        update=update, mesh=mesh, reference=reference,
     )
     return ctx, params, opt_state
 
