@@ -239,11 +239,13 @@ DAPO_STEPS = 3
 
 
 @pytest.mark.parametrize("mode", [(), ASYNC[:2]], ids=["sync", "async"])
-def test_nothing_compiles_after_step_1_over_prompts_in_two_buckets(run_env, capsys, mode):
+def test_nothing_compiles_after_step_1_over_prompts_in_two_buckets(run_env, uninterrupted,
+                                                                   capsys, mode):
     """The tiny run's prompts (9, 13 or 17 tokens, sampling.prompt_bucket 8) reach two
     widths alone: 20 (24 capped at the KV cache's 16 + 4) at positions 0 and 1, 16 at 2.
     Every batch pads to the run's one width, so steps 2 and 3 (sync, or async's producer
-    one step ahead) compile nothing; the progress lines say so."""
+    one step ahead) compile nothing; the progress lines say so. (The uninterrupted run
+    compiled the same programs first: step 1 loads them from the session's cache.)"""
     root, config, _ = run_env
     cfg = load_config(RunConfig, config, [f"run_dir={root / ('widths_' + '_'.join(mode))}",
                                           "trainer.steps=3", *mode])
