@@ -2,10 +2,10 @@
 line's ``s/step`` and ``eta`` report (the trainer's, the warm start's, the experiments').
 
 A step that compiled is reported apart ("compiled in 28 s") and left out of the window: its
-time is mostly XLA's, not the step's. Spikes (a checkpoint save, an evaluation) stay out
-through the window's median. Until a step without compiling is known, the compiling step's
-time less its compile seconds stands in (``compile_watch.CompileWatch`` measures them), so
-the first line already has an estimate. :class:`LoopClock` puts it on the lines of a loop
+time is mostly XLA's, not the step's. Spikes (a checkpoint save, a moment of a busy machine)
+stay out through the window's median. Until a step without compiling is known, the compiling
+step's time less its compile seconds stands in (``compile_watch.CompileWatch`` measures
+them), so the first line already has an estimate. :class:`LoopClock` puts it on the lines of a loop
 that logs every few steps (the warm start, the experiments' training loops).
 """
 
