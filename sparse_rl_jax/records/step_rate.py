@@ -5,8 +5,8 @@ A step that compiled is reported apart ("compiled in 28 s") and left out of the 
 time is mostly XLA's, not the step's. Spikes (a checkpoint save, a moment of a busy machine)
 stay out through the window's median. Until a step without compiling is known, the compiling
 step's time less its compile seconds stands in (``compile_watch.CompileWatch`` measures
-them), so the first line already has an estimate. :class:`LoopClock` puts it on the lines of a loop
-that logs every few steps (the warm start, the experiments' training loops).
+them), so the first line already has an estimate. :class:`LoopClock` puts it on the lines
+of a loop that logs every few steps (the warm start, the experiments' training loops).
 """
 
 from __future__ import annotations
