@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 from experiments.kit.overrides_cli import parse_with_overrides  # noqa: E402
 from sparse_rl_jax.core.config_io import load_config  # noqa: E402
+from sparse_rl_jax.records.step_rate import LoopClock  # noqa: E402
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer  # noqa: E402
 from sparse_rl_jax.tasks.walk_task import synthetic_dataset  # noqa: E402
 from sparse_rl_jax.training.run_config import RunConfig  # noqa: E402
@@ -154,13 +154,14 @@ def main(argv=None) -> int:
 
     data = synthetic_dataset(task, (args.steps + 4) * args.batch)
     held = data[args.steps * args.batch:]
-    start = time.monotonic()
+    clock = LoopClock(args.steps)
     for step in range(args.steps):
         rows = data[step * args.batch:(step + 1) * args.batch]
-        loss = train_step(model, optimizer, *batch(rows, not args.plain))
+        with clock.compiles:
+            loss = train_step(model, optimizer, *batch(rows, not args.plain))
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
-            print(f"step {step + 1}/{args.steps} loss {float(loss):.4f} "
-                  f"({time.monotonic() - start:.0f} s)", flush=True)
+            print(f"step {step + 1}/{args.steps} loss {float(loss):.4f} {clock.lap(step + 1)}",
+                  flush=True)
     dense, dropped = (float(nnx.jit(_loss)(model, *batch(held, d))) for d in (False, True))
     print(f"held-out loss: full context {dense:.4f}, with stale-key dropout {dropped:.4f}")
     models.save_pretrained(model, out)

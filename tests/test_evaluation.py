@@ -5,6 +5,7 @@ is greedy)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import transformers
 from flax import nnx
 
 import models
+from benchmarks.kit.compile_count import count_compiles
 from sparse_rl_jax.core.config_io import load_config
 from sparse_rl_jax.kv.compression_config import CompressionConfig
 from sparse_rl_jax.kv.compression_sections import EvictionConfig
@@ -83,6 +85,30 @@ def test_avg_at_k_at_a_vanishing_temperature_is_greedy_pass_at_1(policy):
                      samples=3, temperature=1e-6, batch_size=8)
     assert cold.avg_at_k == cold.pass_at_1 == hot.pass_at_1
     assert hot.k == cold.k == 3 and cold.mode == "dense"
+
+
+def test_a_batch_of_longer_prompts_compiles_nothing(policy):
+    """Eval batches whose prompts reach two widths alone (prompt_bucket 4: the short four
+    fit 4 columns, the long four need 8) all pad to the longest prompt's: in each pass
+    (greedy, then sampled) only the first batch compiles."""
+    _, tok, graphdef, params, sampling = policy
+    order = sorted(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
+    prompts, answers = [PROMPTS[i] for i in order], [ANSWERS[i] for i in order]
+    widths = [tok.encode(prompts[i:i + 4], add_special_tokens=False,
+                         pad_to_multiple_of=sampling.prompt_bucket)[0].shape[1] for i in (0, 4)]
+    assert widths[0] < widths[1]  # alone, the second batch would compile a new program set
+    totals = []
+
+    def reward(completions, answers):  # called once per batch, after its rollout
+        totals.append(sum(compiles.values()))
+        return contains_answer(completions, answers)
+
+    jax.clear_caches()  # compiled before (by other tests) would hide a compile
+    with count_compiles() as compiles:
+        evaluate(graphdef, params, tok, prompts, answers, reward, sampling,
+                 CompressionConfig(method="none"), samples=2, temperature=1.0, batch_size=4)
+    assert len(totals) == 4  # (greedy, sampled) x 2 batches
+    assert totals[1::2] == totals[0::2], totals  # the second batch of a pass: no compile
 
 
 def test_a_quantized_cache_is_evaluated_under_its_own_name():

@@ -16,6 +16,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from sparse_rl_jax.records.metrics_writer import MetricsWriter, read_metrics, tb_tag
+from sparse_rl_jax.records.compile_watch import NO_COMPILES, Compiles
 from sparse_rl_jax.records.progress import COMPILING, TrainProgress
 
 
@@ -226,6 +227,61 @@ def test_progress_plain_lines_when_not_a_tty():
         "saved checkpoint 4",
         # 9 s for 3 steps -> 3 s/step, 5 steps left -> 15 s
         "step 5/10 | reward 0.25 | 3.00 s/step | eta 0:00:15",
+    ]
+
+
+def test_progress_reports_the_compile_apart_and_names_a_later_one():
+    """Step 1's compile is reported apart and its remainder stands in for s/step; a step that
+    compiles later is named on its own line and stays out of the rate (``StepRate``)."""
+    stream = io.StringIO()
+    now = iter([0.0, 30.0, 31.5, 37.5, 39.0])
+    laps = iter([Compiles(5, 27.0, ("jit(prefill)",) * 5), NO_COMPILES,
+                 Compiles(2, 4.5, ("jit(prefill)", "jit(score)")), NO_COMPILES])
+    progress = TrainProgress(10, stream=stream, clock=lambda: next(now),
+                             compiles=lambda: next(laps))
+    progress.update(1, {"reward_mean": 0.5})
+    progress.update(2, {"reward_mean": 0.5})
+    progress.update(3, {})
+    progress.update(4, {})
+    assert stream.getvalue().splitlines() == [
+        f"step 0/10 | {COMPILING}",
+        # 30 s, 27 of them compiling: 3 s/step stands in, 9 steps left
+        "step 1/10 | reward 0.5 | compiled in 27 s | 3.00 s/step | eta 0:00:27",
+        # the first clean step: 1.5 s/step, 8 steps left
+        "step 2/10 | reward 0.5 | 1.50 s/step | eta 0:00:12",
+        "step 3: compiled 2 programs (jit(prefill), jit(score)) in 4.5 s after the first step",
+        "step 3/10 | 1.50 s/step | eta 0:00:10",  # 6 s of step 3 left out: 7 x 1.5 s
+        # median of [1.5, 1.5] over 6 steps left
+        "step 4/10 | 1.50 s/step | eta 0:00:09",
+    ]
+
+
+def test_progress_times_evaluations_apart_and_counts_those_to_come():
+    """An evaluation every 2 steps: its seconds leave the step's time, show on the line (with
+    its compile the first time) and join the ETA for each evaluation still to come."""
+    stream = io.StringIO()
+    # step 1 (1 s, no compile known), step 2: 2 s of step + a 10 s eval (4 s compiling),
+    # step 3: 2 s, step 4: 2 s + a 5 s eval
+    now = iter([0.0, 1.0, 3.0, 13.0, 13.0, 15.0, 17.0, 22.0, 22.0])
+    laps = iter([NO_COMPILES, NO_COMPILES, Compiles(1, 4.0, ("jit(decode)",)), NO_COMPILES,
+                 NO_COMPILES, NO_COMPILES, NO_COMPILES, NO_COMPILES])
+    progress = TrainProgress(8, stream=stream, clock=lambda: next(now),
+                             compiles=lambda: next(laps), eval_every=2)
+    progress.update(1, {})
+    with progress.evaluating():
+        pass
+    progress.update(2, {})
+    progress.update(3, {})
+    with progress.evaluating():
+        pass
+    progress.update(4, {})
+    assert stream.getvalue().splitlines()[1:] == [
+        "step 1/8 | 1.00 s/step | eta 0:00:07",  # no eval seen yet: 7 steps x 1 s
+        # steps: median [1, 2] = 1.5 s x 6; evals: 10 - 4 = 6 s x 3 to come
+        "step 2/8 | eval 10 s (compiled in 4 s) | 1.50 s/step | eta 0:00:27",
+        "step 3/8 | 2.00 s/step | eta 0:00:28",  # 2 s x 5 + 6 s x 3
+        # steps: 2 s x 4; evals: the first clean one, 5 s, replaces the stand-in: x 2
+        "step 4/8 | eval 5 s | 2.00 s/step | eta 0:00:18",
     ]
 
 

@@ -20,15 +20,21 @@ import time
 import zlib
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+import models
+from benchmarks.kit.compile_count import count_compiles
 from sparse_rl_jax.core.config_io import ConfigError, load_config
 from sparse_rl_jax.records.metrics_writer import read_metrics
+from sparse_rl_jax.rollout.sampler import bucket_prompts
+from sparse_rl_jax.tasks.prompt_source import PromptSource
 from sparse_rl_jax.tasks.rewards import available_reward_fns, register_reward_fn
 from sparse_rl_jax.tasks.task import TaskConfig
 from sparse_rl_jax.training.run_config import RunConfig, WarmStartConfig
+from sparse_rl_jax.training.trainer import train
 from sparse_rl_jax.training.warm_start import build_default_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,6 +236,35 @@ def test_eval_prints_dense_and_sparse_pass_at_1(uninterrupted):
 
 
 DAPO_STEPS = 3
+
+
+@pytest.mark.parametrize("mode", [(), ASYNC[:2]], ids=["sync", "async"])
+def test_nothing_compiles_after_step_1_over_prompts_in_two_buckets(run_env, uninterrupted,
+                                                                   capsys, mode):
+    """The tiny run's prompts (9, 13 or 17 tokens, sampling.prompt_bucket 8) reach two
+    widths alone: 20 (24 capped at the KV cache's 16 + 4) at positions 0 and 1, 16 at 2.
+    Every batch pads to the run's one width, so steps 2 and 3 (sync, or async's producer
+    one step ahead) compile nothing; the progress lines say so. (The uninterrupted run
+    compiled the same programs first: step 1 loads them from the session's cache.)"""
+    root, config, _ = run_env
+    cfg = load_config(RunConfig, config, [f"run_dir={root / ('widths_' + '_'.join(mode))}",
+                                          "trainer.steps=3", *mode])
+    tokenizer = models.Tokenizer(root / "policy")
+    source = PromptSource(cfg.data, cfg.trainer.prompts_per_step)
+    widths = [min(bucket_prompts(*tokenizer.encode(source.batch(position).prompts,
+                                                    add_special_tokens=False),
+                                 cfg.sampling.prompt_bucket)[0].shape[1],
+                  cfg.compression.capacity) for position in range(3)]
+    assert widths == [20, 20, 16]  # the third batch alone would compile a new program set
+    jax.clear_caches()  # compiled before (by other tests) would hide a compile in step 3
+    totals = []
+    with count_compiles() as compiles:
+        train(cfg, on_step=lambda step, _: totals.append(sum(compiles.values())))
+    assert totals[0] > 0 and totals[1:] == [totals[0]] * 2, (totals, dict(compiles))
+    out = capsys.readouterr().out
+    assert "prompt width 20 for every batch: the longest prompt (17 tokens)" in out
+    assert "step 1/3 |" in out and "compiled in" in out.split("step 1/3 |")[1].split("\n")[0]
+    assert "after the first step" not in out
 
 
 def crc_parity(completions, answers):

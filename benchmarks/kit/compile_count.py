@@ -1,8 +1,8 @@
 """Count XLA compilations, per jitted function, inside a ``with`` block.
 
 Used to check that a call does not recompile (same shapes, same static args) without reading
-jit's private cache. Built on ``jax.monitoring``: every backend compile records an event with
-the name of the function being compiled.
+jit's private cache: ``sparse_rl_jax.records.compile_watch.CompileWatch`` listens to the
+``jax.monitoring`` event that every backend compile records with the function's name.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import collections
 import contextlib
 from typing import Iterator
 
-import jax
-
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+from sparse_rl_jax.records.compile_watch import CompileWatch
 
 
 @contextlib.contextmanager
@@ -28,15 +26,5 @@ def count_compiles() -> Iterator[collections.Counter]:
             generate(...)
         assert compiles["jit(decode_loop)"] == 0  # reused the compiled decode loop
     """
-    counts: collections.Counter = collections.Counter()
-
-    def listener(event: str, duration_secs: float, **kwargs) -> None:
-        del duration_secs
-        if event == _BACKEND_COMPILE:
-            counts[str(kwargs.get("fun_name", "?"))] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counts
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    with CompileWatch() as watch:
+        yield watch.counts

@@ -25,7 +25,9 @@ class SamplingConfig:
       eos_ids: token ids that end a response (the EOS token is part of the response).
       pad_id: id written after a response ended.
       prompt_bucket: prompt lengths are left-padded up to a multiple of this, so calls with
-        similar prompt lengths reuse one compiled program.
+        similar prompt lengths reuse one compiled program. A training run and an evaluation
+        pad every batch to one width, its data's longest prompt rounded up to a
+        multiple of this (``SamplingConfig.one_width``): step 1 compiles the only program set.
       record_evictions: keep the rollout's replay record (``Rollout.record``: the int32
         ``[N, L, Hkv, P + M]`` eviction times of the evicting methods, the ``[N, L, Hkv, M, K]``
         selected pages of ``sparrow``) that lets ``score`` replay the sparse context exactly.
@@ -93,3 +95,14 @@ class SamplingConfig:
                   "a prompt), or 0 for a quarter of the slots")
         check(isinstance(self.eos_ids, tuple) and all(is_int(i) and i >= 0 for i in self.eos_ids),
               self, "eos_ids", "must be a tuple of non-negative ints")
+
+    def one_width(self, longest: int) -> "SamplingConfig":
+        """This config with ``prompt_bucket`` raised to ``longest`` rounded up to a multiple
+        of it: every batch of prompts no longer than ``longest`` tokens then pads to that one
+        width (capped at a compressing cache's capacity, ``sampler.bucket_prompts``), so one
+        compiled program set serves them all. Applying it again with the same ``longest``
+        changes nothing."""
+        if not is_int(longest) or longest < 1:
+            raise ValueError(f"one_width: longest must be a prompt length >= 1, got {longest!r}")
+        return dataclasses.replace(
+            self, prompt_bucket=-(-longest // self.prompt_bucket) * self.prompt_bucket)

@@ -139,7 +139,9 @@ def evaluate(
       tokenizer: ``models.Tokenizer``.
       prompts, answers: the eval set.
       reward_fn: ``(completions, answers) -> [N]`` (1.0 = correct).
-      sampling: base sampling config (EOS ids, max_new_tokens, prompt bucket).
+      sampling: base sampling config (EOS ids, max_new_tokens, prompt bucket); every batch
+        pads to the longest prompt's bucket (``SamplingConfig.one_width``), so only the
+        first batch of each mode compiles.
       compression: the sparse-inference setting (usually the training one), or several;
         each compressing or quantizing one adds a row after the dense one, in the given
         order.
@@ -150,6 +152,9 @@ def evaluate(
         training (``data.add_special_tokens``).
     """
     prompts, answers = list(prompts), list(answers)
+    if prompts:  # one prompt width for every batch: no compile after the first one's
+        mask = tokenizer.encode(prompts, add_special_tokens=add_special_tokens)[1]
+        sampling = sampling.one_width(int(mask.sum(axis=1).max()))
     modes = _modes(compression)
     greedy = _greedy(sampling)
     sampled = dataclasses.replace(sampling, greedy=False, num_samples=samples,

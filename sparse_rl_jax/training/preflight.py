@@ -83,14 +83,14 @@ def _where(example, fallback: str) -> str:
     return f"{meta['path']}:{meta['line']}" if "path" in meta and "line" in meta else fallback
 
 
-def _prompts(source: PromptSource, steps: int) -> Iterator[tuple[str, str]]:
+def _prompts(source: PromptSource, batches: int) -> Iterator[tuple[str, str]]:
     """``(where, prompt)`` for every prompt the run can see: each record of a data file
-    (``path:line``), or the task prompts of the run's ``steps`` batches."""
+    (``path:line``), or the task prompts of the ``batches`` batches the run can read."""
     if source.order is not None:
         for index, example in enumerate(source.dataset):
             yield _where(example, f"data example {index}"), example.prompt
         return
-    for position in range(steps):
+    for position in range(batches):
         for row, prompt in enumerate(source.batch(position).prompts):
             yield f"task batch {position} row {row}", prompt
 
@@ -130,28 +130,33 @@ def check_prompt_lengths(prompts: Iterable[tuple[str, str]], tokenizer: models.T
     return longest
 
 
-def checked_prompt_source(cfg, tokenizer: models.Tokenizer, context: int) -> PromptSource:
+def checked_prompt_source(cfg, tokenizer: models.Tokenizer,
+                          context: int) -> tuple[PromptSource, int]:
     """The run's :class:`PromptSource` with its data read (``file:line`` errors) and every
-    prompt's length checked by :func:`check_prompt_lengths`."""
+    prompt's length checked by :func:`check_prompt_lengths`, and the longest prompt's
+    length: of the data file, or of the task batches the run can read (``trainer.steps``
+    of them, ``data.max_collect_rounds`` times as many with ``data.dynamic_sampling``)."""
     source = PromptSource(cfg.data, cfg.trainer.prompts_per_step, tokenizer.hf)
-    check_prompt_lengths(_prompts(source, cfg.trainer.steps), tokenizer, cfg, context)
-    return source
+    batches = cfg.trainer.steps * (cfg.data.max_collect_rounds if cfg.data.dynamic_sampling
+                                   else 1)
+    return source, check_prompt_lengths(_prompts(source, batches), tokenizer, cfg, context)
 
 
 def checked_eval_set(cfg, tokenizer: models.Tokenizer,
-                     context: int) -> tuple[list[str], list[str]] | None:
+                     context: int) -> tuple[tuple[list[str], list[str]] | None, int]:
     """The ``(prompts, answers)`` evaluated during training (``eval.every_steps`` /
     ``eval.before_train``; None when neither asks for it), read now (``eval.jsonl`` /
     ``eval.tfds`` errors name file and line) and every prompt's length checked like the
-    training prompts, so a bad eval file fails before the run directory is written."""
+    training prompts, so a bad eval file fails before the run directory is written; and the
+    longest prompt's length (0 without an eval set)."""
     if not (cfg.eval.every_steps or cfg.eval.before_train):
-        return None
+        return None, 0
     examples = eval_examples(cfg, tokenizer.hf)
     if not examples:
         source = cfg.eval.tfds.name if cfg.eval.tfds is not None else cfg.eval.jsonl.path
         raise ValueError(f"the eval set ({source}) holds no usable records; eval.every_steps="
                          f"{cfg.eval.every_steps} and eval.before_train="
                          f"{cfg.eval.before_train} need at least one")
-    check_prompt_lengths(((_where(x, f"eval prompt {i}"), x.prompt)
-                          for i, x in enumerate(examples)), tokenizer, cfg, context)
-    return [x.prompt for x in examples], [x.answer for x in examples]
+    longest = check_prompt_lengths(((_where(x, f"eval prompt {i}"), x.prompt)
+                                    for i, x in enumerate(examples)), tokenizer, cfg, context)
+    return ([x.prompt for x in examples], [x.answer for x in examples]), longest

@@ -33,6 +33,7 @@ from sparse_rl_jax.records.checkpoint import CheckpointError, Checkpointer
 from sparse_rl_jax.records.checkpoint_state import (BASE_KEY, base_record, check_base,
                                                     restore_target, restored_lagged,
                                                     restored_params, train_state)
+from sparse_rl_jax.records.compile_watch import CompileWatch
 from sparse_rl_jax.records.metrics_writer import MetricsWriter, WandbRun, read_metrics
 from sparse_rl_jax.records.plots import plot_metrics
 from sparse_rl_jax.records.progress import TrainProgress
@@ -44,14 +45,14 @@ from sparse_rl_jax.tasks.rewards import get_reward_fn
 from sparse_rl_jax.training.budget_control import BudgetLoop
 from sparse_rl_jax.training.ess_guard import EssGuard, LowEssStop
 from sparse_rl_jax.training.evaluation import eval_metrics
-from sparse_rl_jax.training.policy import (export_policy, make_run_mesh, policy_path,
-                                           resolve_sampling)
+from sparse_rl_jax.training.policy import export_policy, make_run_mesh, policy_path
 from sparse_rl_jax.training.preflight import (check_model_fits, checked_eval_set,
                                               checked_prompt_source, default_task_tokenizer,
-                                              load_checked_policy, run_attention)
+                                              run_attention)
 from sparse_rl_jax.training.rl_step import StepContext, batch_sharding
 from sparse_rl_jax.training.role_mesh import rollout_mesh
 from sparse_rl_jax.training.run_config import RunConfig
+from sparse_rl_jax.training.run_inputs import Prepared, prepare, run_sampling, width_line
 from sparse_rl_jax.training.step_modes import STEP_MODES
 from sparse_rl_jax.training.warm_start import tiny_model_config
 
@@ -182,16 +183,6 @@ def _in_training_eval(cfg: RunConfig, ctx: StepContext,
     return evaluate_now
 
 
-def prepare(cfg: RunConfig, mesh, log: Callable[[str], None]):
-    """``(tokenizer, model, prompt source, eval set)`` with everything checked; the default
-    model is built (in the run directory, so after :func:`_preflight_default`) when
-    ``model.path`` is None."""
-    tokenizer, model = load_checked_policy(policy_path(cfg, log), cfg, mesh)
-    context = model.config.max_position_embeddings
-    return (tokenizer, model, checked_prompt_source(cfg, tokenizer, context),
-            checked_eval_set(cfg, tokenizer, context))
-
-
 def _preflight_default(cfg: RunConfig) -> models.ModelConfig:
     """Checks ``sampling.eos_ids`` / ``pad_id``, the compression, the data, the eval set and
     every prompt against the default model's tokenizer, config and context before the default
@@ -241,7 +232,7 @@ def train(cfg: RunConfig, log: Callable[[str], None] = print,
     manifest = check_resumable(run_dir, chash, lambda: _checkpoint_hash(run_dir / "checkpoints"),
                                take_over)
     prepared = prepare(cfg, mesh, log) if cfg.model.path is not None else None
-    run_attention(cfg, prepared[1].config if prepared else _preflight_default(cfg))
+    run_attention(cfg, prepared.model.config if prepared else _preflight_default(cfg))
     owner = open_run_dir(run_dir, chash, manifest, take_over) if lead else None
     try:
         if lead:
@@ -277,11 +268,12 @@ def _restore(cfg: RunConfig, ckpt: Checkpointer, params, opt_state, owner, log, 
             meta.get("data_position", start), guard, restored_lagged(state, params))
 
 
-def build_step_context(cfg: RunConfig, prepared, mesh, reward_fn):
-    """``(StepContext, params, opt_state)`` of a run from its prepared ``(tokenizer, model,
-    prompt source, eval set)`` (:func:`prepare`): the model split into graphdef and params,
-    the optimizer's initial state and the jitted update on ``mesh``."""
-    tokenizer, model, source, _ = prepared
+def build_step_context(cfg: RunConfig, prepared: Prepared, mesh, reward_fn):
+    """``(StepContext, params, opt_state)`` of a run from its :class:`Prepared` inputs: the
+    model split into graphdef and params, the optimizer's initial state, the jitted update
+    on ``mesh`` and the sampling settings at the run's one prompt width
+    (:func:`run_sampling`)."""
+    tokenizer, model, source = prepared.tokenizer, prepared.model, prepared.source
     model.remat = cfg.model.remat
     model.attention = run_attention(cfg, model.config)  # train checked it before any write
     graphdef, params = nnx.split(model)
@@ -295,9 +287,9 @@ def build_step_context(cfg: RunConfig, prepared, mesh, reward_fn):
         low_r_share=cfg.trainer.low_r_grad_share, temperature=cfg.sampling.temperature,
     )
     ctx = StepContext(
-        cfg=cfg, sampling=resolve_sampling(cfg, tokenizer), graphdef=graphdef,
-        tokenizer=tokenizer, source=source, reward_fn=reward_fn, update=update, mesh=mesh,
-        reference=reference,
+        cfg=cfg, sampling=run_sampling(cfg, tokenizer, prepared.longest_prompt),
+        graphdef=graphdef, tokenizer=tokenizer, source=source, reward_fn=reward_fn,
+        update=update, mesh=mesh, reference=reference,
     )
     return ctx, params, opt_state
 
@@ -307,7 +299,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
     process's :class:`RunDir`, None elsewhere): restore, steps, checkpoints, export."""
     run_dir = Path(cfg.run_dir)
     ctx, params, opt_state = build_step_context(cfg, prepared, mesh, reward_fn)
-    graphdef, tokenizer, eval_data = ctx.graphdef, ctx.tokenizer, prepared[3]
+    graphdef, tokenizer, eval_data = ctx.graphdef, ctx.tokenizer, prepared.eval_data
+    log(width_line(cfg, ctx.sampling, prepared.longest_prompt))
     del prepared
 
     chash = config_hash(cfg)
@@ -324,6 +317,7 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
             run_dir, resume_step=start if start else None,
             tensorboard="tensorboard" in cfg.logging.backends,
             wandb=wandb_run(cfg) if "wandb" in cfg.logging.backends else None, log=log))
+        compiles = closing.enter_context(CompileWatch())  # step 1's compile time, and any later
         evaluate_now = _in_training_eval(cfg, ctx, eval_data)
         if evaluate_now is not None and cfg.eval.before_train and start == 0:
             writer.log(0, evaluate_now(params))
@@ -331,9 +325,11 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
         pending = None  # the step of the last save started, until it is known to be committed
         quant_warning = QuantErrorWarning(cfg.compression.quant, log)
         low_ess, stop = EssGuard(cfg.correction), None  # correction.min_ess's guard
+        compiles.lap()  # the eval before training's: not step 1's
         steps = closing.enter_context(STEP_MODES.get(cfg.trainer.mode)(
             ctx, params, start, position, lagged, rollout_mesh(cfg)))
-        with TrainProgress(cfg.trainer.steps, start_step=start) as progress:
+        with TrainProgress(cfg.trainer.steps, start_step=start, compiles=compiles.lap,
+                           eval_every=cfg.eval.every_steps if evaluate_now else 0) as progress:
             for step in range(start, cfg.trainer.steps):
                 ckpt.check()  # a save that has already failed stops the run before another step
                 params, opt_state, metrics = steps.step(budget.context(ctx), params, opt_state,
@@ -343,7 +339,8 @@ def _train(cfg: RunConfig, prepared, mesh, reward_fn, owner, log, on_step=None) 
                 done = step + 1
                 if evaluate_now is not None and cfg.eval.every_steps and (
                         done % cfg.eval.every_steps == 0):
-                    metrics.update(evaluate_now(params))
+                    with progress.evaluating():  # timed apart from the step
+                        metrics.update(evaluate_now(params))
                 nonfinite = metrics.get("nonfinite_update", 0) > 0
                 metrics["skipped_nonfinite_steps"] = guard.skipped + nonfinite
                 ckpt.wait()  # nothing after a failed save is recorded: it stops the run here

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 import models
+from sparse_rl_jax.records.step_rate import LoopClock
 from sparse_rl_jax.tasks.task import Problem, TaskConfig
 from sparse_rl_jax.tasks.task_tokenizer import build_task_tokenizer
 from sparse_rl_jax.tasks.walk_task import WalkTaskConfig, synthetic_dataset
@@ -122,22 +122,23 @@ def build_default_model(
     full = task.max_prompt_tokens + task.max_response_tokens
     check = HeldOutCheck(tokenizer, dataclasses.replace(task, seed=task.seed + CHECK_SEED_OFFSET),
                          warm.check_problems, width=full)
-    start = time.monotonic()
     score: HeldOutScore | None = None
-    for step in range(1, warm.steps + 1):
-        problems, masked = warm_start_problems(warm, task, step - 1)
-        arrays = supervised_batch(tokenizer, problems, eos_id, masked)
-        loss = train_step(model, optimizer,
-                          *(np.pad(a, ((0, 0), (0, max(0, full - a.shape[1])))) for a in arrays))
-        if step % warm.check_every and step != warm.steps:
-            continue
-        score = check(model)
-        log(f"warm start: step {step}/{warm.steps} loss {float(loss):.4f} held-out "
-            f"{score.summary()} ({time.monotonic() - start:.0f}s)")
-        if warm.target_accuracy is not None and score.solutions >= warm.target_accuracy:
-            log(f"warm start: held-out solutions {score.solutions:.3f} >= target "
-                f"{warm.target_accuracy} at step {step}: done")
-            break
+    clock = LoopClock(warm.steps, stops_early=warm.target_accuracy is not None)
+    with clock.compiles:
+        for step in range(1, warm.steps + 1):
+            problems, masked = warm_start_problems(warm, task, step - 1)
+            arrays = supervised_batch(tokenizer, problems, eos_id, masked)
+            loss = train_step(model, optimizer, *(np.pad(a, ((0, 0), (0, max(0, full - a.shape[1]))))
+                                                  for a in arrays))
+            if step % warm.check_every and step != warm.steps:
+                continue
+            score = check(model)
+            log(f"warm start: step {step}/{warm.steps} loss {float(loss):.4f} held-out "
+                f"{score.summary()} {clock.lap(step)}")
+            if warm.target_accuracy is not None and score.solutions >= warm.target_accuracy:
+                log(f"warm start: held-out solutions {score.solutions:.3f} >= target "
+                    f"{warm.target_accuracy} at step {step}: done")
+                break
     assert score is not None
     if warm.target_accuracy is not None and score.solutions < warm.target_accuracy:
         log(f"warning: the warm start did not learn the task in {warm.steps} steps: held-out "
