@@ -14,7 +14,7 @@ same split, the baseline with the same placement, so ``x k=0`` is the overlap al
 so one compiled shape; 2 steps leave it close to random, so responses run to
 ``--max-new-tokens`` instead of stopping at an early EOS); the sizes are chosen so that one
 rollout (sample, reward, dense score) and one step of updates take comparable time. Each run goes through the trainer's own pieces
-(``trainer.prepare``, ``trainer.build_step_context``, ``step_modes.STEP_MODES``); steps/s is
+(``run_inputs.prepare``, ``trainer.build_step_context``, ``step_modes.STEP_MODES``); steps/s is
 taken over the steps after ``--warmup`` (compilation), from the wall clock.
 
 The fake devices share the host's cores: a phase on device 0 and one on device 1 compete for
@@ -55,8 +55,9 @@ def run_mode(policy: str, mode: str, lag: int, args, out: Path) -> dict:
     from sparse_rl_jax.training.policy import make_run_mesh
     from sparse_rl_jax.training.role_mesh import rollout_mesh
     from sparse_rl_jax.training.run_config import RunConfig
+    from sparse_rl_jax.training.run_inputs import prepare
     from sparse_rl_jax.training.step_modes import STEP_MODES
-    from sparse_rl_jax.training.trainer import build_step_context, prepare
+    from sparse_rl_jax.training.trainer import build_step_context
 
     split = ["trainer.mode=async", f"trainer.max_lag={lag}", "mesh.rollout_devices=1"]
     cfg = load_config(RunConfig, None, [

@@ -247,8 +247,9 @@ def test_nothing_compiles_after_step_1_over_prompts_in_two_buckets(run_env, unin
     one step ahead) compile nothing; the progress lines say so. (The uninterrupted run
     compiled the same programs first: step 1 loads them from the session's cache.)"""
     root, config, _ = run_env
-    cfg = load_config(RunConfig, config, [f"run_dir={root / ('widths_' + '_'.join(mode))}",
-                                          "trainer.steps=3", *mode])
+    cfg = load_config(RunConfig, config, [
+        f"run_dir={root / ('widths_' + '_'.join(mode))}", "trainer.steps=3",
+        "trainer.plots=false", "trainer.export_final=false", "logging.backends=[jsonl]", *mode])
     tokenizer = models.Tokenizer(root / "policy")
     source = PromptSource(cfg.data, cfg.trainer.prompts_per_step)
     widths = [min(bucket_prompts(*tokenizer.encode(source.batch(position).prompts,
