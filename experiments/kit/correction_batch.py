@@ -41,9 +41,11 @@ def budget_overrides(budget: int) -> list[str]:
 def fitting_prompts(cfg: RunConfig, tokenizer, count: int, capacity: int
                     ) -> tuple[list[str], list[str], list[int]]:
     """``(prompts, answers, skipped)``: the first ``count`` problems of ``cfg``'s eval set (all
-    of it, whatever ``eval.num_prompts`` says) whose prompt holds at most ``capacity`` tokens,
-    and the eval-set indices of those passed over; ValueError when fewer fit."""
-    whole = dataclasses.replace(cfg.eval, num_prompts=ALL_PROMPTS)
+    of a file's, whatever ``eval.num_prompts`` says; a generated one's ``eval.num_prompts``
+    held-out problems) whose prompt holds at most ``capacity`` tokens, and the eval-set
+    indices of those passed over; ValueError when fewer fit."""
+    generated = cfg.eval.tfds is None and cfg.eval.jsonl is None  # an endless synthetic task
+    whole = cfg.eval if generated else dataclasses.replace(cfg.eval, num_prompts=ALL_PROMPTS)
     texts, answers = eval_set(dataclasses.replace(cfg, eval=whole), tokenizer.hf)
     ids = tokenizer.hf(texts, add_special_tokens=cfg.data.add_special_tokens)["input_ids"]
     fits = [i for i, row in enumerate(ids) if len(row) <= capacity]
