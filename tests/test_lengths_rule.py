@@ -119,17 +119,3 @@ def test_with_nothing_eligible_the_rule_orders_the_criteria_regime_walk_smollm2(
     assert out["criteria"]["lo"][0] == (True, True, False)
     assert out["recommended"] == "lo"
     assert "no correction is eligible" in out["why"] and "regime, walk" in out["why"]
-
-
-def test_the_diffuse_regime_is_the_walk_regime_at_temperature_1_6_with_longer_walks():
-    """configs/walk/diffuse.yaml changes exactly what its header says from local.yaml."""
-    from sparse_rl_jax.core.config_io import load_config
-    from sparse_rl_jax.training.run_config import RunConfig
-    walk, diffuse = (load_config(RunConfig, str(ROOT / "configs" / "walk" / name),
-                                 ["compression.method=rkv", "compression.eviction.budget=20"])
-                     for name in ("local.yaml", "diffuse.yaml"))
-    assert (diffuse.sampling.temperature, diffuse.eval.temperature) == (1.6, 1.6)
-    assert (diffuse.data.walk.c_min, diffuse.data.walk.c_max) == (2, walk.data.walk.c_max)
-    assert diffuse.compression.capacity == 36  # budget 20 + the walk's buffer 16
-    assert diffuse.model == walk.model and diffuse.trainer == walk.trainer
-    assert diffuse.data.walk.echo_every == walk.data.walk.echo_every == 2
