@@ -97,6 +97,25 @@ def test_converted_checkpoint_is_reused_and_found(tiny, tmp_path, monkeypatch):
         models.find_gguf(tmp_path)
 
 
+def test_conversion_parses_the_file_once_and_unpatches_the_reader(tiny, tmp_path, monkeypatch):
+    """transformers opens the file four times per conversion; they share one parse, and
+    ``gguf.GGUFReader`` is the caller's again afterwards (the tests above compare the
+    converted model and tokenizer with transformers' own fresh read of the file)."""
+    import gguf
+
+    opened, original = [], gguf.GGUFReader
+
+    def counting(*args, **kwargs):
+        opened.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    path, _ = tiny
+    out = gguf_mod.convert_gguf(path, tmp_path / "converted")
+    assert len(opened) == 1 and gguf.GGUFReader is counting
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
 def test_smollm2_helper_says_how_to_install_when_absent(monkeypatch):
     import importlib.metadata
 
@@ -117,7 +136,7 @@ def smollm2(tmp_path_factory):
     return path, models.checkpoint_dir(path, tmp_path_factory.mktemp("smollm2_cache"))
 
 
-@pytest.mark.slow  # the one-time conversion of the 98 MB file dominates (about a minute on 2 idle cores)
+@pytest.mark.slow  # the one-time conversion of the 98 MB file dominates (half a minute of CPU)
 def test_smollm2_logits_match_transformers(smollm2):
     _, converted = smollm2
     tok = models.Tokenizer(converted)
