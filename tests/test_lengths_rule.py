@@ -119,3 +119,17 @@ def test_with_nothing_eligible_the_rule_orders_the_criteria_regime_walk_smollm2(
     assert out["criteria"]["lo"][0] == (True, True, False)
     assert out["recommended"] == "lo"
     assert "no correction is eligible" in out["why"] and "regime, walk" in out["why"]
+
+
+def test_with_nothing_eligible_more_criteria_passed_beat_the_order():
+    """``one`` passes only the regime; ``two`` passes the walk and SmolLM2 (two criteria), so
+    ``two`` wins although the regime comes first in the order and ``one``'s mean is higher."""
+    regime = {"one": ((0.99,) * 5, OK), "two": ((0.99, 0.99, 0.60, 0.99, 0.99), OK)}
+    walk = {"one": ((0.70,) * 5, OK), "two": ((0.95,) * 5, OK)}
+    settings, dense = _study(regime, walk)
+    stats = _stats({"one": {"is_ess": 0.1, "kept_token_fraction": 0.9}, "two": GOOD_STATS})
+    out = lengths_rule.lengths_recommend(settings, dense, stats, ["one", "two"],
+                                         {"one": 1, "two": 1})
+    assert out["criteria"]["one"][0] == (True, False, False)
+    assert out["criteria"]["two"][0] == (False, True, True)
+    assert out["recommended"] == "two" and "passes walk, SmolLM2" in out["why"]

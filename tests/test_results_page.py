@@ -300,20 +300,18 @@ def test_a_stacked_setting_reads_its_stacked_arms_against_a_dense_run_per_seed()
                                                )["corrections_int4"] == whole.arm("dense")
 
 
-def test_the_shipped_default_correction_is_the_stored_studys_outcome():
-    """``CorrectionConfig()``'s preset is the one the rule picks from the stored study (all
-    three settings at their full seeds), and the paper's configs keep Sparse-RL's by name."""
+def test_the_stored_studys_outcome_moved_the_default_and_the_paper_keeps_sparse_rl():
+    """The stored study (all three settings at their full seeds) moved the default off
+    Sparse-RL's (tests/test_lengths_results.py ties ``CorrectionConfig()`` to it and to the
+    study at real lengths), and the paper's configs keep Sparse-RL's by name."""
     from experiments.kit import results_corrections
     from sparse_rl_jax.core.config_io import load_config
-    from sparse_rl_jax.rl.loss_config import CorrectionConfig
     from sparse_rl_jax.training.run_config import RunConfig
     stored = results_corrections.load_study()
     assert all(len(stored[name].seeds()) == study_rule.STUDY_SEEDS
                for name in study_rule.STUDY_SETTINGS)
     _, out = results_corrections.study_outcome(stored)
-    assert out["default"] != study_rule.STUDY_DEFAULT  # the study moved the default
-    assert CorrectionConfig().kind == out["default"]
-    assert load_config(RunConfig, None, []).correction.kind == out["default"]
+    assert out["default"] == "decoupled_seq_is" != study_rule.STUDY_DEFAULT
     paper = load_config(RunConfig, ROOT / "configs/paper/qwen2.5-1.5b_rkv.yaml", [])
     assert paper.correction.kind == "sparse_rl"
 

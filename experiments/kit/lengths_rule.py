@@ -138,7 +138,9 @@ def lengths_recommend(settings: dict[str, Experiment | None], dense: dict[str, l
     pool = eligible
     if not eligible:
         ranked = [p for p in presets if p in means]
-        best_criteria = max((table[p][0] for p in ranked), default=None)
+        # the most criteria passed; among equal counts, regime before walk before SmolLM2
+        best_criteria = max((table[p][0] for p in ranked), key=lambda c: (sum(c), c),
+                            default=None)
         pool = [p for p in ranked if table[p][0] == best_criteria]
     out = {"eligible_any": bool(eligible), "criteria": table, "means": means,
            "recommended": None, "leader": None, "tied": []}

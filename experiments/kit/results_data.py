@@ -40,8 +40,9 @@ class Experiment:
 
 
 def load(name: str, root: Path = RESULTS) -> Experiment | None:
-    """The experiment stored in ``root/name``, or None when it has no part. A seed that two
-    parts both ran is an error (which copy the page shows would be arbitrary)."""
+    """The experiment stored in ``root/name``, or None when it has no part. Parts may split
+    a seed's arms; an arm's seed that two parts both ran is an error (which copy the page
+    shows would be arbitrary)."""
     files = sorted((root / name).glob("*.json"))
     if not files:
         return None

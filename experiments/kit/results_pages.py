@@ -21,6 +21,7 @@ from experiments.kit.results_corrections import (STUDY_SETTINGS, dense_reference
                                                  plot_rewards, recommendation, setting_table,
                                                  study_block)
 from experiments.kit.results_data import Experiment, load, provenance
+from experiments.kit.results_lengths import LENGTHS_REGIME, load_lengths, lengths_block
 from experiments.kit.results_quant import quant_table
 from experiments.kit.results_walk import commands, curves, experiment_block, verdict_table
 from experiments.kit.run_summary import mean_records
@@ -64,6 +65,9 @@ def blocks() -> dict[str, str]:
         out["corrections-readme"] = "\n".join([
             setting_table(study[STUDY_SETTINGS[0]], dense_reference(study)[STUDY_SETTINGS[0]]),
             "", recommendation(study)])
+    settings, smol = load_lengths()
+    if settings[LENGTHS_REGIME] is not None or smol:
+        out["lengths"] = lengths_block(settings, smol)
     corrections = results_correction_stats.load()
     if corrections:
         out["correction-stats"] = results_correction_stats.block(corrections)
