@@ -17,6 +17,10 @@ scripts) through the environment:
 * one persistent compilation cache for the whole session (a temporary directory, removed at
   exit), so a program compiled once is loaded, not recompiled, by the next ``train()`` call
   or child process that builds the same one (resume tests, arms sharing a sampler).
+
+Converted GGUF checkpoints (SmolLM2) go to one temporary cache for the session too
+(``SPARSE_RL_JAX_CACHE``), so the suite converts the file once whichever test needs it first,
+and never writes into the user's ``~/.cache``.
 """
 
 import atexit
@@ -46,6 +50,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+if "SPARSE_RL_JAX_CACHE" not in os.environ:  # converted GGUF checkpoints: one per session
+    _models = tempfile.mkdtemp(prefix="sparse_rl_jax_test_models_")
+    atexit.register(shutil.rmtree, _models, ignore_errors=True)
+    os.environ["SPARSE_RL_JAX_CACHE"] = _models
 os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
 
 import jax  # noqa: E402

