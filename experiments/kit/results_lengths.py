@@ -16,7 +16,7 @@ from experiments.kit.lengths_rule import (CRITERIA, LENGTHS_ARMS, LENGTHS_REGIME
                                           walk_runs)
 from experiments.kit.results_corrections import setting_table
 from experiments.kit.results_data import RESULTS, Experiment, count, degraded, load, provenance
-from experiments.kit.study_rule import TIE_SE, stored_preset
+from experiments.kit.study_rule import TIE_SE, stored_preset, study_arm
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
 
 SMOL = "lengths_smol"
@@ -78,7 +78,6 @@ def outcome(settings: dict[str, Experiment | None], stats: dict[int, dict]) -> d
 
 
 def _regime_runs(regime: Experiment, preset: str) -> list[dict]:
-    from experiments.kit.study_rule import study_arm
     return regime.arm("dense") if preset == "dense" else study_arm(regime, preset)
 
 
