@@ -89,7 +89,7 @@ def test_the_line_names_the_correction_numbers_and_what_to_try():
         "low ESS: correction.kind=decoupled_geo_rs gave Kish ESS 0.004 and kept tokens 0.006 "
         "(mean of steps 7..7), below correction.min_ess=0.1 for 1 RL steps in a row")
     assert "correction.rs_lower / rs_upper" in word.message and "larger KV budget" in word.message
-    spread = EssGuard(CorrectionConfig(min_ess=0.1, low_ess_steps=1))
+    spread = EssGuard(CorrectionConfig(kind="decoupled_seq_is", min_ess=0.1, low_ess_steps=1))
     word = spread.observe(1, {"is_ess": 0.023, "kept_token_fraction": 1.0})
     assert "correction.kind=decoupled_seq_is" in word.message
     assert "decoupled_token_is or sparse_rl" in word.message and "rs_lower" not in word.message
@@ -123,15 +123,15 @@ def test_the_guard_is_no_part_and_stays_out_of_the_config_hash():
 
 
 def _args(tiny, run_dir, *overrides):
-    """A tiny run whose compressed rollouts have ESS < 1 (16 new tokens into 8 slots), so
-    ``min_ess=1.0`` makes every step low; checkpoints only every 3 steps, so a stop's
-    checkpoint is its own."""
+    """A tiny run whose compressed rollouts have ESS < 1 (16 new tokens into 8 slots) under a
+    sequence-level correction (its weights spread most), so ``min_ess=1.0`` makes every step
+    low; checkpoints only every 3 steps, so a stop's checkpoint is its own."""
     _, model, data = tiny
     return run_args(model, data, run_dir) + [
         "sampling.max_new_tokens=16", "compression.eviction.budget=8",
         "trainer.checkpoint_every=3", "trainer.plots=false", "logging.backends=[jsonl]",
-        "correction.min_ess=1.0", "correction.low_ess_steps=2",
-        *overrides]
+        "correction.kind=decoupled_seq_is", "correction.min_ess=1.0",
+        "correction.low_ess_steps=2", *overrides]
 
 
 def _main(args) -> tuple[int, str, str]:

@@ -268,7 +268,8 @@ def test_the_study_outcome_is_provisional_until_every_setting_has_its_seeds():
     assert short.startswith(f"- **Provisional**: corrections_control has 3 of "
                             f"{study_rule.STUDY_SEEDS} seeds")
     assert short.splitlines()[1:-1] == full.splitlines()[:-1]  # the same rule, flagged
-    assert full.splitlines()[-1].startswith("- The shipped default is **`icepop`**")
+    assert full.splitlines()[-1].startswith(
+        "- This study's default (shipped until the study at real lengths) is **`icepop`**")
     assert short.splitlines()[-1].startswith(  # a provisional outcome changes no default
         "- The shipped default stays `sparse_rl` until every setting has its seeds; by the "
         "rule so far it would be `icepop`")

@@ -116,7 +116,8 @@ def recommendation(stored: dict[str, Experiment | None]) -> str:
               f"({out['means'][out['leader']]:.3f}); tied with it (its seed-paired gap within "
               f"{TIE_SE:g} SE): {', '.join(f'`{p}`' for p in out['tied'])}.",
               f"- **Recommended: `{out['recommended']}`** (the fewest parts among the tied).",
-              f"- The shipped default is **`{out['default']}`**: {out['why']}." if not short else
+              f"- This study's default (shipped until the study at real lengths) is "
+              f"**`{out['default']}`**: {out['why']}." if not short else
               f"- The shipped default stays `{STUDY_DEFAULT}` until every setting has its seeds; "
               f"by the rule so far it would be `{out['default']}`: {out['why']}."]
     return "\n".join(lines)

@@ -15,7 +15,8 @@ from experiments.kit.lengths_rule import (CRITERIA, LENGTHS_ARMS, LENGTHS_REGIME
                                           SMOL_MIN_KEPT, WALK_STORED, lengths_recommend,
                                           walk_runs)
 from experiments.kit.results_corrections import setting_table
-from experiments.kit.results_data import RESULTS, Experiment, count, degraded, load, provenance
+from experiments.kit.results_data import (RESULTS, Experiment, count, degraded, load, mean_se,
+                                          pass1, provenance)
 from experiments.kit.study_rule import TIE_SE, stored_preset, study_arm
 from sparse_rl_jax.rl.correction_presets import CORRECTION_PRESETS
 
@@ -178,3 +179,34 @@ def lengths_block(settings: dict[str, Experiment | None], stats: dict[int, dict]
     text += [walk_table(settings), "", "#### SmolLM2-135M's R-KV rollouts (no training)", "",
              smol_table(stats), "", "#### The outcome", "", verdict(settings, stats)]
     return "\n".join(text)
+
+
+def readme_table(settings: dict[str, Experiment | None], stats: dict[int, dict]) -> str:
+    """README's short form: per study arm its parts, the diffuse regime's held-out pass@1
+    and degraded seeds, the walk's degraded seeds, SmolLM2's lowest ESS over the budgets, and
+    the criteria it passes."""
+    dense = dense_references(settings)
+    regime = settings.get(LENGTHS_REGIME)
+    out = outcome(settings, stats)
+    reference = dense.get(LENGTHS_REGIME, [])
+    ref_mean, ref_se = mean_se(pass1(r, "dense") for r in reference) if reference else (0, 0)
+    lines = [f"| correction | parts | diffuse regime: held-out pass@1 (dense-trained "
+             f"{ref_mean:.3f} ± {ref_se:.3f}) | degraded there | degraded on the walk | "
+             f"SmolLM2: lowest ESS / kept over {', '.join(map(str, SMOL_BUDGETS))} slots | "
+             f"passes |", "|---|---|---|---|---|---|---|"]
+    for preset in LENGTHS_ARMS:
+        runs = study_arm(regime, preset) if regime else []
+        mean, se = mean_se(pass1(r, "dense") for r in runs) if runs else (None, None)
+        walk, where = walk_runs(settings, preset)
+        rows = [stats[b]["corrections"].get(preset) for b in SMOL_BUDGETS if b in stats]
+        rows = [r for r in rows if r]
+        smol = (f"{min(r['is_ess'] for r in rows):.2f} / "
+                f"{min(r['kept_token_fraction'] for r in rows):.2f}" if rows else "–")
+        passed = ", ".join(c for c, ok in zip(CRITERIA, out["criteria"][preset][0]) if ok)
+        lines.append(
+            f"| `{preset}` | {parts_of(preset)} | "
+            + (f"{mean:.3f} ± {se:.3f}" if runs else "not run") + " | "
+            + (count(degraded(runs, reference)) if runs else "–") + " | "
+            + (count(degraded(walk, dense.get(where.split()[0], []))) if walk else "not run")
+            + f" | {smol} | {passed or 'none'} |")
+    return "\n".join(lines + ["", verdict(settings, stats)])

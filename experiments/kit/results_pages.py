@@ -17,11 +17,11 @@ from experiments.kit.budget_plots import plot_by_budget
 from experiments.kit.reproduce_tables import (inference_table, reward_curve_table,
                                               training_table)
 from experiments.kit.results_async import lag_table, regime_check
-from experiments.kit.results_corrections import (STUDY_SETTINGS, dense_reference, load_study,
-                                                 plot_rewards, recommendation, setting_table,
+from experiments.kit.results_corrections import (STUDY_SETTINGS, load_study, plot_rewards,
                                                  study_block)
 from experiments.kit.results_data import Experiment, load, provenance
-from experiments.kit.results_lengths import LENGTHS_REGIME, load_lengths, lengths_block
+from experiments.kit.results_lengths import (LENGTHS_REGIME, lengths_block, load_lengths,
+                                             readme_table)
 from experiments.kit.results_quant import quant_table
 from experiments.kit.results_walk import commands, curves, experiment_block, verdict_table
 from experiments.kit.run_summary import mean_records
@@ -62,12 +62,10 @@ def blocks() -> dict[str, str]:
     study = load_study()
     if study[STUDY_SETTINGS[0]] is not None:
         out["corrections"] = study_block(study)
-        out["corrections-readme"] = "\n".join([
-            setting_table(study[STUDY_SETTINGS[0]], dense_reference(study)[STUDY_SETTINGS[0]]),
-            "", recommendation(study)])
     settings, smol = load_lengths()
     if settings[LENGTHS_REGIME] is not None or smol:
         out["lengths"] = lengths_block(settings, smol)
+        out["lengths-readme"] = readme_table(settings, smol)
     corrections = results_correction_stats.load()
     if corrections:
         out["correction-stats"] = results_correction_stats.block(corrections)

@@ -43,10 +43,13 @@ class CorrectionConfig:
 
     kind: a registered preset or alias (`correction_presets.CORRECTION_PRESETS`, tabulated
       with its parts and source in docs/corrections.md; `python run.py config` prints the
-      parts a name resolves to). The default, `decoupled_seq_is` (PPO anchored on the
-      learner's dense log-probs, times the sequence ratio truncated at 2), is the corrections
-      study's outcome (docs/results.md, "Which correction"). verl 0.9's 19 presets by their
-      names and numbers (`decoupled_*`, `bypass_*`, `disabled`); their names before 0.9
+      parts a name resolves to). The default, `decoupled_token_icepop` (PPO anchored on the
+      learner's dense log-probs, each token weighted by its ratio inside [0.5, 5] and masked
+      outside), is the outcome of the study at real lengths (docs/results.md, "The study at
+      real lengths"): no preset was eligible, and it is the best by the study's rule (it
+      holds on the walk and on SmolLM2-135M's rollouts and degrades in the diffuse regime).
+      verl 0.9's 19 presets by their names and numbers (`decoupled_*`, `bypass_*`,
+      `disabled`); their names before 0.9
       (`ppo_is_bypass`, `pg_is`, `icepop` are aliases; `pg_rs` and `decoupled_geo_rs_veto`
       keep the old geometric band with a veto; the stored walk study's `decoupled_geo_rs`
       runs are `decoupled_geo_rs_veto`); NeMo-RL's `seq-mask-tis` (alias `seq_mask_tis`);
@@ -119,7 +122,7 @@ class CorrectionConfig:
     in the walk experiments, makes them equal).
     """
 
-    kind: str = "decoupled_seq_is"
+    kind: str = "decoupled_token_icepop"
     anchor: str | None = None
     loss: str | None = None
     is_level: str | None = None
