@@ -251,7 +251,8 @@ def test_config_keeps_the_record_and_rejects_contradictions():
                                           r"with correction\.replay \(shadow_mask"):
         load_config(RunConfig, None, [*shadow, "sampling.record_evictions=false"])
     with pytest.raises(ConfigError, match=r"loss\.distill_coef=0\.1 needs correction\.replay "
-                                          r"\(shadow_mask; got correction\.kind='decoupled_seq_is'\)"):
+                                          r"\(shadow_mask; got correction\.kind="
+                                          rf"'{CorrectionConfig().kind}'\)"):
         load_config(RunConfig, None, ["loss.distill_coef=0.1"])
     with pytest.raises(ConfigError, match=r"loss\.distill_kind='full' needs correction\.replay"):
         load_config(RunConfig, None, ["loss.distill_kind=full"])
