@@ -57,6 +57,25 @@ def test_the_complete_evidence_decides_and_the_default_follows():
     assert "| `decoupled_seq_is` | not run | – | – |" in block
 
 
+def test_readme_table_sums_up_each_arm_and_ends_with_the_verdict():
+    """README's short form: per arm its parts, regime pass@1 (mean ± SE) and degraded seeds
+    against the regime's dense arm, the walk's degraded seeds, SmolLM2's lowest ESS / kept
+    fraction over the budgets, the criteria passed; then the rule's verdict."""
+    scores = {"decoupled_token_is": 0.93}
+    settings = {lengths_rule.LENGTHS_REGIME: _regime(scores),
+                lengths_rule.LENGTHS_WALK: _walk(["decoupled_token_is"])}
+    stats = _stats({"decoupled_token_is"})
+    stats[96]["corrections"]["decoupled_token_is"]["is_ess"] = 0.6  # the lowest budget wins
+    table = results_lengths.readme_table(settings, stats)
+    assert "held-out pass@1 (dense-trained 0.950 ± 0.000)" in table.splitlines()[0]
+    assert "| `decoupled_token_is` | 1 | 0.930 ± 0.000 | 0/5 | 0/5 | 0.60 / 0.90 | " \
+           "regime, walk, SmolLM2 |" in table
+    assert "| `decoupled_seq_is` | 1 | 0.500 ± 0.000 | 5/5 | not run | 0.05 / 0.90 | none |" \
+        in table
+    assert table.endswith(results_lengths.verdict(settings, stats))
+    assert "**By the rule: `decoupled_token_is`**" in table
+
+
 def test_missing_evidence_keeps_the_default_and_says_what_is_missing():
     scores = {"decoupled_token_is": 0.93}
     settings = {lengths_rule.LENGTHS_REGIME: _regime(scores, seeds=3),
