@@ -15,7 +15,9 @@ median wall seconds, median CPU seconds (what other jobs on the cores change lea
 mean ``time_step`` metric (rollout, reward, score and update, without logging and
 checkpoints); the XLA compilations so far; gc-tracked Python objects; threads; open file
 handles (``/proc/self/fd``); the run directory's size and committed checkpoints; the
-machine's 1-minute load average (other jobs share the cores: read wall time against it).
+machine's 1-minute load average (other jobs share the cores: read wall time against it); and
+the host's speed at that moment, the CPU seconds of one fixed single-threaded NumPy workload
+(``host_probe_s``: a shared or throttled virtual machine changes it, and with it every step).
 
 Compilations are counted with ``jax.monitoring``'s event-duration listener: every backend
 compile (a jit cache miss, eager ops included) records
@@ -26,7 +28,9 @@ Verdicts (issue 54): RSS grows < 5% from step ``--settle`` (100) on (the last wi
 median RSS against the window's at ``--settle``); no compilation after step 1 (those there
 are listed with their steps); CPU seconds per step are flat (a least-squares line through
 the windows' median CPU seconds changes by < 5% from ``--settle`` to the end: what other
-jobs on the cores change least; the same line through wall seconds is printed beside it);
+jobs on the cores change least), measured in units of the host probe (each window's median
+CPU seconds over its probe's: a host that speeds up or slows down mid-soak moves both, a leak
+only the first); the raw CPU line and the same line through wall seconds are printed beside it;
 committed checkpoints never exceed ``trainer.keep_checkpoints``.
 
 ``--trace-at A B`` also diffs ``tracemalloc`` snapshots and gc's objects per type between
@@ -104,6 +108,18 @@ def dir_stats(run_dir: Path) -> tuple[float, int, int]:
             sum("orbax-checkpoint-tmp" in n for n in names))
 
 
+def host_probe_s(repeats: int = 5) -> float:
+    """The host's speed now: CPU seconds of sorting one fixed array of 2**20 floats (one
+    thread, no XLA), the median of ``repeats`` runs."""
+    values = np.random.default_rng(0).random(2**20)
+    seconds = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        np.sort(values, kind="quicksort")
+        seconds.append(time.thread_time() - start)
+    return float(np.median(seconds))
+
+
 def _cpu_seconds() -> float:
     """This process's CPU seconds so far, user and system, every thread."""
     times = os.times()
@@ -154,6 +170,7 @@ class Sampler:
         window = slice(-self.every, None)
         rss, used, free = (np.array(x[window], float) for x in zip(*self.memory))
         size, ckpts, unfinished = dir_stats(self.run_dir)
+        probe = host_probe_s()
 
         def median(values, digits: int = 4) -> float:
             return round(float(np.nanmedian(values)), digits)
@@ -163,6 +180,8 @@ class Sampler:
                 "step_s": round(float(np.mean(self.walls[window])), 4),
                 "step_median_s": median(self.walls[window]),
                 "cpu_median_s": median(self.cpus[window]),
+                "host_probe_s": round(probe, 5),
+                "cpu_per_probe": round(float(np.nanmedian(self.cpus[window])) / probe, 2),
                 "phases_s": round(float(np.nanmean(self.phase_seconds[window])), 4),
                 "compiles": len(self.compiles), "objects": len(gc.get_objects()),
                 "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
@@ -204,6 +223,8 @@ def verdicts(samples: list[dict], settle: int, keep: int,
     peak = max(s["rss_max_mib"] for s in after)
     wall, wall_drift, noise = _drift(after, "step_median_s")
     cpu, cpu_drift, _ = _drift(after, "cpu_median_s")
+    probe, probe_drift, _ = _drift(after, "host_probe_s")
+    units, units_drift, _ = _drift(after, "cpu_per_probe")
     late = [c for c in compiles if c[0] > 1]
     first = len(compiles) - len(late)
     most = max(s["checkpoints"] for s in samples)
@@ -213,10 +234,13 @@ def verdicts(samples: list[dict], settle: int, keep: int,
                 f"it {peak:.0f} MiB)"),
         "compiles": (not late, f"{first} by the end of step 1, {len(late)} after it"
                      + (f" (first at step {late[0][0]}: {late[0][1]})" if late else "")),
-        # CPU seconds: what other jobs on the cores change least; wall time beside it
-        "step_time": (bool(abs(cpu_drift) < TOLERANCE),
-                      f"CPU seconds per step, window median {cpu[0]:.3f} at step {base['step']} "
-                      f"-> {cpu[-1]:.3f}, fitted drift {cpu_drift:+.1%}; wall {wall[0]:.3f} s "
+        # CPU seconds in host-probe units: what other jobs and the host's speed change least
+        "step_time": (bool(abs(units_drift) < TOLERANCE),
+                      f"CPU seconds per step in host-probe units, window median {units[0]:.1f} "
+                      f"at step {base['step']} -> {units[-1]:.1f}, fitted drift "
+                      f"{units_drift:+.1%}; raw CPU {cpu[0]:.3f} s -> {cpu[-1]:.3f} s "
+                      f"({cpu_drift:+.1%}), the probe {probe[0] * 1e3:.1f} -> "
+                      f"{probe[-1] * 1e3:.1f} ms ({probe_drift:+.1%}); wall {wall[0]:.3f} s "
                       f"-> {wall[-1]:.3f} s, fitted drift {wall_drift:+.1%} (window medians' "
                       f"spread {noise * 1e3:.0f} ms)"),
         "checkpoints": (most <= keep, f"at most {most} committed (keep {keep})"),
@@ -226,7 +250,7 @@ def verdicts(samples: list[dict], settle: int, keep: int,
 def table(samples: list[dict]) -> str:
     """The samples as a markdown table."""
     cols = ["step", "rss_mib", "rss_max_mib", "malloc_used_mib", "malloc_free_mib", "step_s",
-            "step_median_s", "cpu_median_s", "phases_s", "compiles", "objects", "threads",
+            "step_median_s", "cpu_median_s", "host_probe_s", "cpu_per_probe", "phases_s", "compiles", "objects", "threads",
             "fds", "run_dir_mib", "checkpoints", "load1"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(s.get(c, "")) for c in cols) + " |" for s in samples]
