@@ -16,8 +16,9 @@ mean ``time_step`` metric (rollout, reward, score and update, without logging an
 checkpoints); the XLA compilations so far; gc-tracked Python objects; threads; open file
 handles (``/proc/self/fd``); the run directory's size and committed checkpoints; the
 machine's 1-minute load average (other jobs share the cores: read wall time against it); and
-the host's speed at that moment, the CPU seconds of one fixed single-threaded NumPy workload
-(``host_probe_s``: a shared or throttled virtual machine changes it, and with it every step).
+the host's speed, the window's median CPU seconds of one fixed single-threaded NumPy workload
+run after every step (``host_probe_s``, outside the step's timing: a shared or throttled
+virtual machine changes it, and with it every step; ``cpu_per_probe`` is the step in its units).
 
 Compilations are counted with ``jax.monitoring``'s event-duration listener: every backend
 compile (a jit cache miss, eager ops included) records
@@ -28,9 +29,9 @@ Verdicts (issue 54): RSS grows < 5% from step ``--settle`` (100) on (the last wi
 median RSS against the window's at ``--settle``); no compilation after step 1 (those there
 are listed with their steps); CPU seconds per step are flat (a least-squares line through
 the windows' median CPU seconds changes by < 5% from ``--settle`` to the end: what other
-jobs on the cores change least), measured in units of the host probe (each window's median
-CPU seconds over its probe's: a host that speeds up or slows down mid-soak moves both, a leak
-only the first); the raw CPU line and the same line through wall seconds are printed beside it;
+jobs on the cores change least); beside it the same line through the steps in host-probe
+units (a host that speeds up or slows down mid-soak moves both the step and the probe, a
+leak only the step) and through wall seconds;
 committed checkpoints never exceed ``trainer.keep_checkpoints``.
 
 ``--trace-at A B`` also diffs ``tracemalloc`` snapshots and gc's objects per type between
@@ -108,16 +109,15 @@ def dir_stats(run_dir: Path) -> tuple[float, int, int]:
             sum("orbax-checkpoint-tmp" in n for n in names))
 
 
-def host_probe_s(repeats: int = 5) -> float:
-    """The host's speed now: CPU seconds of sorting one fixed array of 2**20 floats (one
-    thread, no XLA), the median of ``repeats`` runs."""
-    values = np.random.default_rng(0).random(2**20)
-    seconds = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        np.sort(values, kind="quicksort")
-        seconds.append(time.thread_time() - start)
-    return float(np.median(seconds))
+_PROBE_VALUES = np.random.default_rng(0).random(2**20)
+
+
+def host_probe_s() -> float:
+    """The host's speed now: this thread's CPU seconds to sort one fixed array of 2**20
+    floats (no XLA; about 12 ms on the 2-core CPU)."""
+    start = time.thread_time()
+    np.sort(_PROBE_VALUES, kind="quicksort")
+    return time.thread_time() - start
 
 
 def _cpu_seconds() -> float:
@@ -137,6 +137,7 @@ class Sampler:
         self.walls: list[float] = []
         self.cpus: list[float] = []  # this process's CPU seconds (user + system) per step
         self.phase_seconds: list[float] = []
+        self.probes: list[float] = []  # host_probe_s after each step
         self.memory: list[tuple[float, float | None, float | None]] = []  # RSS, malloc's
         self.samples: list[dict] = []
         self.compiles: list[tuple[int, str]] = []  # (step running, function) per compile
@@ -157,6 +158,7 @@ class Sampler:
         self.cpus.append(_cpu_seconds() - self.cpu_resumed)
         self.phase_seconds.append(float(metrics.get("time_step", np.nan)))
         self.memory.append((rss_mib(), *malloc_mib()))
+        self.probes.append(host_probe_s())
         self.step = step
         if step % self.every == 0:
             self.samples.append(self.sample(step))
@@ -170,7 +172,7 @@ class Sampler:
         window = slice(-self.every, None)
         rss, used, free = (np.array(x[window], float) for x in zip(*self.memory))
         size, ckpts, unfinished = dir_stats(self.run_dir)
-        probe = host_probe_s()
+        probe = float(np.median(self.probes[window]))
 
         def median(values, digits: int = 4) -> float:
             return round(float(np.nanmedian(values)), digits)
@@ -234,13 +236,14 @@ def verdicts(samples: list[dict], settle: int, keep: int,
                 f"it {peak:.0f} MiB)"),
         "compiles": (not late, f"{first} by the end of step 1, {len(late)} after it"
                      + (f" (first at step {late[0][0]}: {late[0][1]})" if late else "")),
-        # CPU seconds in host-probe units: what other jobs and the host's speed change least
-        "step_time": (bool(abs(units_drift) < TOLERANCE),
-                      f"CPU seconds per step in host-probe units, window median {units[0]:.1f} "
-                      f"at step {base['step']} -> {units[-1]:.1f}, fitted drift "
-                      f"{units_drift:+.1%}; raw CPU {cpu[0]:.3f} s -> {cpu[-1]:.3f} s "
-                      f"({cpu_drift:+.1%}), the probe {probe[0] * 1e3:.1f} -> "
-                      f"{probe[-1] * 1e3:.1f} ms ({probe_drift:+.1%}); wall {wall[0]:.3f} s "
+        # CPU seconds: what other jobs on the cores change least; in host-probe units (what
+        # the host's own speed changes least) and wall time beside it
+        "step_time": (bool(abs(cpu_drift) < TOLERANCE),
+                      f"CPU seconds per step, window median {cpu[0]:.3f} at step {base['step']} "
+                      f"-> {cpu[-1]:.3f}, fitted drift {cpu_drift:+.1%}; in host-probe units "
+                      f"{units[0]:.0f} -> {units[-1]:.0f} ({units_drift:+.1%}; the probe "
+                      f"{probe[0] * 1e3:.1f} -> {probe[-1] * 1e3:.1f} ms, {probe_drift:+.1%}); "
+                      f"wall {wall[0]:.3f} s "
                       f"-> {wall[-1]:.3f} s, fitted drift {wall_drift:+.1%} (window medians' "
                       f"spread {noise * 1e3:.0f} ms)"),
         "checkpoints": (most <= keep, f"at most {most} committed (keep {keep})"),

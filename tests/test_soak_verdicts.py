@@ -49,17 +49,23 @@ def test_each_verdict_fails_on_its_own_measure():
     assert out["checkpoints"] == (False, "at most 4 committed (keep 3)")
 
 
-def test_a_host_that_speeds_up_moves_the_probe_and_every_step_alike_and_holds():
-    # the machine gets 20% faster mid-soak: CPU seconds and the probe fall together
+def test_a_host_that_speeds_up_shows_in_the_probe_and_leaves_probe_units_flat():
+    # the machine gets 20% faster mid-soak: CPU seconds and the probe fall together; the
+    # verdict reads raw CPU seconds (the criterion), the probe units say why
     speed = np.array([1.0, 1.0, 0.93, 0.87, 0.8])
     out = soak.verdicts(_samples(tuple(2.0 * speed), probe=tuple(0.01 * speed)), 100, 3, [])
-    assert out["step_time"][0], out["step_time"]
-    raw = _fitted_drift(2.0 * speed)
-    assert raw < -0.05 and f"raw CPU 2.000 s -> 1.600 s ({raw:+.1%})" in out["step_time"][1]
-    # the same raw fall with a steady probe is the process's own and fails
-    assert not soak.verdicts(_samples(tuple(2.0 * speed)), 100, 3, [])["step_time"][0]
+    raw, probe = _fitted_drift(2.0 * speed), _fitted_drift(0.01 * speed)
+    assert not out["step_time"][0] and raw < -0.05
+    assert (f"2.000 at step 100 -> 1.600, fitted drift {raw:+.1%}; in host-probe units "
+            f"200 -> 200 (+0.0%; the probe 10.0 -> 8.0 ms, {probe:+.1%})") in out["step_time"][1]
 
 
-def test_the_host_probe_measures_cpu_seconds_of_a_fixed_workload():
-    probe = soak.host_probe_s(repeats=3)
-    assert 0 < probe < 5
+def test_the_sampler_probes_the_host_after_every_step_outside_its_timing(tmp_path):
+    sampler = soak.Sampler(tmp_path, every=2)
+    for step in (1, 2):
+        sampler(step, {"time_step": 0.5})
+    assert len(sampler.probes) == 2 and all(0 < p < 5 for p in sampler.probes)
+    (row,) = sampler.samples
+    assert row["host_probe_s"] == round(float(np.median(sampler.probes)), 5)
+    units = float(np.median(sampler.cpus)) / float(np.median(sampler.probes))
+    assert abs(row["cpu_per_probe"] - units) <= 0.005 + 1e-9
