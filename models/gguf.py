@@ -174,6 +174,11 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+    # Newer transformers (5.17) mark a GGUF-loaded model as quantized and refuse to save it;
+    # its weights are already dequantised to float32, so save it as the plain model it is.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

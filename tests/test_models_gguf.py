@@ -10,6 +10,8 @@ llama.cpp from source and so it cannot be in the test extra.
 from __future__ import annotations
 
 import importlib.util
+import json
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +155,31 @@ def test_smollm2_logits_match_transformers(smollm2):
     ref = hf_logits(load_hf(converted), ids, mask)
     np.testing.assert_allclose(logits[0, -4:], ref[0, -4:], atol=2e-3, rtol=0)
     assert logits[0, -1].argmax() == ref[0, -1].argmax()
+
+
+def test_conversion_saves_a_model_newer_transformers_mark_as_gguf_quantized(tiny, tmp_path,
+                                                                            monkeypatch):
+    """transformers 5.17 (the lent H200's) loads a GGUF file as a model with a GGUF quantizer
+    that refuses ``save_pretrained`` (its rl_pair cell failed on that). The weights are already
+    dequantised, so the conversion saves the plain model: here the quantizer and its config
+    are attached as 5.17 does, and the checkpoint still converts, without the GGUF marker."""
+    path, _ = tiny
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    class GGUFQuantizer:  # save_pretrained refuses any quantizer that is not serializable
+        quantization_config = types.SimpleNamespace(quant_method="gguf")
+
+    def load_as_5_17(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.hf_quantizer = GGUFQuantizer()
+        model.config.quantization_config = {"quant_method": "gguf"}
+        return model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_as_5_17)
+    out = gguf_mod.convert_gguf(path, tmp_path / "converted")
+    monkeypatch.undo()
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    np.testing.assert_array_equal(
+        hf_logits(load_hf(out), np.array([[1, 2, 3]]), np.ones((1, 3), np.int32)),
+        hf_logits(hf_from_gguf(path), np.array([[1, 2, 3]]), np.ones((1, 3), np.int32)))
