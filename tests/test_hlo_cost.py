@@ -171,3 +171,33 @@ def test_quantized_kv_floor_counts_codes_and_scales(tiny_run, tmp_path):
 def test_unknown_shape_lists_the_known_ones():
     with pytest.raises(ValueError, match="qwen2.5-1.5b.*qwen3-8b"):
         hlo_cost.parse_args(["--shape", "gpt2"])
+
+
+ASYNC_SLICE_HLO = """HloModule m
+
+%fused_slice (p0: bf16[4,8,16], p1: s32[]) -> bf16[1,8,16] {
+  %p0 = bf16[4,8,16]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = bf16[1,8,16]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,8,16}
+}
+
+ENTRY %main (w: bf16[4,8,16], i: s32[]) -> bf16[1,8,16] {
+  %w = bf16[4,8,16]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %fusion-start = ((bf16[4,8,16]{2,1,0}, s32[]), bf16[1,8,16]{2,1,0}, u32[]) fusion-start(%w, %i), kind=kLoop, calls=%fused_slice
+  ROOT %fusion-done = bf16[1,8,16]{2,1,0} fusion-done(%fusion-start)
+}
+"""
+
+
+@pytest.mark.parametrize("fuse_slices", [True, False])
+def test_async_slice_fusion_is_one_copy_of_the_slice(fuse_slices):
+    """XLA:GPU's async dynamic-slice of stacked weights (fusion-start / fusion-done, as in
+    the H200 dump of the decode step): one kernel reading the slice (not the whole stack) and
+    its index, writing the slice; fusion-done moves nothing. Hand count: 8 x 16 bf16 = 256
+    bytes read, 256 written, 4 for the index."""
+    cost = hlo_walk.walk(ASYNC_SLICE_HLO, fuse_slices=fuse_slices)
+    assert cost.bytes == 256 + 256 + 4 and cost.flops == 0
+    kernels = list(hlo_walk.Walker(ASYNC_SLICE_HLO).kernels())
+    assert [k[1].opcode for k in kernels] == ["fusion-start"]

@@ -26,7 +26,9 @@
   (scalar index arithmetic aside)
   (a ``dynamic-slice`` of a layer's stacked weights, of a KV chunk: a copy on XLA:CPU, read
   in place by the consumer on a GPU) counts nothing; its consumer already counts reading the
-  slice.
+  slice. An async ``fusion-start`` is a real copy (XLA:GPU copies each layer's slice of the
+  stacked weights this way, overlapped with compute) and counts as the fusion it runs, slices
+  included; its ``fusion-done`` only waits and counts nothing.
 
 On a loop-free module (and ``fuse_slices=False``) FLOPs, transcendentals and bytes match
 ``compiled.cost_analysis()`` up to a few scalar bookkeeping ops (``tests/test_hlo_cost.py``).
@@ -43,7 +45,8 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
                "c128": 16, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25, "token": 0}
 FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
-        "opt-barrier", "partition-id", "replica-id"}
+        "opt-barrier", "partition-id", "replica-id", "fusion-done"}
+FUSIONS = {"fusion", "fusion-start"}  # fusion-start: an async fusion; its fusion-done waits
 SLICES = {"slice", "dynamic-slice", "bitcast", "reshape"}
 TRANSCENDENTAL = {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh",
                   "logistic", "sine", "cosine", "tan", "sqrt", "rsqrt", "cbrt", "power",
@@ -287,7 +290,7 @@ class Walker:
 
     def _flops(self, instr: Instr, shapes: Mapping[str, str]) -> tuple[float, float]:
         op, out = instr.opcode, shape_elements(instr.shape)
-        if op == "fusion":
+        if op in FUSIONS:
             return self.fused_flops(_called(instr.attrs, "calls")[0])
         if op == "dot":
             lhs = _dims(shapes.get(instr.operands[0], ""))
@@ -323,7 +326,7 @@ class Walker:
     def _bytes(self, instr: Instr, shapes: Mapping[str, str]) -> float:
         operand_bytes = [shape_bytes(shapes.get(x, "")) for x in instr.operands]
         op = instr.opcode
-        if op == "fusion":
+        if op in FUSIONS:
             return self._fusion_bytes(instr, operand_bytes)
         if op in ("slice", "dynamic-slice"):
             return 0.0 if self.fuse_slices else 2 * shape_bytes(instr.shape) + sum(
@@ -345,8 +348,9 @@ class Walker:
         for i in body:
             for x in i.operands:
                 users.setdefault(x, []).append(i)
-        if self.fuse_slices and all(i.opcode in SLICES | {"parameter", "constant"}
-                                    or shape_elements(i.shape) <= 1 for i in body):
+        if self.fuse_slices and instr.opcode == "fusion" and all(
+                i.opcode in SLICES | {"parameter", "constant"} or shape_elements(i.shape) <= 1
+                for i in body):
             return 0.0  # only slices (and their scalar start indices)
         root = next(i for i in body if i.root)
         outs = [by_name[x] for x in root.operands] if root.opcode == "tuple" else [root]
