@@ -44,7 +44,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import math_verify
 import numpy as np
 
 from models.registry import Registry
@@ -180,6 +179,8 @@ def math_verify_score(completion: str, answer: Answer, timeout_s: int = 5) -> fl
     bounds each math-verify parse and comparison (signal-based: call this in the main
     thread or use ``MathVerifyReward``). Never raises on bad input.
     """
+    import math_verify  # here, not at import: it brings sympy (0.6 s) that task rewards skip
+
     boxed = last_boxed(completion)
     if boxed is None or not boxed.strip():
         return 0.0
