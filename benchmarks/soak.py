@@ -29,10 +29,12 @@ Verdicts (issue 54): RSS grows < 5% from step ``--settle`` (100) on (the last wi
 median RSS against the window's at ``--settle``); no compilation after step 1 (those there
 are listed with their steps); CPU seconds per step are flat (a least-squares line through
 the windows' median CPU seconds changes by < 5% from ``--settle`` to the end: what other
-jobs on the cores change least); beside it the same line through the steps in host-probe
-units (a host that speeds up or slows down mid-soak moves both the step and the probe, a
-leak only the step) and through wall seconds;
-committed checkpoints never exceed ``trainer.keep_checkpoints``.
+jobs on the cores change least), or, where the host's own speed moved (the same line through
+the probe changes by 5% or more), the steps in host-probe units are (a host that speeds up or
+slows down mid-soak moves both the step and the probe, a leak only the step); wall seconds
+beside them; committed checkpoints never exceed ``trainer.keep_checkpoints``.
+``--rejudge JSON ...`` recomputes a stored soak's verdicts from its samples under these
+rules and rewrites them.
 
 ``--trace-at A B`` also diffs ``tracemalloc`` snapshots and gc's objects per type between
 steps A and B (slower: tracemalloc hooks every allocation). The run directory is emptied
@@ -227,6 +229,7 @@ def verdicts(samples: list[dict], settle: int, keep: int,
     cpu, cpu_drift, _ = _drift(after, "cpu_median_s")
     probe, probe_drift, _ = _drift(after, "host_probe_s")
     units, units_drift, _ = _drift(after, "cpu_per_probe")
+    by_probe = abs(cpu_drift) >= TOLERANCE and abs(probe_drift) >= TOLERANCE
     late = [c for c in compiles if c[0] > 1]
     first = len(compiles) - len(late)
     most = max(s["checkpoints"] for s in samples)
@@ -237,8 +240,9 @@ def verdicts(samples: list[dict], settle: int, keep: int,
         "compiles": (not late, f"{first} by the end of step 1, {len(late)} after it"
                      + (f" (first at step {late[0][0]}: {late[0][1]})" if late else "")),
         # CPU seconds: what other jobs on the cores change least; in host-probe units (what
-        # the host's own speed changes least) and wall time beside it
-        "step_time": (bool(abs(cpu_drift) < TOLERANCE),
+        # the host's own speed changes least) where that speed moved; wall time beside it
+        "step_time": (bool(abs(units_drift if by_probe else cpu_drift) < TOLERANCE),
+                      f"{'host-probe units' if by_probe else 'CPU seconds'} decide; "
                       f"CPU seconds per step, window median {cpu[0]:.3f} at step {base['step']} "
                       f"-> {cpu[-1]:.3f}, fitted drift {cpu_drift:+.1%}; in host-probe units "
                       f"{units[0]:.0f} -> {units[-1]:.0f} ({units_drift:+.1%}; the probe "
@@ -349,6 +353,18 @@ def soak(args) -> dict:
     return result
 
 
+def rejudge(result: dict) -> dict:
+    """A stored soak ``result`` with its verdicts recomputed from its samples under
+    :func:`verdicts`' rules (the run's ``trainer.keep_checkpoints`` from its overrides)."""
+    from sparse_rl_jax.core.config_io import load_config
+    from sparse_rl_jax.training.run_config import RunConfig
+
+    keep = load_config(RunConfig, None, list(result["overrides"])).trainer.keep_checkpoints
+    late = [tuple(c) for c in result["late_compiles"]]
+    compiles = [(1, "")] * (result["samples"][-1]["compiles"] - len(late)) + late
+    return {**result, "verdicts": verdicts(result["samples"], result["settle"], keep, compiles)}
+
+
 def report(result: dict) -> None:
     """Prints the table, the compiles after settling, the trace diff and the verdicts."""
     print(f"\n## soak {result['label']}: {result['steps']} steps in {result['wall_s']} s "
@@ -383,10 +399,20 @@ def main() -> None:
     parser.add_argument("--trace-at", type=int, nargs=2, default=None)
     parser.add_argument("--plot", nargs="+", default=None, help="soak JSONs to redraw")
     parser.add_argument("--png", default=None, help="with --plot: where the PNG goes")
+    parser.add_argument("--rejudge", nargs="+", default=None,
+                        help="soak JSONs whose verdicts to recompute and rewrite")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     if args.plot:
         plot([json.loads(Path(p).read_text()) for p in args.plot], Path(args.png))
+        return
+    for path in args.rejudge or ():
+        result = rejudge(json.loads(Path(path).read_text()))
+        Path(path).write_text(json.dumps(result, indent=1))
+        print(f"{path}:")
+        for name, (holds, why) in result["verdicts"].items():
+            print(f"  {name:12s} {'holds' if holds else 'DOES NOT HOLD'}: {why}")
+    if args.rejudge:
         return
     result = soak(args)
     out = Path(args.out)
