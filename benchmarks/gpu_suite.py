@@ -25,8 +25,9 @@ the H200 run of 2026-12-04, where each cell took 22-72 s and ``sparrow_8k`` hit 
    (``configs/smollm2``), 5 steps each; skipped, saying why, without the package.
 
 Opt-in with ``--cells``: ``decode_unrolled`` (the static grid with the layer scan unrolled,
-``Decoder.unroll_layers``; run it beside ``decode_static``), ``decode_transformers`` (dense vs ``transformers`` generate, b32 x
-1024; needs torch with CUDA), ``compile`` (compile seconds at 2 and 28 layers) and
+``Decoder.unroll_layers``; run it beside ``decode_static``), ``decode_transformers`` (dense
+vs ``transformers`` generate, b32 x 1024; needs torch with CUDA), ``compile`` (compile
+seconds at 2 and 28 layers) and
 ``rl_async`` (the R-KV arm of the RL pair, sync vs async ``trainer.max_lag: 1``: steps/s, lag,
 waits and weight sync; issue 39) and ``corrections`` (alone, 450 s: SmolLM2 GRPO on R-KV 64 +
 16, the shipped default correction vs ``sparse_rl`` and ``decoupled_seq_is``, 32 steps each,

@@ -406,13 +406,13 @@ def main() -> None:
     if args.plot:
         plot([json.loads(Path(p).read_text()) for p in args.plot], Path(args.png))
         return
-    for path in args.rejudge or ():
-        result = rejudge(json.loads(Path(path).read_text()))
-        Path(path).write_text(json.dumps(result, indent=1))
-        print(f"{path}:")
-        for name, (holds, why) in result["verdicts"].items():
-            print(f"  {name:12s} {'holds' if holds else 'DOES NOT HOLD'}: {why}")
     if args.rejudge:
+        for path in args.rejudge:
+            result = rejudge(json.loads(Path(path).read_text()))
+            Path(path).write_text(json.dumps(result, indent=1))
+            print(f"{path}:")
+            for name, (holds, why) in result["verdicts"].items():
+                print(f"  {name:12s} {'holds' if holds else 'DOES NOT HOLD'}: {why}")
         return
     result = soak(args)
     out = Path(args.out)

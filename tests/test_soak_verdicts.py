@@ -80,7 +80,7 @@ def test_a_steady_host_is_judged_in_cpu_seconds_even_when_probe_units_are_flat()
     assert not out["step_time"][0] and out["step_time"][1].startswith("CPU seconds decide; ")
 
 
-def test_rejudge_recomputes_a_stored_soaks_verdicts(tmp_path):
+def test_rejudge_recomputes_a_stored_soaks_verdicts():
     speed = np.array([1.0, 1.0, 0.93, 0.87, 0.8])
     samples = [dict(s, compiles=12) for s in _samples(tuple(2.0 * speed),
                                                       probe=tuple(0.01 * speed))]
