@@ -108,7 +108,7 @@ CELLS = [  # in priority order: a run that is cut short has the first ones
          "KV saved per step", cell_rl_pair, 110, 60),
     Cell("decode_unrolled", "the static decode grid with the layer scan unrolled "
          "(Decoder.unroll_layers): ms/step against decode_static's", cell_decode_unrolled,
-         90, 20, default=False),
+         270, 20, default=False),
     Cell("decode_transformers", "dense decode >= 1.5x transformers generate (b32 x 1024)",
          cell_decode_transformers, 150, 10, default=False),
     Cell("compile", "compile of one shape <= 10 s, independent of depth", cell_compile, 60, 20,

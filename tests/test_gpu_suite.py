@@ -123,6 +123,13 @@ def test_cpu_scaled_suite_writes_every_cell(tmp_path, group):
         assert len(dumped) == 1 and dumped[0]["walked_x_floor"] > 1
         update = cells["update"]["rows"][0]
         assert update["plan_gib"] > 0 and update["hlo"] == str(hlo / "update.hlo")
+    if "decode_unrolled" in cells:  # its own step's HLO beside decode_static's
+        (dumped,) = [r for r in cells["decode_unrolled"]["rows"] if r["method"].startswith("hlo")]
+        assert dumped["hlo"] == str(hlo / "decode_unrolled_none.hlo")
+        assert dumped["walked_x_floor"] > 1
+        hlo_cost.main(["--hlo", dumped["hlo"], "--json", str(tmp_path / "u")])
+        (walked,) = json.loads((tmp_path / "u").read_text())
+        assert walked["bytes"] == hlo_walk.walk(Path(dumped["hlo"]).read_text()).bytes > 0
     if "corrections" in cells:
         check_corrections(cells["corrections"]["rows"], markdown)
     if "rl_pair" not in cells:

@@ -100,9 +100,9 @@ GRID_CPU = ["--prompt-len", "16", "--budget", "24", "--buffer", "8", "--window",
             "--batches", "2", "--lengths", "40", "--methods", "none", "rkv"]
 
 
-def hlo_sizes(ctx: Context):
+def hlo_sizes(ctx: Context, unroll_layers: bool = False):
     """``hlo_cost_functions.Sizes`` of the suite's decode grid (its first cell), for the
-    HLO dumps."""
+    HLO dumps, with ``Decoder.unroll_layers``."""
     from benchmarks.kit import hlo_cost_functions as fns
 
     sizes = ctx.pick(
@@ -111,20 +111,22 @@ def hlo_sizes(ctx: Context):
         dict(shape="tiny", batch=2, context=16 + 40, prompt_len=16, dtype="float32", budget=24))
     return fns.Sizes(**{**sizes, "buffer": ctx.pick(128, 8), "window": ctx.pick(8, 4),
                         "page_size": 16, "score_batch": 1, "update_batch": 1, "micro_batch": 0,
-                        "remat": "full"})
+                        "remat": "full", "unroll_layers": unroll_layers})
 
 
-def dump_decode_hlo(ctx: Context) -> dict:
+def dump_decode_hlo(ctx: Context, unroll_layers: bool = False) -> dict:
     """Compiles one static dense decode step (``hlo_cost_functions``, abstract inputs) and
-    writes its optimised HLO to ``ctx.dump_hlo/decode_static_none.hlo``: the row of its
-    walked costs against the floors."""
+    writes its optimised HLO to ``ctx.dump_hlo/decode_static_none.hlo`` (unrolled:
+    ``decode_unrolled_none.hlo``): the row of its walked costs against the floors."""
     from benchmarks.kit import hlo_cost_functions as fns
     from benchmarks.kit.hlo_measure import measure
 
-    sizes = hlo_sizes(ctx)
+    sizes = hlo_sizes(ctx, unroll_layers)
     fn = fns.BUILDERS["decode_static_none"](fns.Abstract(sizes))
+    if unroll_layers:
+        fn.name = "decode_unrolled_none"
     rec, _ = measure(fn, str(ctx.dump_hlo))
-    return dict(method="hlo decode_static_none", batch=sizes.batch,
+    return dict(method=f"hlo {fn.name}", batch=sizes.batch,
                 hlo=str(ctx.dump_hlo / f"{fn.name}.hlo"), walked_gb=rec["bytes"] / 1e9,
                 floor_gb=rec["floor_bytes"] / 1e9, walked_x_floor=rec["ratio"],
                 compile_s=rec["compile_s"])
@@ -162,8 +164,11 @@ def cell_decode_static(ctx: Context):
 def cell_decode_unrolled(ctx: Context):
     """The static decode grid with the layer scan unrolled (``Decoder.unroll_layers``): on
     the H200 the scanned step copied each layer's weight slice out of the stack before its
-    matmuls (2.3x the floor's bytes, 8.6x its time); rows as ``decode_static``'s."""
+    matmuls (2.3x the floor's bytes, 8.6x its time); rows as ``decode_static``'s (and, with
+    ``ctx.dump_hlo``, the unrolled step's compiled HLO)."""
     yield from decode_grid(ctx, None, unroll_layers=True)
+    if ctx.dump_hlo:
+        yield dump_decode_hlo(ctx, unroll_layers=True)
 
 
 def cell_decode_continuous(ctx: Context):

@@ -65,6 +65,7 @@ class Sizes:
     lora_rank: int = 0
     chunk: int = 128
     quant: str = "none"
+    unroll_layers: bool = False  # ``Decoder.unroll_layers``
 
 
 @dataclasses.dataclass
@@ -105,6 +106,7 @@ class Abstract:
         model = nnx.eval_shape(lambda: models.Decoder(self.cfg, dtype=self.dtype,
                                                       param_dtype=self.dtype,
                                                       rngs=nnx.Rngs(0)))
+        model.unroll_layers = sizes.unroll_layers
         self.graphdef, self.params = nnx.split(model)
 
     def compression(self, method: str):
