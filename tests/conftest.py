@@ -14,6 +14,8 @@ scripts) through the environment:
   newer MLIR emitters spend most of a tiny program's compile time, and these cut
   ``tests/test_rl_step.py`` from 58 s to 28 s of CPU. jaxlib 0.11 removed the first flag (XLA
   aborts on an unknown one), so newer stacks get only the optimisation level.
+* on jaxlib 0.10, Eigen's matmuls on one thread (``--xla_cpu_multi_thread_eigen=false``): two
+  workers share two cores, so a second thread per matmul only contends.
 * one persistent compilation cache for the whole session (a temporary directory, removed at
   exit), so a program compiled once is loaded, not recompiled, by the next ``train()`` call
   or child process that builds the same one (resume tests, arms sharing a sampler).
@@ -37,7 +39,8 @@ def fast_compile_flags(jaxlib_version: str) -> list[str]:
     if tuple(int(part) for part in jaxlib_version.split(".")[:2]) < (0, 11):
         flags += ["--xla_cpu_use_fusion_emitters=false",
                   "--xla_cpu_parallel_codegen_split_count=1",
-                  "--xla_llvm_disable_expensive_passes=true"]
+                  "--xla_llvm_disable_expensive_passes=true",
+                  "--xla_cpu_multi_thread_eigen=false"]
     return flags
 
 
@@ -73,14 +76,30 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -slow[item.path])
 
 
+def memory_mappings() -> tuple[int, int] | None:
+    """This process's memory mappings and the kernel's limit on them (``vm.max_map_count``),
+    where ``/proc`` tells (Linux); else None."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            used = sum(1 for _ in maps)
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return used, int(limit.read())
+    except OSError:
+        return None
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drops every compiled program at the end of each test file. XLA:CPU maps each loaded
-    executable's code into memory (about nine mappings each), and a worker that keeps the
-    thousands a long run compiles reaches the kernel's limit on mappings per process
+    """Drops every compiled program at the end of a test file once this worker holds half
+    the mappings the kernel allows (every file where that is unknown). XLA:CPU maps each
+    loaded executable's code into memory (about nine mappings each), and a worker that keeps
+    the thousands a long run compiles reaches the kernel's limit on mappings per process
     (``vm.max_map_count``, 65530 by default): the next compile or cache write then dies in
     native code (a segfault in ``executable.serialize()``). Later files reload what they
-    share from the persistent cache above."""
+    share from the persistent cache above. Clearing after every file instead cost the suite
+    about a minute of teardown and reloads."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    mappings = memory_mappings()
+    if mappings is None or mappings[0] > mappings[1] // 2:
+        jax.clear_caches()
+        gc.collect()
