@@ -6,6 +6,9 @@ what it never reads, and the inputs it rejects."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,10 +28,16 @@ def _config(hq, hkv):
 def _forward(cache, cfg, layer, q, k, v, q_pos, backend="blockwise"):
     """One forward of the decoder at ``layer``: begin, attend, end."""
     cache.check(cfg, q.shape[0], q.shape[1], backend)
-    cache = cache.begin_forward(jnp.asarray(q_pos))
-    out, cache = cache.attend(jnp.asarray(layer), jnp.asarray(q), jnp.asarray(k),
+    out, cache = _jit_forward(cache, jnp.asarray(layer), jnp.asarray(q), jnp.asarray(k),
                               jnp.asarray(v), jnp.asarray(q_pos), backend)
-    return np.asarray(out), cache.end_forward(q.shape[1])
+    return np.asarray(out), cache
+
+
+@functools.partial(jax.jit, static_argnames="backend")
+def _jit_forward(cache, layer, q, k, v, q_pos, backend):
+    cache = cache.begin_forward(q_pos)
+    out, cache = cache.attend(layer, q, k, v, q_pos, backend)
+    return out, cache.end_forward(q.shape[1])
 
 
 @pytest.mark.parametrize("page_size,chunk_pages,hq,hkv", [
