@@ -8,6 +8,8 @@ holds no ``[T, S]`` array.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,14 +39,23 @@ def _inputs(seed, padding="left"):
 
 
 def _value_and_grads(backend, q, k, v, q_pos, k_pos, **kw):
+    """``attention``'s output and its ``(dq, dk, dv)`` under a fixed random weighting, in one
+    compiled program (arrays in ``kw`` traced, the rest static)."""
     weights = jnp.asarray(np.random.default_rng(9).normal(size=q.shape), jnp.float32)
+    arrays = {name: x for name, x in kw.items() if isinstance(x, jax.Array)}
+    static = tuple(sorted((name, x) for name, x in kw.items() if name not in arrays))
+    (_, out), grads = _jit_value_and_grads(q, k, v, q_pos, k_pos, weights, arrays, backend,
+                                           static)
+    return out, grads
 
+
+@functools.partial(jax.jit, static_argnames=("backend", "static"))
+def _jit_value_and_grads(q, k, v, q_pos, k_pos, weights, arrays, backend, static):
     def loss(q, k, v):
-        out = attention(q, k, v, q_pos, k_pos, backend=backend, **kw)
+        out = attention(q, k, v, q_pos, k_pos, backend=backend, **arrays, **dict(static))
         return jnp.sum(out * weights), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return out, grads
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
 
 
 def _assert_matches_oracle(backend, q, k, v, q_pos, k_pos, oracle_kw=None, **kw):

@@ -6,6 +6,9 @@ back in."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,12 +46,16 @@ def call_layer(view, layer, q, k, v, q_pos, backend="blockwise"):
     """``view.attend`` as the decoder calls it at ``layer``, after ``begin_forward`` (per-layer
     fields sliced)."""
     view.check(CFG, q.shape[0], q.shape[1], backend)
-    carried, per_layer = split_layers(view.begin_forward(jnp.asarray(q_pos)))
+    out, view = _jit_call_layer(view, layer, *map(jnp.asarray, (q, k, v, q_pos)), backend)
+    return np.asarray(out), view
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "backend"))
+def _jit_call_layer(view, layer, q, k, v, q_pos, backend):
+    carried, per_layer = split_layers(view.begin_forward(q_pos))
     one = {name: x[layer] for name, x in per_layer.items()}
-    out, new = join_layers(carried, one).attend(jnp.asarray(layer), jnp.asarray(q),
-                                                jnp.asarray(k), jnp.asarray(v),
-                                                jnp.asarray(q_pos), backend)
-    return np.asarray(out), join_layers(split_layers(new)[0], per_layer)
+    out, new = join_layers(carried, one).attend(jnp.asarray(layer), q, k, v, q_pos, backend)
+    return out, join_layers(split_layers(new)[0], per_layer)
 
 
 def _tokens(rng, t):

@@ -8,7 +8,6 @@ every key), fed to the einsum reference attention (values and gradients) and to 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from models.attention_backends import attention
 from models.page_sparse import PageReplay
 from sparse_rl_jax.kv.page_sparsity import replay_from_page_record
 from sparse_rl_jax.rollout.scoring import sequence_positions
+from test_models_attention import _value_and_grads
 from tiny_hf import left_padded_batch, make_tiny_hf
 
 PS = 4  # tokens per page
@@ -87,17 +87,9 @@ def test_blockwise_page_replay_equals_dense_mask_values_and_grads(block_size):
     k_pos = jnp.broadcast_to(pos[:, None], (b, hkv, s))
     q_pages = replay_from_page_record(jnp.asarray(record), pos, jnp.asarray(plen), PS).pages[0]
     mask = jnp.asarray(np_replay_mask(record, positions, plen, PS)[0])
-    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-
-    def value_and_grads(backend, **kw):
-        def loss(q, k, v):
-            out = attention(q, k, v, pos, k_pos, backend=backend, **kw)
-            return jnp.sum(out * weights), out
-        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-
-    (_, out), grads = value_and_grads("blockwise", q_pages=q_pages, page_size=PS,
-                                      block_size=block_size)
-    (_, ref), ref_grads = value_and_grads("reference", mask=mask)
+    out, grads = _value_and_grads("blockwise", q, k, v, pos, k_pos, q_pages=q_pages,
+                                  page_size=PS, block_size=block_size)
+    ref, ref_grads = _value_and_grads("reference", q, k, v, pos, k_pos, mask=mask)
     np.testing.assert_allclose(out, ref, atol=2e-6, rtol=0)
     for name, got, want in zip("qkv", grads, ref_grads):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=f"d{name}")
